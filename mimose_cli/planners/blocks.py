@@ -1,0 +1,100 @@
+"""Finding checkpointable blocks and routing their forward through a planner."""
+
+import fnmatch
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _is_hf_checkpoint_layer(module: nn.Module) -> bool:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # older transformers: fall back to the ModuleList rule
+        return False
+    return isinstance(module, GradientCheckpointingLayer)
+
+
+def _outermost(named: list) -> list:
+    """Drop modules nested inside another selected module (a block is never inside a block)."""
+    names = [n for n, _ in named]
+    return [(n, m) for n, m in named if not any(n.startswith(o + ".") for o in names if o != n)]
+
+
+def _longest_homogeneous_list(model: nn.Module) -> list:
+    best = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        kinds = {type(child) for child in module}
+        if len(kinds) == 1 and len(module) > len(best):
+            prefix = f"{name}." if name else ""
+            best = [(f"{prefix}{i}", child) for i, child in enumerate(module)]
+    return best
+
+
+def discover_blocks(model: nn.Module, pattern: str | None = None) -> list:
+    """Return ``[(name, module), ...]`` in forward order.
+
+    A glob ``pattern`` over module names wins; else Hugging Face ``GradientCheckpointingLayer``s;
+    else the children of the longest homogeneous ``ModuleList``/``Sequential``.
+    """
+    if pattern:
+        found = [(n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)]
+        if not found:
+            raise ValueError(
+                f"model.blocks={pattern!r} matches no module; module names look like "
+                f"{[n for n, _ in list(model.named_modules())[1:6]]}"
+            )
+        return _outermost(found)
+    found = _outermost([(n, m) for n, m in model.named_modules() if _is_hf_checkpoint_layer(m)])
+    if found:
+        return found
+    found = _longest_homogeneous_list(model)
+    if not found:
+        raise ValueError(
+            "no checkpointable blocks found (no GradientCheckpointingLayer and no homogeneous "
+            "ModuleList); name them with model.blocks, a glob such as 'encoder.layer.*'"
+        )
+    return found
+
+
+def run_checkpointed(forward, args, kwargs):
+    """Run ``forward`` under non-reentrant checkpointing with RNG state preserved."""
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+class BlockRouter:
+    """Replaces each block's ``forward`` with ``route(index, forward, args, kwargs)``.
+
+    One hook point for every planner: the default route checkpoints the blocks in the plan;
+    collectors and DTR substitute their own. ``remove()`` restores the original forwards.
+    """
+
+    def __init__(self, blocks: list, route):
+        self.blocks = blocks
+        self._originals = []
+        for index, (_, module) in enumerate(blocks):
+            original = module.forward
+            self._originals.append(original)
+            module.forward = functools.partial(self._call, index, original, route)
+
+    @staticmethod
+    def _call(index, original, route, *args, **kwargs):
+        return route(index, original, args, kwargs)
+
+    def remove(self) -> None:
+        for _, module in self.blocks:
+            if "forward" in module.__dict__:
+                del module.forward
+        self._originals = []
+
+
+def block_param_bytes(module: nn.Module) -> int:
+    """Bytes of the trainable parameters of a block (its gradients have the same size)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def grad_enabled_training(module: nn.Module) -> bool:
+    return module.training and torch.is_grad_enabled()

@@ -1,0 +1,48 @@
+"""Byte sizes as users write them ("6GB", "512MiB") and as we print them."""
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+SIZE_HELP = (
+    "A byte size: 6GB and 512MB are decimal (10^9, 10^6 bytes, as GPU vendors print them), "
+    "6GiB and 512MiB binary (2^30, 2^20); a bare number is bytes."
+)
+
+
+def parse_size(text) -> int:
+    """Parse "6GB" (10^9), "6GiB" (2^30), "512MB", "0.5GiB" or an int into bytes."""
+    if isinstance(text, bool):
+        raise ValueError(f"expected a byte size such as '6GB', got {text!r}")
+    if isinstance(text, (int, float)):
+        if text <= 0:
+            raise ValueError(f"a byte size must be positive, got {text!r}")
+        return int(text)
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a byte size; write e.g. '6GB', '6GiB', '512MB' or '0.5GiB'"
+        )
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"a byte size must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(num_bytes) -> str:
+    """Human-readable binary size, e.g. 1.50 GiB."""
+    if num_bytes is None:
+        return "-"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
