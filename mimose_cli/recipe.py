@@ -211,7 +211,7 @@ def _check_values(recipe: Recipe, where: str) -> None:
         if value is None:
             continue
         try:
-            parse_size(value)
+            parse_size(value, allow_zero=(key != "budget"))
         except ValueError:
             bad(key, value, "a byte size such as '6GB', '6GiB', '512MB' or '0.5GiB'")
     from mimose_cli.planners import PLANNERS  # local: planners import torch

@@ -16,12 +16,12 @@ SIZE_HELP = (
 )
 
 
-def parse_size(text) -> int:
+def parse_size(text, allow_zero: bool = False) -> int:
     """Parse "6GB" (10^9), "6GiB" (2^30), "512MB", "0.5GiB" or an int into bytes."""
     if isinstance(text, bool):
         raise ValueError(f"expected a byte size such as '6GB', got {text!r}")
     if isinstance(text, (int, float)):
-        if text <= 0:
+        if text < 0 or (text == 0 and not allow_zero):
             raise ValueError(f"a byte size must be positive, got {text!r}")
         return int(text)
     match = _SIZE.match(str(text))
@@ -31,7 +31,7 @@ def parse_size(text) -> int:
             f"cannot read {text!r} as a byte size; write e.g. '6GB', '6GiB', '512MB' or '0.5GiB'"
         )
     value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"a byte size must be positive, got {text!r}")
     return value
 

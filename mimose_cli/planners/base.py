@@ -70,7 +70,7 @@ class Planner:
     def __init__(self, model, budget=None, *, blocks=None, safety_margin=0, meter=None):
         self.model = model
         self.budget_bytes = None if budget is None else parse_size(budget)
-        self.safety_margin_bytes = parse_size(safety_margin) if safety_margin else 0
+        self.safety_margin_bytes = parse_size(safety_margin or 0, allow_zero=True)
         self.blocks = blocks if isinstance(blocks, list) else discover_blocks(model, blocks)
         self.num_blocks = len(self.blocks)
         self.meter = meter

@@ -1,0 +1,3 @@
+from mimose_cli.cli import main
+
+main()

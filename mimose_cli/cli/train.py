@@ -1,0 +1,35 @@
+"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [key=value ...]"""
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from mimose_cli.units import SIZE_HELP
+
+
+def train(
+    recipe: Path = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml."),
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help="Recipe overrides key=value, e.g. training.max_steps=20 model.size=tiny."),
+    budget: Optional[str] = typer.Option(None, help=f"Device memory budget. {SIZE_HELP}"),
+    planner: Optional[str] = typer.Option(None, help="mimose, none, full, sublinear, dtr or oracle."),
+    device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
+    max_steps: Optional[int] = typer.Option(None, help="Stop after N steps."),
+    out: Optional[Path] = typer.Option(None, help="Directory for run directories (default runs/)."),
+    view: str = typer.Option("auto", help="auto (live table on a terminal), plain or none."),
+):
+    """Train a recipe under a memory budget; writes runs/<id>/."""
+    from mimose_cli.recipe import RecipeError, load_recipe
+
+    flags = {"budget": budget, "planner.name": planner, "device": device,
+             "training.max_steps": max_steps, "out_dir": str(out) if out else None}
+    try:
+        resolved = load_recipe(recipe, overrides or [], flags)
+    except RecipeError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2)
+    from mimose_cli.train import run_training
+
+    result = run_training(resolved, view=view, recipe_name=recipe.stem)
+    raise typer.Exit({"completed": 0, "oom": 1, "interrupted": 130}[result.summary["status"]])

@@ -1,0 +1,97 @@
+"""What the user sees while training: a rich live table on a terminal, plain lines otherwise.
+
+Both are views of the same per-iteration records that go to metrics.jsonl.
+"""
+
+from collections import deque
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from mimose_cli.units import format_bytes
+
+ROWS_SHOWN = 12
+
+
+def _shape(record) -> str:
+    return "x".join(str(d) for d in record.get("input_shape", []))
+
+
+def _blocks(record) -> str:
+    plan = record.get("plan") or []
+    return f"{len(plan)}/{record.get('num_blocks', '?')}"
+
+
+def _peak(record, budget_bytes) -> str:
+    peak = record.get("memory/peak_bytes")
+    if budget_bytes:
+        return f"{format_bytes(peak)} ({100 * peak / budget_bytes:.0f}%)" if peak is not None else "-"
+    return format_bytes(peak)
+
+
+def _loss(record) -> str:
+    loss = record.get("loss")
+    return "OOM" if record.get("oom") else ("-" if loss is None else f"{loss:.4f}")
+
+
+def _phase(record) -> str:
+    phase = record.get("phase") or ""
+    hit = record.get("cache_hit")
+    return phase + ("" if hit is None else (" hit" if hit else " miss"))
+
+
+def step_table(records, budget_bytes, title: str) -> Table:
+    table = Table(title=title, title_justify="left", expand=False)
+    for name in ("step", "input", "loss", "ms/iter", "peak (of budget)", "predicted", "ckpt", "phase"):
+        table.add_column(name, justify="right" if name not in ("input", "phase") else "left")
+    for r in records:
+        predicted = r.get("predicted_peak_bytes")
+        table.add_row(
+            str(r["step"]), _shape(r), _loss(r), f"{r.get('iter_ms', 0):.0f}",
+            _peak(r, budget_bytes), format_bytes(predicted) if predicted else "-",
+            _blocks(r), _phase(r),
+        )
+    return table
+
+
+class ProgressView:
+    """Live table on a terminal, a plain line every ``log_every`` steps otherwise."""
+
+    def __init__(self, title: str, budget_bytes, total_steps, log_every=1, mode="auto", console=None):
+        self.console = console or Console()
+        self.mode = ("live" if self.console.is_terminal else "plain") if mode == "auto" else mode
+        self.title, self.budget_bytes, self.total_steps = title, budget_bytes, total_steps
+        self.log_every = log_every
+        self.rows = deque(maxlen=ROWS_SHOWN)
+        self._live = None
+        if self.mode == "live":
+            self._live = Live(self._render(), console=self.console, refresh_per_second=4)
+            self._live.start()
+
+    def _render(self):
+        done = self.rows[-1]["step"] + 1 if self.rows else 0
+        header = Text(f"{self.title}  step {done}/{self.total_steps}  budget {format_bytes(self.budget_bytes)}")
+        return Group(header, step_table(list(self.rows), self.budget_bytes, ""))
+
+    def update(self, record: dict) -> None:
+        self.rows.append(record)
+        if self.mode == "live":
+            self._live.update(self._render())
+        elif self.mode == "plain" and (record["step"] % self.log_every == 0 or record.get("oom")):
+            self.console.print(
+                f"step {record['step']}/{self.total_steps} input {_shape(record)} loss {_loss(record)} "
+                f"{record.get('iter_ms', 0):.0f} ms peak {_peak(record, self.budget_bytes)} "
+                f"ckpt {_blocks(record)} {_phase(record)}".rstrip(),
+                highlight=False, soft_wrap=True,
+            )
+
+    def message(self, text: str) -> None:
+        if self.mode != "none":
+            self.console.print(text, highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None

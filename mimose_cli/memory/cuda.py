@@ -1,0 +1,55 @@
+"""The CUDA meter: the caching allocator's own figures, and its budget enforcement."""
+
+import contextlib
+
+import torch
+
+from mimose_cli import memory
+
+
+class CudaMeter(memory.Meter):
+    """Reads ``torch.cuda.memory_allocated`` and friends for one device.
+
+    The budget is enforced by the allocator itself through
+    ``torch.cuda.set_per_process_memory_fraction``, so going over it raises a real
+    ``torch.OutOfMemoryError``. The fraction caps *reserved* memory, which includes
+    fragmentation, so a plan that fits exactly on the simulated device may still fail here.
+    """
+
+    kind = "cuda"
+
+    def __init__(self, budget_bytes: int | None, device: torch.device):
+        self.budget_bytes = budget_bytes
+        self.device = torch.device(device)
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Cap the allocator at the budget for the run; restore the full device on exit."""
+        if self.budget_bytes is None:
+            yield self
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        if self.budget_bytes > total:
+            raise ValueError(
+                f"budget of {self.budget_bytes} bytes exceeds the {total} bytes of {self.device}"
+            )
+        torch.cuda.set_per_process_memory_fraction(self.budget_bytes / total, self.device)
+        try:
+            yield self
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    def track(self, *objects) -> None:
+        """Nothing to do: the allocator already knows every storage on the device."""
+
+    def current_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _finish_step(self, mem: "memory.StepMemory") -> None:
+        mem.reserved_peak_bytes = torch.cuda.max_memory_reserved(self.device)

@@ -1,0 +1,63 @@
+"""Bytes of activations held for backward, from autograd's saved-tensor hooks."""
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class SavedBytesCounter:
+    """Counts the unique storage bytes autograd saves for backward inside ``with counter:``.
+
+    Usage::
+
+        counter = SavedBytesCounter(exclude=model.parameters())
+        with counter:
+            loss = model(**batch).loss
+        counter.bytes  # activation bytes this forward holds for backward
+
+    Each storage is counted once, so views of one tensor (and a tensor saved by several
+    ops) count once; storages of the ``exclude`` tensors (parameters, which live anyway) are
+    not counted. Input tensors saved by the first layers (e.g. ``input_ids`` saved by an
+    embedding) are counted: they are held for backward too.
+
+    Tensors saved inside a non-reentrant ``torch.utils.checkpoint`` region do not reach
+    this counter: checkpoint's own inner hooks take them and drop them until backward
+    recomputes them, so they are not held, and not counting them is correct. The counter
+    works the same on every device and is cheap: one dictionary look-up per saved tensor.
+    """
+
+    def __init__(self, exclude=()):
+        # Kept as tensors, not storage ids: ids are read on __enter__, after any .to(device).
+        self._exclude = list(exclude)
+        self._excluded_ids: set[int] = set()
+        self._seen = WeakIdKeyDictionary()
+        self._hooks = None
+        self.bytes = 0
+
+    def reset(self) -> None:
+        """Forget what was counted, to count the next step or block from zero."""
+        self._seen = WeakIdKeyDictionary()
+        self.bytes = 0
+
+    def __enter__(self) -> "SavedBytesCounter":
+        self._excluded_ids = {id(t.untyped_storage()) for t in self._exclude}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._hooks.__exit__(*exc_info)
+        self._hooks = None
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.layout is not torch.strided:
+            return tensor
+        storage = tensor.untyped_storage()
+        # Keyed by the storage object, weakly: a freed storage's id cannot alias a new one.
+        if id(storage) not in self._excluded_ids and storage not in self._seen:
+            self._seen[storage] = True
+            self.bytes += storage.nbytes()
+        return tensor
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

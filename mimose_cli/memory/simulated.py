@@ -1,0 +1,208 @@
+"""The simulated device: an exact count of live tensor storages, with a budget.
+
+On the CPU there is no allocator to ask, so every ATen op's outputs go through a
+``TorchDispatchMode`` that counts each untyped storage's bytes once while it is alive (a
+weak reference decrements the count when the storage is freed). The peak is sampled after
+every op, i.e. with the op's inputs and outputs alive at once, as a GPU allocator sees it.
+
+What a dispatch mode cannot see, and so is not counted:
+  - scratch memory an op allocates and frees inside its kernel (GPU workspaces);
+  - storages created before ``activate()``, in other processes (DataLoader workers) or by
+    ``torch.from_numpy``, unless passed to ``track()`` (or written in place later, when
+    they are counted on first sight);
+  - fragmentation and the allocator's rounding (the CUDA meter sees those).
+"""
+
+import contextlib
+import weakref
+
+import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mimose_cli import memory
+from mimose_cli.units import format_bytes
+
+_TENSOR = torch.Tensor
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that remembers its dictionary key and counted bytes."""
+
+    __slots__ = ("key", "nbytes")
+
+
+class _Ledger:
+    """Live and peak bytes of the storages seen so far; the budget check lives here."""
+
+    def __init__(self, budget_bytes: int | None):
+        self.budget_bytes = budget_bytes
+        self.live = 0
+        self.peak = 0
+        # id(storage) -> _StorageRef. An id is only reused after its storage died, and the
+        # weakref callback removes the entry during that death, so keys never go stale.
+        self.refs: dict[int, _StorageRef] = {}
+
+    def add(self, storage) -> int:
+        """Count ``storage`` if new, or a change in its size; returns the bytes added."""
+        ref = self.refs.get(id(storage))
+        if ref is None:
+            ref = _StorageRef(storage, self._free)
+            ref.key = id(storage)
+            ref.nbytes = storage.nbytes()
+            self.refs[ref.key] = ref
+            self.live += ref.nbytes
+            return ref.nbytes
+        nbytes = storage.nbytes()  # resize_/set_ change a known storage's size
+        if nbytes == ref.nbytes:
+            return 0
+        delta, ref.nbytes = nbytes - ref.nbytes, nbytes
+        self.live += delta
+        return max(delta, 0)
+
+    def _free(self, ref: _StorageRef) -> None:
+        if self.refs.get(ref.key) is ref:
+            del self.refs[ref.key]
+            self.live -= ref.nbytes
+
+    def commit(self, added: int) -> None:
+        """Record a new peak, or raise if the bytes just added broke the budget.
+
+        The caller drops its references before the exception propagates, so the
+        weakref callbacks take the failed allocation back out of ``live``.
+        """
+        if self.budget_bytes is not None and self.live > self.budget_bytes:
+            raise torch.OutOfMemoryError(
+                f"simulated device out of memory: tried to allocate {format_bytes(added)} "
+                f"(live {format_bytes(self.live - added)}) with a budget of "
+                f"{format_bytes(self.budget_bytes)}; lower the batch size, raise --budget, "
+                "or use a checkpointing planner"
+            )
+        if self.live > self.peak:
+            self.peak = self.live
+
+
+def _add_outputs(ledger: _Ledger, out) -> int:
+    """Count the storages of an op's outputs (a tensor or nested lists/tuples of them)."""
+    if isinstance(out, _TENSOR):
+        if type(out) in _PLAIN_TENSORS:  # the fast path: almost every output
+            if out.layout is not torch.strided or out.is_meta:
+                return 0  # sparse/nested have no single storage; meta tensors have no memory
+            return ledger.add(out.untyped_storage())
+        return _add_subclass(ledger, out)
+    if isinstance(out, (list, tuple)):
+        return sum(_add_outputs(ledger, item) for item in out)
+    return 0
+
+
+def _add_subclass(ledger: _Ledger, tensor) -> int:
+    """Tensor subclasses: count the storages they wrap, never the meta ones of fake tensors."""
+    if tensor.layout is not torch.strided:
+        return 0
+    storages = get_untyped_storages(tensor)
+    return sum(ledger.add(st) for st in storages if st.device.type != "meta")
+
+
+class _StorageMode(TorchDispatchMode):
+    """Counts the output storages of every op; raises out-of-memory past the budget."""
+
+    def __init__(self, ledger: _Ledger):
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        added = _add_outputs(self.ledger, out)
+        if added:
+            try:
+                self.ledger.commit(added)
+            except torch.OutOfMemoryError:
+                del out  # free the failed allocation before the traceback pins this frame
+                raise
+        return out
+
+
+class SimulatedMeter(memory.Meter):
+    """An exact simulated device: live storage bytes, their peak, and a hard budget."""
+
+    kind = "simulated"
+
+    def __init__(self, budget_bytes: int | None = None):
+        self.budget_bytes = budget_bytes
+        self._ledger = _Ledger(budget_bytes)
+        self._active = False
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Count every op's outputs (and enforce the budget) inside this context."""
+        if self._active:
+            raise RuntimeError("this simulated meter is already active")
+        self._active = True
+        try:
+            with _patched_storage_resize(self._ledger), _StorageMode(self._ledger):
+                yield self
+        finally:
+            self._active = False
+
+    def track(self, *objects) -> None:
+        """Count storages that already exist; each storage is counted once however often seen.
+
+        Accepts nn.Modules (parameters, buffers, grads), optimizers (state tensors), tensors
+        (and their grads) and dicts/lists/tuples of these. Raises out-of-memory if they alone
+        exceed the budget, as moving them onto a GPU of that size would.
+        """
+        added = sum(self._track_one(obj) for obj in objects)
+        self._ledger.commit(added)
+
+    def _track_one(self, obj) -> int:
+        if isinstance(obj, torch.nn.Module):
+            tensors = [*obj.parameters(), *obj.buffers()]
+            return sum(self._track_one(t) for t in tensors)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self._track_one(list(obj.state.values()))
+        if isinstance(obj, _TENSOR):
+            added = _add_outputs(self._ledger, obj)
+            return added + (self._track_one(obj.grad) if obj.grad is not None else 0)
+        if isinstance(obj, dict):
+            return self._track_one(list(obj.values()))
+        if isinstance(obj, (list, tuple)):
+            return sum(self._track_one(item) for item in obj)
+        return 0
+
+    def current_bytes(self) -> int:
+        return self._ledger.live
+
+    def peak_bytes(self) -> int:
+        return self._ledger.peak
+
+    def reset_peak(self) -> None:
+        self._ledger.peak = self._ledger.live
+
+
+@contextlib.contextmanager
+def _patched_storage_resize(ledger: _Ledger):
+    """Follow ``UntypedStorage.resize_``, which does not go through the dispatcher."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        if id(storage) not in ledger.refs:
+            return original(storage, size)
+        old_nbytes = storage.nbytes()
+        result = original(storage, size)
+        added = ledger.add(storage)
+        if added:
+            try:
+                ledger.commit(added)
+            except torch.OutOfMemoryError:
+                # A failed allocation leaves the storage as it was, as on a GPU.
+                original(storage, old_nbytes)
+                ledger.add(storage)
+                raise
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original

@@ -1,0 +1,81 @@
+"""``mimose report``: a run (or compare) directory rendered from its files alone."""
+
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from mimose_cli.live import step_table
+from mimose_cli.rundir import read_json, read_jsonl
+from mimose_cli.summary import summarize, summary_tables
+from mimose_cli.units import format_bytes, parse_size
+
+LENGTH_BUCKETS = 8
+
+
+def load_run(run_dir) -> tuple:
+    """(summary, records) of a run directory; a run cut off before its summary is summarised
+    from metrics.jsonl and marked 'interrupted'."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no metrics.jsonl)")
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    summary = read_json(run_dir / "summary.json")
+    if summary is None:
+        summary = summarize(records, status="interrupted", budget_bytes=_recipe_budget(run_dir))
+    return summary, records
+
+
+def _recipe_budget(run_dir: Path):
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) if (run_dir / "recipe.yaml").exists() else {}
+    budget = (recipe or {}).get("budget")
+    return parse_size(budget) if budget else None
+
+
+def length_table(records) -> Table:
+    """Per-iteration statistics grouped by padded sequence length."""
+    done = [r for r in records if not r.get("oom") and r.get("input_size")]
+    table = Table(title="per-iteration statistics by sequence length", title_justify="left")
+    for name in ("length", "steps", "mean ms/iter", "mean peak", "max peak", "mean blocks ckpt"):
+        table.add_column(name, justify="right")
+    if not done:
+        return table
+    longest = max(r["input_size"][-1] for r in done)
+    width = max(1, -(-longest // LENGTH_BUCKETS))
+    groups = defaultdict(list)
+    for r in done:
+        groups[(r["input_size"][-1] - 1) // width].append(r)
+    for key in sorted(groups):
+        rows = groups[key]
+        table.add_row(
+            f"{key * width + 1}-{(key + 1) * width}", str(len(rows)),
+            f"{sum(r['iter_ms'] for r in rows) / len(rows):.1f}",
+            format_bytes(sum(r["memory/peak_bytes"] for r in rows) / len(rows)),
+            format_bytes(max(r["memory/peak_bytes"] for r in rows)),
+            f"{sum(len(r['plan']) for r in rows) / len(rows):.2f}",
+        )
+    return table
+
+
+def render_run(run_dir, console: Console) -> dict:
+    summary, records = load_run(run_dir)
+    console.print(f"run {Path(run_dir).name}")
+    for table in summary_tables(summary):
+        console.print(table)
+    console.print(length_table(records))
+    console.print(step_table(records[-10:], summary.get("budget_bytes"), "last steps"))
+    return summary
+
+
+def render(path, console: Console | None = None) -> None:
+    """Render a run directory, or a compare directory (one holding compare.json)."""
+    console = console or Console()
+    path = Path(path)
+    if (path / "compare.json").exists():
+        from mimose_cli.compare import render_compare
+
+        render_compare(path, console)
+        return
+    render_run(path, console)

@@ -1,0 +1,106 @@
+"""Run summaries from per-iteration records, and the tables that show them."""
+
+import statistics
+
+from rich.table import Table
+
+from mimose_cli.units import format_bytes
+
+TAIL = 10
+
+
+def _percentile(values, q):
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _mean(values):
+    return statistics.fmean(values) if values else None
+
+
+def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None) -> dict:
+    """Aggregate metrics.jsonl records into summary.json's content."""
+    done = [r for r in records if not r.get("oom")]
+    iter_ms = [r["iter_ms"] - r.get("excluded_ms", 0.0) for r in done]
+    peaks = [r["memory/peak_bytes"] for r in done]
+    losses = [r["loss"] for r in done]
+    return {
+        "status": status,
+        "steps": len(done),
+        "oom_steps": sum(1 for r in records if r.get("oom")),
+        "budget_bytes": budget_bytes,
+        "train_time_s": sum(iter_ms) / 1e3,
+        "wall_s": wall_s,
+        "mean_iter_ms": _mean(iter_ms),
+        "p50_iter_ms": _percentile(iter_ms, 0.5),
+        "p95_iter_ms": _percentile(iter_ms, 0.95),
+        "peak_bytes": max(peaks) if peaks else None,
+        "mean_peak_bytes": _mean(peaks),
+        "over_budget_steps": sum(1 for p in peaks if budget_bytes and p > budget_bytes),
+        "mean_checkpointed_blocks": _mean([len(r["plan"]) for r in done]),
+        "num_blocks": records[0].get("num_blocks") if records else None,
+        "planning_ms_total": sum(r.get("planner_ms") or 0.0 for r in done),
+        "loss_first": _mean(losses[:TAIL]),
+        "loss_last": _mean(losses[-TAIL:]),
+        "planner": planner_stats or {},
+    }
+
+
+def _fmt(value, kind):
+    if value is None:
+        return "-"
+    if kind == "bytes":
+        return format_bytes(value)
+    if kind == "ms":
+        return f"{value:.1f} ms"
+    if kind == "float":
+        return f"{value:.4f}"
+    return str(value)
+
+
+SUMMARY_ROWS = (
+    ("status", "status", "str"), ("steps completed", "steps", "str"),
+    ("out-of-memory steps", "oom_steps", "str"), ("budget", "budget_bytes", "bytes"),
+    ("peak memory", "peak_bytes", "bytes"), ("mean peak memory", "mean_peak_bytes", "bytes"),
+    ("steps over budget", "over_budget_steps", "str"),
+    ("training time", "train_time_s", "seconds"), ("mean iteration", "mean_iter_ms", "ms"),
+    ("p50 / p95 iteration", None, "p50p95"),
+    ("mean blocks checkpointed", "mean_checkpointed_blocks", "blocks"),
+    ("planning time total", "planning_ms_total", "ms"),
+    ("loss first / last 10 steps", None, "loss"),
+)
+
+
+def _summary_value(summary, key, kind):
+    if kind == "p50p95":
+        return f"{_fmt(summary.get('p50_iter_ms'), 'ms')} / {_fmt(summary.get('p95_iter_ms'), 'ms')}"
+    if kind == "loss":
+        return f"{_fmt(summary.get('loss_first'), 'float')} / {_fmt(summary.get('loss_last'), 'float')}"
+    value = summary.get(key)
+    if kind == "seconds":
+        return "-" if value is None else f"{value:.2f} s"
+    if kind == "blocks":
+        return "-" if value is None else f"{value:.2f} of {summary.get('num_blocks')}"
+    return _fmt(value, kind)
+
+
+def summary_tables(summary: dict) -> list:
+    """The run's summary and its planner's overhead breakdown, as rich tables."""
+    table = Table(title="summary", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for label, key, kind in SUMMARY_ROWS:
+        table.add_row(label, _summary_value(summary, key, kind))
+    tables = [table]
+    stats = summary.get("planner") or {}
+    if stats:
+        planner = Table(title=f"planner: {stats.get('planner', '?')}", title_justify="left", show_header=False)
+        planner.add_column("what")
+        planner.add_column("value", justify="right")
+        for key, value in stats.items():
+            if key != "planner":
+                planner.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        tables.append(planner)
+    return tables

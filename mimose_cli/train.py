@@ -1,0 +1,264 @@
+"""The training loop: setup -> train -> cleanup, one planner deciding each step's checkpointing.
+
+A step has no side effect on the model, optimizer or data position until ``optimizer.step()``,
+so a step that runs out of memory during forward/backward can be redone on the same batch
+(out-of-memory recovery builds on this). Under ``torchrun`` each rank builds its own planner and
+meter for its own device (LOCAL_RANK), the budget being per device.
+"""
+
+import contextlib
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
+from mimose_cli.memory import SavedBytesCounter, build_meter
+from mimose_cli.models import build_model, model_config
+from mimose_cli.planners import build_planner, infer_input_size
+from mimose_cli.recipe import Recipe
+from mimose_cli.rundir import RunWriter, environment, new_run_dir
+from mimose_cli.live import ProgressView
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict
+    records: list = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> the rank's GPU when one is present, else the CPU."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA GPU is visible; use --device cpu or auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def planner_options(recipe: Recipe) -> dict:
+    """Constructor keywords for the recipe's planner."""
+    options = dict(recipe.planner.options)
+    if recipe.planner.name == "mimose":
+        options.setdefault("sheltered_steps", recipe.planner.sheltered_steps)
+        options.setdefault("granularity", recipe.planner.granularity)
+    return options
+
+
+def _lr_lambda(warmup: int, total: int):
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        return max(0.0, (total - step) / max(1, total - warmup))
+    return factor
+
+
+def _autocast(recipe: Recipe, device: torch.device):
+    if recipe.training.precision == "fp32" or device.type != "cuda":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if recipe.training.precision == "bf16" else torch.float16
+    return torch.autocast("cuda", dtype=dtype)
+
+
+@dataclass
+class Trainer:
+    """Everything one run holds; ``state_dict`` of these parts is what a resume needs."""
+
+    recipe: Recipe
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    meter: object
+    planner: object
+    scaler: object = None
+    step: int = 0
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def forward_backward(self, batch: dict, counter: SavedBytesCounter):
+        """Planner-controlled forward and backward; no optimizer side effects (retry-safe)."""
+        with self.planner.step(batch) as info:
+            with counter, _autocast(self.recipe, self.device):
+                loss = self.model(**batch).loss
+            activation_bytes = counter.bytes
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss.detach(), info, activation_bytes
+
+    def optimizer_step(self) -> None:
+        clip = self.recipe.training.max_grad_norm
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
+    """Setup: seed, device, model, optimizer, meter, planner."""
+    device = resolve_device(recipe.device)
+    if recipe.training.precision != "fp32" and device.type != "cuda":
+        warnings.warn(f"training.precision={recipe.training.precision} is ignored on the CPU; "
+                      "mixed precision applies on CUDA only", stacklevel=2)
+    torch.manual_seed(recipe.seed)
+    model = build_model(recipe).to(device)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.training.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}], lr=recipe.training.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(recipe.training.warmup_steps, total_steps))
+    meter = build_meter("auto", recipe.budget_bytes, device)
+    planner = build_planner(
+        recipe.planner.name, model, recipe.budget, blocks=recipe.model.blocks,
+        safety_margin=recipe.planner.safety_margin, meter=meter, **planner_options(recipe))
+    scaler = torch.amp.GradScaler("cuda") if recipe.training.precision == "fp16" and device.type == "cuda" else None
+    return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler)
+
+
+def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
+    if recipe.training.max_steps is not None:
+        return recipe.training.max_steps
+    return recipe.training.epochs * batches_per_epoch
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter) -> dict:
+    """One iteration; returns its metrics record. Raises torch.OutOfMemoryError."""
+    batch = trainer.to_device(batch)
+    trainer.meter.track(batch)
+    _sync(trainer.device)
+    start = time.perf_counter()
+    with trainer.meter.step() as mem:
+        loss, info, activation_bytes = trainer.forward_backward(batch, counter)
+        trainer.optimizer_step()
+    _sync(trainer.device)
+    iter_ms = (time.perf_counter() - start) * 1e3
+    return {
+        "step": trainer.step, "input_shape": list(batch["input_ids"].shape),
+        "input_size": list(info.input_size), "loss": loss.item(),
+        "lr": trainer.scheduler.get_last_lr()[0], "iter_ms": iter_ms,
+        "memory/peak_bytes": mem.peak_bytes, "memory/start_bytes": mem.start_bytes,
+        "memory/activation_bytes": activation_bytes,
+        "plan": list(info.plan), "num_blocks": trainer.planner.num_blocks,
+        "planner_ms": info.planning_ms, "phase": info.phase, "cache_hit": info.cache_hit,
+        "predicted_peak_bytes": info.predicted_peak_bytes,
+        "excluded_ms": info.extra.get("excluded_ms", 0.0), "oom": False,
+    }
+
+
+def _oom_record(trainer: Trainer, batch: dict, error: Exception) -> dict:
+    """Record a step that ran out of memory, and drop its partial gradients."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    info = trainer.planner.last
+    return {
+        "step": trainer.step, "input_shape": list(batch["input_ids"].shape),
+        "input_size": list(info.input_size) if info else None, "loss": None,
+        "iter_ms": 0.0, "memory/peak_bytes": trainer.meter.peak_bytes(),
+        "plan": list(info.plan) if info else [], "num_blocks": trainer.planner.num_blocks,
+        "phase": info.phase if info else None, "cache_hit": info.cache_hit if info else None,
+        "predicted_peak_bytes": info.predicted_peak_bytes if info else None,
+        "oom": True, "error": str(error).splitlines()[0],
+    }
+
+
+def _data_batches(recipe: Recipe, dataset, config, total_steps: int):
+    """Yield (epoch, batch) until total_steps batches; same seed -> same order."""
+    produced, epoch = 0, 0
+    while produced < total_steps:
+        loader = build_dataloader(recipe, dataset, config, epoch=epoch)
+        if len(loader) == 0:
+            raise ValueError("the data set yields no batch; raise data.num_examples or lower training.batch_size")
+        for batch in loader:
+            if produced >= total_steps:
+                return
+            yield epoch, batch
+            produced += 1
+        epoch += 1
+
+
+def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView) -> tuple:
+    """Train until the data ends, a step runs out of memory, or the user interrupts."""
+    records, status = [], "completed"
+    counter = SavedBytesCounter(exclude=trainer.model.parameters())
+    try:
+        for epoch, batch in batches:
+            try:
+                record = train_step(trainer, batch, counter)
+            except torch.OutOfMemoryError as error:
+                record, status = _oom_record(trainer, batch, error), "oom"
+            record["epoch"] = epoch
+            records.append(record)
+            writer.metric(record)
+            writer.plan({"step": record["step"], "input_size": record["input_size"], "plan": record["plan"]})
+            view.update(record)
+            trainer.step += 1
+            if status == "oom":
+                view.message(f"[red]step {record['step']} ran out of memory[/red]: {record['error']}")
+                break
+    except KeyboardInterrupt:
+        status = "interrupted"
+        view.message("[yellow]interrupted: the run directory holds every step so far[/yellow]")
+    return records, status
+
+
+def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=None,
+                 recipe_name: str = "run") -> RunResult:
+    """Train ``recipe`` and write ``runs/<id>/``; out of memory ends the run with status 'oom'."""
+    from mimose_cli.summary import summarize, summary_tables
+
+    config = model_config(recipe)
+    dataset = build_dataset(recipe, config)
+    probe = build_dataloader(recipe, dataset, config, epoch=0)
+    total = total_steps_of(recipe, len(probe))
+    trainer = build_trainer(recipe, config, total)
+    run_dir = new_run_dir(out_dir or recipe.out_dir, recipe_name, recipe.planner.name)
+    writer = RunWriter(run_dir, recipe, environment(trainer.device))
+    progress = ProgressView(f"mimose train {recipe_name} [{recipe.planner.name}]", recipe.budget_bytes,
+                            total, recipe.training.log_every, view, console)
+    start = time.perf_counter()
+    try:
+        with trainer.meter.activate():
+            trainer.meter.track(trainer.model, trainer.optimizer)
+            trainer.planner.prepare(lambda size: make_batch(recipe, config, size),
+                                    max_input_size(recipe))
+            records, status = _loop(trainer, _data_batches(recipe, dataset, config, total), writer, progress)
+    finally:
+        progress.close()
+        writer.close()
+    summary = summarize(records, status=status, budget_bytes=recipe.budget_bytes,
+                        wall_s=time.perf_counter() - start, planner_stats=trainer.planner.stats)
+    writer.write_json("summary.json", summary)
+    _save_planner_state(trainer.planner, writer)
+    trainer.planner.close()
+    if progress.mode != "none":
+        for table in summary_tables(summary):
+            progress.console.print(table)
+        progress.console.print(f"run directory: {run_dir}")
+    return RunResult(run_dir, summary, records)
+
+
+def _save_planner_state(planner, writer: RunWriter) -> None:
+    """estimator.json: a learning planner's fitted estimator and plan cache."""
+    if hasattr(planner, "save"):
+        planner.save(writer.path / "estimator.json")

@@ -1,0 +1,96 @@
+import pytest
+import torch
+from torch import nn
+
+from mimose_cli.planners import build_planner, infer_input_size
+from mimose_cli.planners.blocks import discover_blocks
+
+
+class Stack(nn.Module):
+    def __init__(self, width=16, depth=4):
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Dropout(0.3), nn.GELU()) for _ in range(depth))
+        self.head = nn.ModuleList([nn.Linear(width, 2)])
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head[0](x).sum()
+
+
+def test_discovers_longest_homogeneous_modulelist():
+    names = [n for n, _ in discover_blocks(Stack(depth=5))]
+    assert names == [f"layers.{i}" for i in range(5)]
+
+
+def test_glob_selects_blocks_and_bad_glob_names_modules():
+    model = Stack()
+    assert [n for n, _ in discover_blocks(model, "layers.[12]")] == ["layers.1", "layers.2"]
+    with pytest.raises(ValueError, match="matches no module"):
+        discover_blocks(model, "encoder.*")
+
+
+def test_discovers_hf_checkpoint_layers():
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                        intermediate_size=32)
+    names = [n for n, _ in discover_blocks(BertModel(config))]
+    assert names == [f"encoder.layer.{i}" for i in range(3)]
+
+
+@pytest.mark.parametrize("batch, size", [
+    ({"input_ids": torch.zeros(4, 3, 17)}, (12, 17)),
+    ({"input_ids": torch.zeros(8, 33)}, (8, 33)),
+    ({"pixel_values": torch.zeros(2, 3, 32, 48)}, (2, 32, 48)),
+])
+def test_input_size_folds_leading_dims(batch, size):
+    assert infer_input_size(batch) == size
+
+
+def test_input_size_error_says_how_to_fix():
+    with pytest.raises(ValueError, match="input_size"):
+        infer_input_size({"labels": torch.zeros(3)})
+
+
+def _grads(planner_name, seed=0):
+    torch.manual_seed(0)
+    model = Stack()
+    planner = build_planner(planner_name, model)
+    torch.manual_seed(seed)
+    x = torch.randn(8, 16)
+    with planner.step(input_size=(8, 16)) as info:
+        loss = model(x)
+        loss.backward()
+    planner.close()
+    return loss.item(), [p.grad.clone() for p in model.parameters()], info.plan, model
+
+
+def test_full_checkpoints_every_block_and_matches_none_exactly_with_dropout():
+    loss_none, grads_none, plan_none, _ = _grads("none")
+    loss_full, grads_full, plan_full, _ = _grads("full")
+    assert plan_none == () and plan_full == (0, 1, 2, 3)
+    assert loss_none == loss_full
+    assert all(torch.equal(a, b) for a, b in zip(grads_none, grads_full))
+
+
+def test_full_recomputes_blocks_in_backward():
+    model = Stack()
+    calls = []
+    model.layers[0][0].register_forward_hook(lambda *a: calls.append(1))
+    planner = build_planner("full", model)
+    with planner.step(input_size=(2, 16)):
+        model(torch.randn(2, 16)).backward()
+    assert len(calls) == 2  # forward once, recomputed once in backward
+    planner.close()
+    calls.clear()
+    model(torch.randn(2, 16)).backward()
+    assert len(calls) == 1  # close() restored the plain forward
+
+
+def test_unknown_planner_lists_choices():
+    with pytest.raises(ValueError, match="none"):
+        build_planner("nope", Stack())
