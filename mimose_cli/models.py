@@ -6,6 +6,7 @@ train mode. Nothing is downloaded unless ``model.pretrained`` names a hub id.
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError  # transformers' config validation
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -120,8 +121,8 @@ def model_config(recipe) -> transformers.PretrainedConfig:
             config = AutoConfig.from_pretrained(model.pretrained, **fields)
         else:
             config = AutoConfig.for_model(model.type, **fields)
-    except (ValueError, TypeError, NotImplementedError) as err:
-        raise ValueError(f"model.config_overrides={model.config_overrides!r} give an invalid config: {err}") from err
+    except (ValueError, TypeError, NotImplementedError, StrictDataclassError) as err:
+        raise ValueError(f"model.config_overrides={model.config_overrides!r} make an invalid config: {err}") from err
     if getattr(config, "pad_token_id", 0) is None:
         eos = getattr(config, "eos_token_id", None)
         config.pad_token_id = eos if isinstance(eos, int) else 0

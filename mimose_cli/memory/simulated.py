@@ -162,8 +162,8 @@ class SimulatedMeter(memory.Meter):
         if isinstance(obj, torch.optim.Optimizer):
             return self._track_one(list(obj.state.values()))
         if isinstance(obj, _TENSOR):
-            added = _add_outputs(self._ledger, obj)
-            return added + (self._track_one(obj.grad) if obj.grad is not None else 0)
+            grad = obj.grad if obj.is_leaf else None  # only leaves hold a .grad
+            return _add_outputs(self._ledger, obj) + (self._track_one(grad) if grad is not None else 0)
         if isinstance(obj, dict):
             return self._track_one(list(obj.values()))
         if isinstance(obj, (list, tuple)):

@@ -1,0 +1,183 @@
+"""How much slower a training step runs with the simulated meter on.
+
+Times a tiny BERT multiple-choice step (forward, backward, AdamW) with and without the
+simulated meter, interleaved in one run so the ratio is measured side by side, on the
+recipe-sized batch and on a dispatch-bound one, and writes
+benchmarks/results/meter_overhead.json. Wall and process-CPU times are both reported: on
+a shared machine CPU time is the steadier of the two.
+
+    python benchmarks/meter_overhead.py [--layers 4] [--round-scale 1.0]
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import BertConfig, BertForMultipleChoice
+
+from mimose_cli.memory import build_meter
+
+RESULTS = Path(__file__).parent / "results" / "meter_overhead.json"
+
+
+def build(layers, seq_len, batch_size, choices):
+    """A randomly initialised tiny BERT, its AdamW and one batch."""
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=1000, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=256, max_position_embeddings=max(seq_len, 128),
+    )
+    model = BertForMultipleChoice(config).train()
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    shape = (batch_size, choices, seq_len)
+    batch = {
+        "input_ids": torch.randint(0, config.vocab_size, shape),
+        "attention_mask": torch.ones(shape, dtype=torch.long),
+        "labels": torch.randint(0, choices, (batch_size,)),
+    }
+    return model, optimizer, batch
+
+
+def make_step(model, optimizer, batch):
+    def train_step():
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return train_step
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(train_step):
+    """ATen ops one step dispatches: the meter's per-op cost is paid this many times."""
+    with _OpCounter() as counter:
+        train_step()
+    return counter.ops
+
+
+def timed(train_step, meter=None):
+    """(wall, CPU) seconds of one step; CPU time (all threads) is robust to a busy machine."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    if meter is None:
+        train_step()
+    else:
+        with meter.step():
+            train_step()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure(train_step, model, optimizer, batch, rounds):
+    """Step times without and with the meter, alternating so drift hits both alike."""
+    meter = build_meter("simulated")
+    plain, metered = [], []
+    with meter.activate():
+        meter.track(model, optimizer, batch)
+        timed(train_step, meter)  # warm-up with the mode on
+    timed(train_step)
+    for _ in range(rounds):
+        plain.append(timed(train_step))
+        with meter.activate():
+            metered.append(timed(train_step, meter))
+    return plain, metered, meter.peak_bytes()
+
+
+def summarize(plain, metered, ops):
+    """Per clock (wall, CPU) and statistic (min, median): step ms, ratio and us per op.
+
+    The minimum is the least disturbed by other processes; the median is shown beside it.
+    """
+    table = {}
+    for clock_index, clock in enumerate(("wall", "cpu")):
+        for name, stat in (("min", min), ("median", statistics.median)):
+            base = stat([t[clock_index] for t in plain])
+            with_meter = stat([t[clock_index] for t in metered])
+            table[f"{clock}_{name}"] = {
+                "plain_step_ms": base * 1e3,
+                "metered_step_ms": with_meter * 1e3,
+                "ratio": with_meter / base,
+                "overhead_us_per_op": (with_meter - base) / ops * 1e6,
+            }
+    return table
+
+
+def machine():
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+# (name, batch size, choices, sequence length, rounds). The dispatch-bound workload has
+# ops so small that the step is almost all per-op Python: it bounds the meter's cost per op.
+WORKLOADS = (
+    ("bert-8x4x128", 8, 4, 128, 15),
+    ("dispatch-bound-1x2x8", 1, 2, 8, 200),
+)
+
+
+def run_workload(name, batch_size, choices, seq_len, rounds, layers):
+    """Time one workload; returns its JSON row."""
+    model, optimizer, batch = build(layers, seq_len, batch_size, choices)
+    train_step = make_step(model, optimizer, batch)
+    train_step()  # creates the optimizer state, as every later step finds it
+    ops = count_ops(train_step)
+    plain, metered, peak_bytes = measure(train_step, model, optimizer, batch, rounds)
+    return {
+        "workload": name,
+        "model": f"BertForMultipleChoice hidden 128, {layers} layers, 4 heads, inter 256",
+        "batch": [batch_size, choices, seq_len],
+        "rounds": rounds,
+        "ops_per_step": ops,
+        "peak_bytes": peak_bytes,
+        "timings": summarize(plain, metered, ops),
+    }
+
+
+def print_row(row):
+    print(f"\n{row['workload']}: {row['ops_per_step']} ops/step, {row['rounds']} rounds")
+    print(f"{'':<12}{'plain ms':>10}{'meter ms':>10}{'ratio':>8}{'us/op':>8}")
+    for name, t in row["timings"].items():
+        print(f"{name:<12}{t['plain_step_ms']:>10.1f}{t['metered_step_ms']:>10.1f}"
+              f"{t['ratio']:>8.3f}{t['overhead_us_per_op']:>8.1f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--round-scale", type=float, default=1.0, help="multiply every rounds count")
+    args = parser.parse_args()
+
+    rows = []
+    for name, batch_size, choices, seq_len, rounds in WORKLOADS:
+        rounds = max(3, int(rounds * args.round_scale))
+        rows.append(run_workload(name, batch_size, choices, seq_len, rounds, args.layers))
+        print_row(rows[-1])
+    result = {"workloads": rows, "machine": machine()}
+    info = result["machine"]
+    print(f"\n{info['cpu_count']} CPUs, {info['torch_threads']} torch threads, torch {info['torch']}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""mimose compare RECIPE [--baselines sublinear,dtr] [--budgets 4GB,6GB] [--steps N] [--out DIR] [key=value ...]"""
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from mimose_cli.units import SIZE_HELP
+
+
+def compare(
+    recipe: Path = typer.Argument(..., help="Recipe YAML, e.g. recipes/mc_roberta.yaml."),
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help="Recipe overrides key=value, applied to every run."),
+    baselines: str = typer.Option(
+        "sublinear,dtr", help="Comma-separated planners run besides mimose, none and oracle; "
+                              "sublinear:sqrt or sublinear:chen pick a Sublinear variant."),
+    budgets: Optional[str] = typer.Option(
+        None, help=f"Comma-separated budgets (default: the recipe's). {SIZE_HELP}"),
+    steps: Optional[int] = typer.Option(None, help="Steps per run (default: the recipe's)."),
+    out: Optional[Path] = typer.Option(None, help="Compare directory (default runs/compare-<time>-<recipe>)."),
+    view: str = typer.Option("none", help="Each run's view: none, plain or auto."),
+):
+    """Run mimose, the baselines, none and oracle on the same data at each budget; one table per budget."""
+    from mimose_cli.recipe import RecipeError, load_recipe
+
+    try:
+        resolved = load_recipe(recipe, overrides or [])
+    except RecipeError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2)
+    from mimose_cli.compare import run_compare
+
+    try:
+        run_compare(resolved, baselines=[b for b in baselines.split(",") if b.strip()],
+                    budgets=[b.strip() for b in budgets.split(",") if b.strip()] if budgets else None,
+                    steps=steps, out=out, view=view, recipe_name=recipe.stem)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2)

@@ -1,0 +1,157 @@
+"""``mimose compare``: every planner on the same data order and seed, at each budget.
+
+A compare directory holds ``compare.json`` and one run directory per (budget, planner) under
+``runs/<budget>/``; ``render_compare`` turns it into one table per budget. A run that goes out of
+memory is a result (status "oom"), never a crash of the comparison.
+"""
+
+import copy
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from mimose_cli.recipe import Recipe
+from mimose_cli.units import format_bytes, parse_size
+
+ALWAYS = ("mimose", "none", "oracle")
+
+
+def planner_specs(baselines) -> list:
+    """``["mimose", *baselines, "none", "oracle"]`` without repeats; ``sublinear:sqrt`` names a
+    planner with its ``variant`` option. Unknown planners raise ValueError."""
+    from mimose_cli.planners import PLANNERS
+
+    specs = []
+    for spec in ["mimose", *baselines, "none", "oracle"]:
+        spec = spec.strip()
+        if not spec or spec in specs:
+            continue
+        name = spec.partition(":")[0]
+        if name not in PLANNERS:
+            raise ValueError(f"--baselines: unknown planner {name!r}; choose from "
+                             f"{', '.join(sorted(PLANNERS))}")
+        specs.append(spec)
+    return specs
+
+
+def _run_recipe(recipe: Recipe, spec: str, budget: str, steps) -> Recipe:
+    """The recipe for one run: same seed and data, this planner and budget."""
+    run = copy.deepcopy(recipe)
+    name, _, variant = spec.partition(":")
+    run.budget = budget
+    if name != recipe.planner.name:
+        run.planner.options = {}
+    if variant:
+        run.planner.options = {**run.planner.options, "variant": variant}
+    run.planner.name = name
+    if steps is not None:
+        run.training.max_steps = steps
+    return run
+
+
+def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
+    stats = summary.get("planner") or {}
+    recompute = summary.get("recompute_ms", stats.get("recompute_ms"))
+    hit_rate = summary.get("hit_rate", stats.get("hit_rate"))
+    return {
+        "planner": spec, "status": summary.get("status"), "steps": summary.get("steps"),
+        "oom_steps": summary.get("oom_steps", 0), "train_time_s": summary.get("train_time_s"),
+        "peak_bytes": summary.get("peak_bytes"), "budget_bytes": summary.get("budget_bytes"),
+        "recompute_ms": recompute, "planning_ms_total": summary.get("planning_ms_total"),
+        "hit_rate": hit_rate, "error": summary.get("error"),
+        "run_dir": str(Path(run_dir).relative_to(compare_dir)) if run_dir else None,
+    }
+
+
+def normalise(rows: list) -> str | None:
+    """Set each completed row's ``normalised_time`` against ``none``, or ``oracle`` where
+    ``none`` did not complete; returns the reference used (None when neither completed)."""
+    by_name = {r["planner"]: r for r in rows}
+    reference = next((name for name in ("none", "oracle") if name in by_name
+                      and by_name[name]["status"] == "completed"
+                      and by_name[name]["train_time_s"]), None)
+    for row in rows:
+        done = row["status"] == "completed" and reference is not None
+        row["normalised_time"] = row["train_time_s"] / by_name[reference]["train_time_s"] if done else None
+    return reference
+
+
+def _one_run(recipe: Recipe, spec: str, budget: str, steps, compare_dir: Path, view: str) -> dict:
+    import torch
+
+    from mimose_cli.train import run_training
+
+    run = _run_recipe(recipe, spec, budget, steps)
+    out_dir = compare_dir / "runs" / budget
+    try:
+        result = run_training(run, out_dir=out_dir, view=view, recipe_name=spec.replace(":", "-"))
+    except torch.OutOfMemoryError as err:  # before the first step (e.g. a planner's prepare)
+        summary = {"status": "oom", "steps": 0, "oom_steps": 1, "error": str(err).splitlines()[0],
+                   "budget_bytes": parse_size(budget)}
+        return _row(spec, summary, None, compare_dir)
+    return _row(spec, result.summary, result.run_dir, compare_dir)
+
+
+def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None, steps=None,
+                out=None, view: str = "none", console=None, recipe_name: str = "recipe") -> Path:
+    """Run every planner at every budget and write ``compare.json``; returns the directory."""
+    specs = planner_specs(baselines)
+    budgets = list(budgets or ([recipe.budget] if recipe.budget else []))
+    if not budgets:
+        raise ValueError("compare needs a budget: set `budget` in the recipe or pass --budgets")
+    for budget in budgets:
+        parse_size(budget)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    compare_dir = Path(out) if out else Path(recipe.out_dir) / f"compare-{stamp}-{recipe_name}"
+    compare_dir.mkdir(parents=True, exist_ok=True)
+    console = console or Console()
+    data = {"recipe": recipe_name, "planners": specs, "steps": steps or recipe.training.max_steps,
+            "seed": recipe.seed, "budgets": []}
+    for budget in budgets:
+        entry = {"budget": budget, "budget_bytes": parse_size(budget), "reference": None, "runs": []}
+        data["budgets"].append(entry)
+        for spec in specs:
+            console.print(f"compare: {spec} at {budget}")
+            entry["runs"].append(_one_run(recipe, spec, budget, steps, compare_dir, view))
+            entry["reference"] = normalise(entry["runs"])
+            (compare_dir / "compare.json").write_text(json.dumps(data, indent=2))
+    render_compare(compare_dir, console)
+    console.print(f"compare directory: {compare_dir}")
+    return compare_dir
+
+
+def _fmt_ms(value) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def compare_table(entry: dict) -> Table:
+    """One budget's rows as a rich table."""
+    reference = entry.get("reference")
+    table = Table(title=f"budget {entry['budget']} ({format_bytes(entry['budget_bytes'])}); "
+                        f"time relative to {reference or '-'}", title_justify="left")
+    for column in ("planner", "status", "time", "train time", "peak memory", "OOM",
+                   "recompute", "planning", "cache hits"):
+        table.add_column(column, justify="left" if column in ("planner", "status") else "right")
+    for row in entry["runs"]:
+        status = row["status"] if row["status"] != "oom" else f"[red]oom[/red] after {row['steps']}"
+        table.add_row(
+            row["planner"], status,
+            "-" if row.get("normalised_time") is None else f"{row['normalised_time']:.3f}×",
+            "-" if row.get("train_time_s") is None else f"{row['train_time_s']:.2f} s",
+            format_bytes(row.get("peak_bytes")), str(row.get("oom_steps", 0)),
+            _fmt_ms(row.get("recompute_ms")), _fmt_ms(row.get("planning_ms_total")),
+            "-" if row.get("hit_rate") is None else f"{row['hit_rate']:.0%}")
+    return table
+
+
+def render_compare(compare_dir, console=None) -> None:
+    """Print one table per budget from ``compare_dir/compare.json`` (``mimose report`` calls
+    this when a directory holds one)."""
+    console = console or Console()
+    data = json.loads((Path(compare_dir) / "compare.json").read_text())
+    console.print(f"compare {data.get('recipe')}: {data.get('steps')} steps, seed {data.get('seed')}")
+    for entry in data["budgets"]:
+        console.print(compare_table(entry))

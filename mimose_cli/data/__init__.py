@@ -1,0 +1,42 @@
+"""Data: synthetic or Hugging Face examples, and the dynamically padded batches built from them.
+
+```python
+dataset = build_dataset(recipe, config)
+loader = build_dataloader(recipe, dataset, config, epoch=0, skip_batches=0)
+```
+"""
+
+from mimose_cli.data.loader import BatchLoader, Collator, build_dataloader, make_batch, max_input_size
+from mimose_cli.data.synthetic import LENGTH_PRESETS, build_synthetic
+
+# Their position embeddings start after the padding index, so they hold pad_token_id + 1 fewer tokens.
+PADDING_OFFSET_TYPES = ("roberta", "xlm-roberta", "roberta-prelayernorm", "camembert", "longformer",
+                        "data2vec-text", "xmod", "ibert")
+
+
+def max_model_length(config):
+    """The longest input the model's position embeddings allow; None when unlimited (XLNet)."""
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if positions is None or positions < 0:
+        return None
+    if config.model_type in PADDING_OFFSET_TYPES:
+        positions -= config.pad_token_id + 1
+    return positions
+
+
+def build_dataset(recipe, config) -> list:
+    """The training examples: dicts of token-id lists and labels, the same for the same seed."""
+    limit = max_model_length(config)
+    if limit is not None and recipe.data.max_length > limit:
+        raise ValueError(
+            f"data.max_length={recipe.data.max_length} exceeds the {config.model_type} model's {limit} positions"
+        )
+    if recipe.data.source == "hf":
+        from mimose_cli.data.hf import build_hf  # datasets is slow to import
+
+        return build_hf(recipe, config)
+    return build_synthetic(recipe, config)
+
+
+__all__ = ["LENGTH_PRESETS", "BatchLoader", "Collator", "build_dataloader", "build_dataset",
+           "make_batch", "max_input_size", "max_model_length"]

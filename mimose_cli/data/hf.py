@@ -1,0 +1,157 @@
+"""Real data: a Hugging Face data set (hub name, or local json/csv/parquet) tokenized for the task.
+
+Column layouts: sequence_classification and causal_lm read ``data.text_fields`` (default
+``text``) and ``data.label_field`` (default ``label``); multiple_choice reads SWAG's ``sent1``,
+``sent2``, ``ending0..N-1``, ``label``; question_answering reads SQuAD's ``question``,
+``context``, ``answers``. Each example is truncated to ``data.max_length`` (one feature per
+QA example, no document stride).
+"""
+
+from pathlib import Path
+
+LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_raw(data):
+    """The ``data.split`` split of ``data.name``: a local file, a local directory or a hub data set."""
+    import datasets
+
+    path = Path(data.name)
+    if path.is_file():
+        builder = LOCAL_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(f"data.name={data.name!r}: expected a {', '.join(LOCAL_BUILDERS)} file")
+        return datasets.load_dataset(builder, data_files={data.split: str(path)}, split=data.split)
+    if path.suffix.lower() in LOCAL_BUILDERS or data.name.startswith((".", "/", "~")):
+        raise ValueError(f"data.name={data.name!r}: no such file or directory")
+    return datasets.load_dataset(data.name, data.config_name, split=data.split)
+
+
+def load_tokenizer(recipe, config):
+    """``data.tokenizer`` (or ``model.pretrained``), checked to fit the model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    name = recipe.data.tokenizer or recipe.model.pretrained
+    if name is None:
+        raise ValueError("data.tokenizer is needed when data.source is hf and model.pretrained is unset")
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"data.tokenizer={name!r} has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{config.vocab_size}; set model.config_overrides: {{vocab_size: {len(tokenizer)}}}"
+        )
+    return tokenizer
+
+
+def _columns(raw, names: list, where: str) -> dict:
+    missing = [n for n in names if n not in raw.column_names]
+    if missing:
+        raise ValueError(f"{where}: column {missing[0]!r} not in the data set (columns: {', '.join(raw.column_names)})")
+    return {n: list(raw[n]) for n in names}
+
+
+def _label_ids(values: list, limit: int, key: str) -> list:
+    """Integer labels as they are; string labels numbered in sorted order."""
+    if values and isinstance(values[0], str):
+        names = sorted(set(values))
+        values = [names.index(v) for v in values]
+    bad = [v for v in values if not 0 <= v < limit]
+    if bad:
+        raise ValueError(f"label {bad[0]!r} is out of range: expected 0..{limit - 1} ({key}={limit})")
+    return values
+
+
+def _encode(tokenizer, first, second, max_length: int, **kwargs):
+    # Segment ids come from the tokenizer's post-processor; the collator drops them for models without.
+    return tokenizer(first, second, truncation=kwargs.pop("truncation", True), max_length=max_length,
+                     return_token_type_ids=True, **kwargs)
+
+
+def _rows(encoding, index: int) -> dict:
+    ids = encoding["input_ids"][index]
+    types = encoding.get("token_type_ids")
+    return {"input_ids": ids, "token_type_ids": types[index] if types is not None else [0] * len(ids)}
+
+
+def _classification(raw, tokenizer, data) -> list:
+    fields = data.text_fields or ["text"]
+    if len(fields) not in (1, 2):
+        raise ValueError(f"data.text_fields={fields!r}: expected one or two column names")
+    label_field = data.label_field or "label"
+    cols = _columns(raw, [*fields, label_field], "data.text_fields / data.label_field")
+    second = cols[fields[1]] if len(fields) == 2 else None
+    enc = _encode(tokenizer, cols[fields[0]], second, data.max_length)
+    labels = _label_ids(cols[label_field], data.num_labels, "data.num_labels")
+    return [{**_rows(enc, i), "label": label} for i, label in enumerate(labels)]
+
+
+def _causal_lm(raw, tokenizer, data) -> list:
+    fields = data.text_fields or ["text"]
+    texts = _columns(raw, fields[:1], "data.text_fields")[fields[0]]
+    enc = _encode(tokenizer, texts, None, data.max_length)
+    return [_rows(enc, i) for i in range(len(texts)) if enc["input_ids"][i]]
+
+
+def _multiple_choice(raw, tokenizer, data) -> list:
+    choices = data.num_choices
+    endings = [f"ending{c}" for c in range(choices)]
+    cols = _columns(raw, ["sent1", "sent2", *endings, "label"], "multiple_choice (SWAG layout)")
+    first = [s for s in cols["sent1"] for _ in range(choices)]
+    second = [f"{s} {cols[e][i]}" for i, s in enumerate(cols["sent2"]) for e in endings]
+    enc = _encode(tokenizer, first, second, data.max_length)
+    labels = _label_ids(cols["label"], choices, "data.num_choices")
+    examples = []
+    for i, label in enumerate(labels):
+        rows = [_rows(enc, i * choices + c) for c in range(choices)]
+        examples.append({key: [r[key] for r in rows] for key in ("input_ids", "token_type_ids")} | {"label": label})
+    return examples
+
+
+def _answer_tokens(encoding, index: int, answer_start: int, answer_end: int, cls_index: int) -> tuple:
+    """Token (start, end) of the answer's characters; the CLS token when truncation cut it off."""
+    start = end = None
+    for token, (offset, seq) in enumerate(zip(encoding["offset_mapping"][index], encoding.sequence_ids(index))):
+        if seq != 1:
+            continue
+        if start is None and offset[1] > answer_start:
+            start = token
+        if offset[0] < answer_end:
+            end = token
+    if start is None or end is None or end < start or encoding["offset_mapping"][index][end][1] < answer_end:
+        return cls_index, cls_index
+    return start, end
+
+
+def _question_answering(raw, tokenizer, data) -> list:
+    if not tokenizer.is_fast:
+        raise ValueError("data.tokenizer: question_answering needs a fast tokenizer for character offsets")
+    cols = _columns(raw, ["question", "context", "answers"], "question_answering (SQuAD layout)")
+    enc = _encode(tokenizer, cols["question"], cols["context"], data.max_length,
+                  truncation="only_second", return_offsets_mapping=True)
+    examples = []
+    for i, answers in enumerate(cols["answers"]):
+        row = _rows(enc, i)
+        ids = row["input_ids"]
+        cls_index = ids.index(tokenizer.cls_token_id) if tokenizer.cls_token_id in ids else 0
+        if answers["answer_start"]:
+            char_start = answers["answer_start"][0]
+            start, end = _answer_tokens(enc, i, char_start, char_start + len(answers["text"][0]), cls_index)
+        else:  # SQuAD v2 unanswerable
+            start = end = cls_index
+        examples.append({**row, "start_positions": start, "end_positions": end})
+    return examples
+
+
+TASK_READERS = {
+    "sequence_classification": _classification,
+    "causal_lm": _causal_lm,
+    "multiple_choice": _multiple_choice,
+    "question_answering": _question_answering,
+}
+
+
+def build_hf(recipe, config) -> list:
+    """Examples of ``data.name`` tokenized by ``data.tokenizer`` for ``recipe.task``, in file order."""
+    raw = load_raw(recipe.data)
+    tokenizer = load_tokenizer(recipe, config)
+    return TASK_READERS[recipe.task](raw, tokenizer, recipe.data)

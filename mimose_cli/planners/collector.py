@@ -1,0 +1,385 @@
+"""Mimose's shuttling online collector and its data filter.
+
+During the sheltered phase every block runs twice: once plainly to measure it (the bytes
+autograd saves, the live bytes it adds, its forward peak and time), then, after those outputs
+are dropped, checkpointed, which is what the step keeps. Only block outputs stay resident, so
+the sheltered phase fits wherever full checkpointing does, and since the RNG state is
+restored between the two runs the step computes exactly what an unplanned step computes.
+
+Live bytes come from a private probe (``LiveProbe``, counting storages as the simulated
+device does) active only during sheltered steps. It records the live bytes after every op;
+marks at block entries and at the gradient of every block output cut that trace into the
+stretches the estimator fits: each block's forward (plain and checkpointed), its recompute and
+backward, and the embeddings/head/tail around them. So it sees what saved-tensor hooks cannot:
+the transient peaks, on any device.
+"""
+
+import time
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from mimose_cli.memory import SavedBytesCounter
+from mimose_cli.planners.blocks import run_checkpointed
+from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, PendingGrads
+
+_CHECKPOINT_HOOKS = ("_checkpoint_hook", "_recomputation_hook")
+
+
+def inside_checkpoint(markers=_CHECKPOINT_HOOKS) -> bool:
+    """True while a ``torch.utils.checkpoint`` region (forward or recompute) is running."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if not hooks:
+        return False
+    name = getattr(hooks[0], "__qualname__", "")
+    return any(marker in name for marker in markers)
+
+
+class _Ref(weakref.ref):
+    __slots__ = ("key", "nbytes", "op")
+
+
+class LiveProbe(TorchDispatchMode):
+    """Live storage bytes after every op (``trace``), whether the op was a checkpoint's
+    recompute (``recompute``), and the op at which each storage appeared. Storages passed to
+    ``ignore`` (weights, existing gradients) are never counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.refs: dict = {}
+        self.trace: list = []
+        self.recompute: list = []
+
+    def _free(self, ref) -> None:
+        if self.refs.get(ref.key) is ref:
+            del self.refs[ref.key]
+            self.live -= ref.nbytes
+
+    def _add(self, storage, counted: bool = True) -> None:
+        if id(storage) in self.refs:
+            return
+        ref = _Ref(storage, self._free)
+        ref.key, ref.nbytes, ref.op = id(storage), storage.nbytes() if counted else 0, len(self.trace)
+        self.refs[ref.key] = ref
+        self.live += ref.nbytes
+
+    def ignore(self, tensors) -> None:
+        for tensor in tensors:
+            if tensor is not None and tensor.layout is torch.strided:
+                self._add(tensor.untyped_storage(), counted=False)
+
+    def appeared_at(self, tensor) -> int | None:
+        ref = self.refs.get(id(tensor.untyped_storage()))
+        return None if ref is None or ref.nbytes == 0 else ref.op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:
+                self._add(leaf.untyped_storage())
+        self.trace.append(self.live)
+        self.recompute.append(inside_checkpoint(("_recomputation_hook",)))
+        return out
+
+
+def drop_reason(name: str, checkpointed: set, parents: list, children: list, *,
+                calls: int = 0, in_checkpoint: bool = False) -> str | None:
+    """The data filter: why the sample of block ``name`` cannot be used, or None.
+
+    The paper's three rules, over the module tree: a block is dropped when it was itself
+    checkpointed while measured, when a parent (an enclosing module) was, or when a child (a
+    module inside it) was; ``checkpointed`` holds the names of such modules (Hugging Face's
+    ``gradient_checkpointing`` flag), and ``in_checkpoint`` says a checkpoint region was
+    running when the block was entered (the block or a parent checkpointed by user code).
+    It is also dropped when its memory cannot be attributed cleanly: the block ran more than
+    once in the step (``calls``: shared weights, reentrant use). The collector adds two more
+    such cases: the forward produced no tensor that needs a gradient, or the live bytes did
+    not return to their level once the measuring run was dropped (something kept its outputs).
+    """
+    if in_checkpoint or name in checkpointed:
+        return "checkpointed"
+    if any(p in checkpointed for p in parents):
+        return "parent_checkpointed"
+    if any(c in checkpointed for c in children):
+        return "child_checkpointed"
+    if calls > 0:
+        return "called_twice"
+    return None
+
+
+def _first_grad_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    if isinstance(value, (list, tuple)):
+        return next((t for t in map(_first_grad_tensor, value) if t is not None), None)
+    if isinstance(value, dict):
+        return _first_grad_tensor(list(value.values()))
+    return None
+
+
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+class _MeasuringCounter(SavedBytesCounter):
+    """A SavedBytesCounter whose graph holds detached aliases of the saved tensors.
+
+    Hooks that return the saved tensor itself make a reference cycle whenever an op saves its
+    own output (tensor -> grad_fn -> saved tensor), which only the garbage collector frees;
+    the measuring run's graph is never run backward, so it would stay alive. An alias keeps
+    the same storage alive, so the live bytes are those of a plain forward.
+    """
+
+    def _pack(self, tensor):
+        return super()._pack(tensor).detach()
+
+
+class GradBook:
+    """Which parameter gradients a step's backward will allocate, and when."""
+
+    def __init__(self, model, blocks: list):
+        seen: set = set()
+        self.block_params = []
+        for _, module in blocks:
+            params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in params)
+            self.block_params.append(params)
+        self.other_params = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+        self.head_ids: set | None = None  # learned in the first sheltered step with pending grads
+
+    @staticmethod
+    def _pending(params) -> float:
+        return float(sum(p.numel() * p.element_size() for p in params if p.grad is None))
+
+    def pending(self) -> PendingGrads:
+        """Pending gradient bytes now; until the head is known every non-block one counts as
+        head (allocated before the blocks' backward), which over- rather than under-predicts."""
+        blocks = np.array([self._pending(ps) for ps in self.block_params])
+        head = [p for p in self.other_params if self.head_ids is None or id(p) in self.head_ids]
+        other = [p for p in self.other_params if self.head_ids is not None and id(p) not in self.head_ids]
+        return PendingGrads(blocks, self._pending(head), self._pending(other))
+
+    def without_grad(self) -> set:
+        """Ids of the trainable parameters whose ``.grad`` is None now."""
+        params = [p for ps in self.block_params for p in ps] + self.other_params
+        return {id(p) for p in params if p.grad is None}
+
+    def learn_head(self, pending_at_start: list) -> None:
+        """Called when the last block's backward starts: the non-block gradients allocated
+        by then belong to the head."""
+        if self.head_ids is None and pending_at_start:
+            self.head_ids = {id(p) for p in pending_at_start if p.grad is not None}
+
+
+class ShuttlingCollector:
+    """Runs each block twice during a sheltered step and turns the timeline into a sample."""
+
+    def __init__(self, model, blocks: list, grads: GradBook):
+        self.model = model
+        self.blocks = blocks
+        self.grads = grads
+        self.counter = _MeasuringCounter(exclude=list(model.parameters()))
+        names = [name for name, _ in blocks]
+        modules = dict(model.named_modules())
+        self.block_names = names
+        self.parents = {i: [n for n in modules if n and name.startswith(n + ".")] for i, name in enumerate(names)}
+        self.children = {i: [n for n in modules if n.startswith(name + ".")] for i, name in enumerate(names)}
+        self.modules = modules
+        self.collector_ms = 0.0
+        self.active = False
+
+    def begin(self) -> None:
+        """Start a sheltered step: the probe, the marks, the gradient snapshot."""
+        self.probe = LiveProbe()
+        self.probe.ignore([*self.model.parameters(), *self.model.buffers()])
+        self.probe.ignore([p.grad for p in self.model.parameters()])
+        self.probe.__enter__()
+        self.marks: list = []
+        self.calls = [0] * len(self.blocks)
+        self.dropped: dict = {}
+        self.fwd_ms = np.full(len(self.blocks), np.nan)
+        self.saved = np.full(len(self.blocks), np.nan)
+        self.without_grad = self.grads.without_grad()
+        self.pending_other = [p for p in self.grads.other_params if p.grad is None]
+        self.active = True
+
+    def mark(self, label) -> None:
+        self.marks.append((label, len(self.probe.trace), self.probe.live))
+
+    def _checkpointed_modules(self) -> set:
+        return {n for n, m in self.modules.items() if getattr(m, "gradient_checkpointing", False) is True}
+
+    def route(self, index: int, forward, args, kwargs):
+        """The sheltered-phase route: measure, drop, restore RNG, run checkpointed."""
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        reason = drop_reason(self.block_names[index], self._checkpointed_modules(),
+                             self.parents[index], self.children[index],
+                             calls=self.calls[index], in_checkpoint=inside_checkpoint())
+        self.calls[index] += 1
+        if reason is not None:
+            self.dropped[index] = reason
+            return forward(*args, **kwargs) if inside_checkpoint() else run_checkpointed(forward, args, kwargs)
+        return self._shuttle(index, forward, args, kwargs)
+
+    def _shuttle(self, index, forward, args, kwargs):
+        start = time.perf_counter()
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        self.mark(("enter", index))
+        rng = _rng_state(device)
+        self.counter.reset()
+        self._sync(device)
+        begin = time.perf_counter()
+        with self.counter:
+            out = forward(*args, **kwargs)
+        self._sync(device)
+        self.fwd_ms[index] = (time.perf_counter() - begin) * 1e3
+        self.saved[index] = self.counter.bytes
+        usable = _first_grad_tensor(out) is not None
+        self.mark(("plain", index))
+        del out
+        self.mark(("dropped", index))
+        _set_rng_state(rng, device)
+        self.collector_ms += (time.perf_counter() - start) * 1e3
+        out = run_checkpointed(forward, args, kwargs)
+        self.mark(("ckpt", index))
+        output = _first_grad_tensor(out)
+        if not usable or output is None:
+            self.dropped[index] = "no_grad_output"
+            return out
+        output.register_hook(self._backward_hook(("bwd", index)))
+        if index == 0:
+            first = _first_grad_tensor(args)
+            if first is not None:
+                first.register_hook(self._backward_hook(("bwd_end",)))
+        return out
+
+    @staticmethod
+    def _sync(device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _backward_hook(self, label):
+        def hook(grad):
+            if self.active:
+                if label == ("bwd", len(self.blocks) - 1):
+                    self.grads.learn_head(self.pending_other)
+                self.mark(label)
+        return hook
+
+    def end(self):
+        """Close the step; returns ``(block_matrix, step_vector)`` for the estimator, or None
+        when no block could be measured."""
+        self.mark(("end",))
+        self.active = False
+        probe, self.probe = self.probe, None
+        probe.__exit__(None, None, None)
+        if not any(label[0] == "enter" for label, _, _ in self.marks):
+            return None
+        trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.recompute, dtype=bool),
+                      self._grad_bytes(probe))
+        return build_sample(self.marks, trace, len(self.blocks), self.saved, self.fwd_ms,
+                            self.dropped)
+
+    def _grad_bytes(self, probe: LiveProbe) -> np.ndarray:
+        """Bytes of parameter gradients allocated by each op of the trace."""
+        allocated = np.zeros(len(probe.trace) + 1)
+        for p in self.model.parameters():
+            if id(p) in self.without_grad and p.grad is not None:
+                op = probe.appeared_at(p.grad)
+                if op is not None:
+                    allocated[op] += p.grad.numel() * p.grad.element_size()
+        return np.cumsum(allocated)[:-1]
+
+    def abort(self) -> None:
+        """The step raised (out of memory): leave the probe, keep nothing."""
+        if self.active:
+            self.active = False
+            probe, self.probe = self.probe, None
+            probe.__exit__(None, None, None)
+
+
+@dataclass
+class Trace:
+    """One sheltered step's live bytes after each op, which ops were recomputes, and the
+    parameter-gradient bytes allocated by each op (taken out of the targets: the planner adds
+    back what is pending at the step it plans)."""
+
+    live: np.ndarray
+    recompute: np.ndarray
+    grads: np.ndarray
+
+    def ops(self, start: int, stop: int, reference: float, recompute=None):
+        """Live bytes of ops ``start..stop-1`` above ``reference``, gradients excluded; None
+        when there is no such op."""
+        values = self.live[start:stop] - self.grads[start:stop] - reference
+        if recompute is not None:
+            values = values[self.recompute[start:stop] == recompute]
+        return values if len(values) else None
+
+
+def build_sample(marks: list, trace: Trace, num_blocks: int, saved, fwd_ms, dropped: dict):
+    """Per-block and step quantities (``{quantity: [array | None per block]}``, ``{quantity:
+    array | None}``) from one step's marks ``(label, op index, live bytes)``. Dropped blocks
+    and stretches a missing mark leaves unattributable are None."""
+    at = {label: (index, live) for label, index, live in marks}
+    blocks = {q: [None] * num_blocks for q in BLOCK_QUANTITIES}
+    step = {q: None for q in STEP_QUANTITIES}
+    last = at.get(("ckpt", num_blocks - 1))
+    if ("enter", 0) not in at or last is None:
+        return blocks, step
+    entry = [at.get(("enter", i), (None, np.nan))[1] for i in range(num_blocks)] + [last[1]]
+    step["pre_bytes"] = np.array([entry[0]])
+    step["pre_peak_bytes"] = trace.ops(0, at[("enter", 0)][0], 0.0)
+    for i in range(num_blocks):
+        if i not in dropped:
+            _block_forward(blocks, i, at, entry, trace, saved, fwd_ms)
+    _block_backward(blocks, step, at, entry, marks, trace, num_blocks, dropped)
+    return blocks, step
+
+
+def _block_forward(blocks: dict, i: int, at: dict, entry: list, trace: Trace, saved, fwd_ms) -> None:
+    enter, plain, dropped, ckpt = (at.get((kind, i)) for kind in ("enter", "plain", "dropped", "ckpt"))
+    if None in (enter, plain, dropped, ckpt) or np.isnan(entry[i + 1]) or dropped[1] != enter[1]:
+        return  # the measuring run's outputs outlived it, or a mark is missing
+    ckpt_bytes = entry[i + 1] - enter[1]
+    blocks["saved_bytes"][i] = np.array([saved[i]])
+    blocks["fwd_ms"][i] = np.array([fwd_ms[i]])
+    blocks["ckpt_bytes"][i] = np.array([ckpt_bytes])
+    blocks["plain_bytes"][i] = np.array([ckpt_bytes + plain[1] - ckpt[1]])
+    blocks["fwd_peak_bytes"][i] = trace.ops(enter[0], plain[0], enter[1])
+    blocks["ckpt_fwd_peak_bytes"][i] = trace.ops(dropped[0], ckpt[0], enter[1])
+    following = at.get(("enter", i + 1))
+    if following is not None:
+        blocks["gap_peak_bytes"][i + 1] = trace.ops(ckpt[0], following[0], following[1])
+
+
+def _block_backward(blocks: dict, step: dict, at: dict, entry: list, marks: list, trace: Trace,
+                    num_blocks: int, dropped: dict) -> None:
+    order = [label for label, _, _ in marks if label[0] == "bwd"]
+    if order != [("bwd", i) for i in reversed(range(num_blocks))]:
+        return  # backward did not run block by block in reverse: nothing attributable
+    step["head_peak_bytes"] = trace.ops(at[("ckpt", num_blocks - 1)][0], at[("bwd", num_blocks - 1)][0],
+                                        entry[num_blocks])
+    for i in range(num_blocks):
+        start = at[("bwd", i)][0]
+        stop = next(index for label, index, _ in marks if index >= start and label != ("bwd", i)
+                    and label[0] in ("bwd", "bwd_end", "end"))
+        if i not in dropped and not np.isnan(entry[i]):
+            blocks["bwd_peak_bytes"][i] = trace.ops(start, stop, entry[i], recompute=False)
+            blocks["recompute_peak_bytes"][i] = trace.ops(start, stop, entry[i], recompute=True)
+    end = at.get(("bwd_end",))
+    if end is not None:
+        step["tail_peak_bytes"] = trace.ops(end[0], len(trace.live), 0.0)

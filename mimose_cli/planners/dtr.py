@@ -1,0 +1,279 @@
+"""DTR (Kirisame et al., ICLR 2021) at block granularity: evict under pressure, recompute on demand.
+
+Every block's forward runs under ``saved_tensors_hooks`` whose pack stores each saved tensor in
+the block's ``_Holder`` and hands autograd a small handle. When tracked memory would exceed the
+budget, whole blocks are evicted (their held tensors dropped) in order of DTR's heuristic
+``cost / (memory × staleness)``; when backward unpacks a handle of an evicted block, the block is
+recomputed from its stashed inputs with the RNG and autocast state of its first run, and the
+recomputation's saved tensors refill the holder by pack index (as non-reentrant
+``torch.utils.checkpoint`` refills its frame). Nothing survives the step: every batch decides
+again, which is what makes DTR reactive.
+
+Pitfalls handled (docs/BASELINES.md):
+  - inputs changed in place after the block ran would recompute different values: input
+    version counters are checked before recomputing and a clear error is raised;
+  - BatchNorm running statistics would be updated twice: the block's buffers are restored
+    after each recomputation;
+  - a recomputation must save the same tensors in the same order (same count, shapes, dtypes);
+    a mismatch (data-dependent control flow, a kernel choosing another algorithm) raises.
+Boundary tensors (a block's inputs) are kept, not evicted: DTR's equivalence-class variant is
+not implemented.
+"""
+
+import contextlib
+import itertools
+import time
+import weakref
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_leaves, tree_map
+
+from mimose_cli.planners.base import Planner
+from mimose_cli.planners.profile import tensor_storages
+
+_AUTOCAST_DEVICES = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
+
+
+class _Handle:
+    """What autograd holds instead of a saved tensor; dies when backward has used it."""
+
+    __slots__ = ("holder", "index", "__weakref__")
+
+    def __init__(self, holder, index):
+        self.holder = holder
+        self.index = index
+
+
+class _Holder:
+    """One block call's saved tensors, stashed inputs and replay state, for one step."""
+
+    def __init__(self, index, forward, args, kwargs, exclude_storages):
+        self.index = index
+        self.forward = forward
+        self.args, self.kwargs = args, kwargs
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.input_versions = [(t, t._version) for t in inputs]
+        self.exclude = exclude_storages | tensor_storages((args, kwargs))
+        cuda = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
+        self.rng = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda])
+        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in _AUTOCAST_DEVICES]
+        self.tensors = weakref.WeakKeyDictionary()  # live handle -> tensor; empty when evicted
+        self.handles: list = []  # weak references to the handles, by pack index
+        self.meta: list = []  # (shape, dtype) by pack index, to check recomputation
+        self.complete = False
+        self.resident = True
+        self.bytes = 0  # evictable bytes when the forward finished
+        self.cost_ms = 0.0
+        self.last_access = 0
+
+    def held_bytes(self) -> int:
+        """Bytes eviction would free: unique storages held, parameters and inputs excluded."""
+        seen = {}
+        for tensor in list(self.tensors.values()):
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.exclude:
+                seen[ptr] = storage.nbytes()
+        return sum(seen.values())
+
+
+class DTR(Planner):
+    """Dynamic tensor rematerialization over blocks; gradients equal those of ``none``.
+
+    ``cost_fn(holder) -> float`` replaces the measured forward ms as the eviction cost
+    (deterministic costs for tests and experiments).
+    """
+
+    name = "dtr"
+
+    def __init__(self, model, budget=None, *, cost_fn=None, **kwargs):
+        super().__init__(model, budget, **kwargs)
+        self.cost_fn = cost_fn
+        self._params = set()
+        self._holders: list = []
+        self._clock = itertools.count(1)
+        self._now = 0
+        self._reserve_bytes = 0
+        self.events: list = []  # ("evict" | "recompute", block index) in order, this step
+        self.totals = {"evictions": 0, "recomputations": 0, "recompute_ms": 0.0}
+
+    def decide(self, input_size):
+        return ()
+
+    @contextlib.contextmanager
+    def step(self, batch=None, input_size=None):
+        self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._holders, self.events, self._reserve_bytes = [], [], 0
+        self._step_recompute_ms = 0.0
+        try:
+            with super().step(batch, input_size) as info:
+                yield info
+                self._record(info)
+        finally:
+            self._holders = []
+
+    def _record(self, info) -> None:
+        evicted = {index for kind, index in self.events if kind == "evict"}
+        info.plan = tuple(sorted(evicted))
+        info.extra.update(
+            evictions=sum(1 for kind, _ in self.events if kind == "evict"),
+            recomputations=sum(1 for kind, _ in self.events if kind == "recompute"),
+            recompute_ms=self._step_recompute_ms)
+        self.totals["evictions"] += info.extra["evictions"]
+        self.totals["recomputations"] += info.extra["recomputations"]
+        self.totals["recompute_ms"] += self._step_recompute_ms
+
+    def _tick(self, holder) -> None:
+        self._now = next(self._clock)
+        holder.last_access = self._now
+
+    def route(self, index, forward, args, kwargs):
+        if not torch.is_grad_enabled() or not self._holders_enabled():
+            return forward(*args, **kwargs)
+        previous = next((h.bytes for h in reversed(self._holders) if h.complete), 0)
+        self._make_room(previous, protect=None)  # the next block is likely as large
+        holder = _Holder(index, forward, args, kwargs, self._params)
+        self._holders.append(holder)
+
+        def pack(tensor):
+            handle = _Handle(holder, len(holder.handles))
+            holder.handles.append(weakref.ref(handle))
+            holder.meta.append((tensor.shape, tensor.dtype))
+            holder.tensors[handle] = tensor
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in holder.exclude:
+                self._reserve_bytes = max(self._reserve_bytes, storage.nbytes())
+            self._tick(holder)
+            self._make_room(self._reserve_bytes, protect=holder)
+            return handle
+
+        start = time.perf_counter()
+        with saved_tensors_hooks(pack, self._unpack):
+            out = forward(*args, **kwargs)
+        holder.cost_ms = (time.perf_counter() - start) * 1e3
+        holder.bytes = holder.held_bytes()
+        holder.complete = True
+        return out
+
+    def _holders_enabled(self) -> bool:
+        return self.budget_bytes is not None
+
+    def _unpack(self, handle):
+        holder = handle.holder
+        if handle not in holder.tensors:
+            self._rematerialize(holder)
+        self._tick(holder)
+        return holder.tensors[handle]
+
+    def _tracked_bytes(self) -> int:
+        if self.meter is not None:
+            return self.meter.current_bytes()
+        return sum(h.held_bytes() for h in self._holders if h.resident)
+
+    def _make_room(self, need_bytes: int, protect) -> None:
+        """Evict blocks by the DTR heuristic until ``need_bytes`` more fit under the limit."""
+        while self._tracked_bytes() + need_bytes > self.limit_bytes:
+            victim = self.choose_victim(protect)
+            if victim is None:
+                return
+            self._evict(victim)
+
+    def score(self, holder) -> float:
+        """DTR's h(t) = cost / (memory × staleness); the smallest is evicted first."""
+        cost = self.cost_fn(holder) if self.cost_fn is not None else holder.cost_ms
+        staleness = self._now - holder.last_access + 1
+        return cost / (max(holder.held_bytes(), 1) * staleness)
+
+    def choose_victim(self, protect):
+        candidates = [h for h in self._holders if h.complete and h.resident and h is not protect
+                      and h.held_bytes() > 0]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda h: (self.score(h), h.index))
+
+    def _evict(self, holder) -> None:
+        holder.tensors.clear()
+        holder.resident = False
+        self.events.append(("evict", holder.index))
+
+    def _rematerialize(self, holder) -> None:
+        """Recompute an evicted block and refill the tensors backward still needs."""
+        self._make_room(holder.bytes + self._reserve_bytes, protect=holder)
+        _check_inputs_unchanged(holder)
+        refill = _refill_hook(holder)
+        start = time.perf_counter()
+        with _replay_state(holder), saved_tensors_hooks(refill, _never_unpacked), torch.enable_grad():
+            args, kwargs = tree_map(_detach, (holder.args, holder.kwargs))
+            holder.forward(*args, **kwargs)
+        if refill.count != len(holder.handles):
+            raise RuntimeError(_nondeterministic(holder, f"saved {refill.count} tensors, first run "
+                                                 f"saved {len(holder.handles)}"))
+        holder.resident = True
+        elapsed = (time.perf_counter() - start) * 1e3
+        self._step_recompute_ms += elapsed
+        self.events.append(("recompute", holder.index))
+
+    @property
+    def stats(self) -> dict:
+        stats = super().stats
+        stats.update(self.totals)
+        return stats
+
+
+def _refill_hook(holder):
+    def refill(tensor):
+        index = refill.count
+        refill.count += 1
+        if index >= len(holder.handles) or holder.meta[index] != (tensor.shape, tensor.dtype):
+            raise RuntimeError(_nondeterministic(holder, f"saved tensor #{index} differs"))
+        handle = holder.handles[index]()
+        if handle is not None:  # else backward has used it already
+            holder.tensors[handle] = tensor
+    refill.count = 0
+    return refill
+
+
+def _nondeterministic(holder, what: str) -> str:
+    return (f"dtr: recomputing block {holder.index} {what}; its forward must save the same "
+            "tensors every time (no data-dependent branches); use another planner for it")
+
+
+def _check_inputs_unchanged(holder) -> None:
+    for tensor, version in holder.input_versions:
+        if tensor._version != version:
+            raise RuntimeError(
+                f"dtr: an input of block {holder.index} was modified in place after the block "
+                "ran, so recomputing it would give other values; make the change out of place")
+
+
+@contextlib.contextmanager
+def _replay_state(holder):
+    """The RNG and autocast state of the block's first run; its buffers restored afterwards."""
+    cpu_state, cuda_states = holder.rng
+    module = getattr(holder.forward, "__self__", None)
+    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
+    with torch.random.fork_rng(devices=[d for d, _ in cuda_states], device_type="cuda"), \
+            contextlib.ExitStack() as stack:
+        torch.set_rng_state(cpu_state)
+        for device, state in cuda_states:
+            torch.cuda.set_rng_state(state, device)
+        for device_type, enabled, dtype in holder.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
+def _detach(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
+
+def _never_unpacked(_):
+    raise RuntimeError("dtr: a recomputation's own graph is never backwarded")

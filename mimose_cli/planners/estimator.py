@@ -1,0 +1,265 @@
+"""Mimose's lightning memory estimator: per-block least squares on the input size.
+
+The paper fits each layer's memory as ``a·x² + b·x + c`` of the sequence length ``x``. Here
+``x`` is the input shape, so batches whose batch size changes are predicted too: with ``B`` the
+batch and ``L`` the product of the other dimensions (the padded length; H·W for images),
+memory is fitted on ``B·L², B·L, 1, B, L², L``. Attention is ``B·L²``, the rest of a
+transformer layer ``B·L``; ``L²``/``L`` alone cover tensors shared by the batch (XLNet's
+relative positions). A feature is used only when the sizes seen so far tell it apart from
+the others (numerical rank), so a sheltered phase whose batch size never changed fits
+``B·L², B·L, 1``: activations proportional to the batch, the prior a per-sample model carries.
+
+Memory bytes are exact integers, quadratic in the shape, so the fit is exact wherever that
+model holds; forward time is fitted on ``B·L², B·L, 1``.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("BL2", "BL", "1", "B", "L2", "L")
+TIME_FEATURES = ("BL2", "BL", "1")
+BLOCK_QUANTITIES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "gap_peak_bytes", "fwd_peak_bytes",
+                    "ckpt_fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes", "fwd_ms")
+"""Per block, all in bytes above the live bytes at the block's entry, except ``fwd_ms``:
+``saved_bytes`` what autograd saves (the paper's layer memory); ``plain_bytes`` and
+``ckpt_bytes`` the live bytes the block adds until its backward, run plainly or checkpointed;
+``gap_peak_bytes`` the peak between the previous block and this one; ``*fwd_peak_bytes`` the
+peak during its forward; ``bwd_peak_bytes`` the peak during its backward's own ops and
+``recompute_peak_bytes`` during its recompute (parameter gradients excluded, added back from
+what is pending)."""
+STEP_QUANTITIES = ("pre_bytes", "pre_peak_bytes", "head_peak_bytes", "tail_peak_bytes")
+"""Outside the blocks: live bytes before the first block (embeddings), the peak before it,
+the peak from the last block's output to the start of its backward (head, loss, head
+backward) above the live bytes then, and the peak after the first block's backward."""
+_RANK_RTOL = 1e-9
+_NO_EVENT = -1e30
+
+
+def features(size) -> np.ndarray:
+    """Regression features of an input size ``(B, L)`` or ``(B, H, W)``, in ``FEATURES`` order."""
+    batch = float(size[0])
+    length = float(np.prod(size[1:])) if len(size) > 1 else 1.0
+    return np.array([batch * length * length, batch * length, 1.0, batch, length * length, length])
+
+
+def select_features(design: np.ndarray, candidates: tuple) -> list:
+    """Columns of ``design`` (FEATURES order) taken in order while each raises the rank."""
+    chosen: list = []
+    for name in candidates:
+        column = FEATURES.index(name)
+        trial = design[:, chosen + [column]]
+        scaled = trial / np.maximum(np.abs(trial).max(axis=0), 1e-300)
+        singular = np.linalg.svd(scaled, compute_uv=False)
+        if len(chosen) < design.shape[0] and singular[-1] > _RANK_RTOL * singular[0]:
+            chosen.append(column)
+    return chosen
+
+
+def least_squares(design: np.ndarray, targets: np.ndarray, candidates: tuple) -> np.ndarray:
+    """Coefficients (FEATURES x targets) of each target column on the selected features."""
+    coef = np.zeros((len(FEATURES), targets.shape[1]))
+    chosen = select_features(design, candidates)
+    x = design[:, chosen]
+    scale = np.abs(x).max(axis=0)
+    coef[chosen] = np.linalg.lstsq(x / scale, targets, rcond=None)[0] / scale[:, None]
+    return coef
+
+
+def probe_sizes(sizes: list) -> np.ndarray:
+    """Features of a grid spanning (and extrapolating 4x beyond) the sizes seen."""
+    batches = [s[0] for s in sizes]
+    lengths = [float(np.prod(s[1:])) for s in sizes]
+    grid_b = sorted({min(batches), max(batches), 4 * max(batches)})
+    grid_l = np.geomspace(max(1.0, min(lengths) / 2), 4 * max(lengths), 12)
+    return np.stack([features((b, length)) for b in grid_b for length in grid_l])
+
+
+def prune_ops(coef: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Indices of the op columns that are the largest somewhere on the grid: a peak is the
+    max over ops, and only these can be it at the sizes planned for."""
+    if coef.shape[1] <= 1:
+        return np.arange(coef.shape[1])
+    values = grid @ coef
+    return np.unique(np.argmax(values, axis=1))
+
+
+@dataclass
+class Prediction:
+    """Predicted quantities at one input size: ``blocks[q]`` is an array over blocks for each
+    name in BLOCK_QUANTITIES, ``step[q]`` a float for each name in STEP_QUANTITIES."""
+
+    size: tuple
+    blocks: dict
+    step: dict
+
+    @property
+    def savings(self) -> np.ndarray:
+        """What checkpointing each block frees until its backward."""
+        return np.maximum(self.blocks["plain_bytes"] - self.blocks["ckpt_bytes"], 0.0)
+
+
+@dataclass
+class PendingGrads:
+    """Bytes of parameter gradients backward will allocate (their ``.grad`` is None at the
+    start of the step): per block, for the head (allocated before the blocks' backward) and
+    for the rest (embeddings, allocated after it)."""
+
+    blocks: np.ndarray
+    head: float = 0.0
+    other: float = 0.0
+
+    def at_block_backward(self) -> np.ndarray:
+        """Gradient bytes allocated by the end of each block's backward."""
+        return self.head + np.cumsum(self.blocks[::-1])[::-1]
+
+    @property
+    def total(self) -> float:
+        return self.head + float(self.blocks.sum()) + self.other
+
+
+def peak_timeline(pred: Prediction, plan_mask: np.ndarray, grads: PendingGrads) -> np.ndarray:
+    """The step's memory events above the start-of-step bytes, for one plan (a bool mask).
+
+    Forward: each block adds its plain or checkpointed bytes; its forward peaks above what the
+    blocks before it hold. Backward, block by block in reverse, peaks at what the blocks
+    before it hold plus its own backward peak (the same whether it was checkpointed: the
+    recompute brings its activations back; the recompute's own peak counts when it is
+    checkpointed) plus the gradients allocated by then.
+    """
+    b, s = pred.blocks, pred.step
+    held = np.where(plan_mask, b["ckpt_bytes"], b["plain_bytes"])
+    entry = s["pre_bytes"] + np.concatenate(([0.0], np.cumsum(held)))
+    at = entry[:-1]
+    fwd = at + np.maximum(b["gap_peak_bytes"],
+                          np.where(plan_mask, b["ckpt_fwd_peak_bytes"], b["fwd_peak_bytes"]))
+    own = np.maximum(b["bwd_peak_bytes"], np.where(plan_mask, b["recompute_peak_bytes"], _NO_EVENT))
+    bwd = at + own + grads.at_block_backward()
+    head = entry[-1] + s["head_peak_bytes"] + grads.head
+    tail = s["tail_peak_bytes"] + grads.total
+    return np.concatenate(([s["pre_peak_bytes"]], fwd, [head], bwd, [tail]))
+
+
+class Estimator:
+    """Samples from the collector in, per-block regressions and step peaks out.
+
+    A sample holds, for each quantity (and block), an array over the ops of that stretch of
+    the step: one value for a live-bytes or time quantity, the live bytes after each op for a
+    peak. Every op is fitted on its own, and a peak is predicted as the max over the ops that
+    can be the largest (``prune_ops``): the max of quadratics is what the step really is, a
+    single quadratic through segment peaks is not (the largest op changes with the size).
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.sizes: list = []
+        self.samples: list = []  # (blocks: {q: [array | None] * num_blocks}, step: {q: array | None})
+        self.coef: np.ndarray | None = None  # FEATURES x kept ops, in segments
+        self.starts: np.ndarray | None = None  # first column of each (quantity, block) segment
+        self.source: np.ndarray | None = None  # per flat (quantity, block): its segment, or -1
+
+    @property
+    def fitted(self) -> bool:
+        return self.coef is not None
+
+    def add(self, size: tuple, blocks: dict, step: dict) -> None:
+        """Record one sheltered step's measurements at input size ``size``."""
+        self.sizes.append(tuple(int(d) for d in size))
+        self.samples.append((blocks, step))
+
+    def _keys(self) -> list:
+        return ([(q, i) for q in BLOCK_QUANTITIES for i in range(self.num_blocks)]
+                + [(q, -1) for q in STEP_QUANTITIES])
+
+    def _series(self, key) -> tuple:
+        """The samples of one quantity: rows used and their matrix (samples x ops). Samples
+        whose op count differs from the most common one (another kernel ran) are left out."""
+        q, i = key
+        arrays = [(blocks[q][i] if i >= 0 else step[q]) for blocks, step in self.samples]
+        lengths = [len(a) for a in arrays if a is not None]
+        if not lengths:
+            return (), None
+        common = max(set(lengths), key=lengths.count)
+        rows = tuple(k for k, a in enumerate(arrays) if a is not None and len(a) == common)
+        return rows, np.stack([arrays[k] for k in rows])
+
+    def fit(self) -> None:
+        """Fit every quantity; raises ValueError without samples."""
+        if not self.sizes:
+            raise ValueError("the estimator has no samples: run the sheltered phase or load one")
+        design = np.stack([features(size) for size in self.sizes])
+        grid = probe_sizes(self.sizes)
+        groups: dict = {}
+        for key in self._keys():
+            rows, matrix = self._series(key)
+            if matrix is not None:
+                groups.setdefault((rows, key[0] == "fwd_ms"), []).append((key, matrix))
+        fitted = {}
+        for (rows, is_time), items in groups.items():
+            coef = least_squares(design[list(rows)], np.concatenate([m for _, m in items], axis=1),
+                                 TIME_FEATURES if is_time else FEATURES)
+            offset = 0
+            for key, matrix in items:
+                part = coef[:, offset: offset + matrix.shape[1]]
+                fitted[key] = part[:, prune_ops(part, grid)]
+                offset += matrix.shape[1]
+        self._assemble(fitted)
+
+    def _assemble(self, fitted: dict) -> None:
+        keys = [k for k in self._keys() if k in fitted]
+        widths = [fitted[k].shape[1] for k in keys]
+        self.coef = np.concatenate([fitted[k] for k in keys], axis=1)
+        self.starts = np.concatenate(([0], np.cumsum(widths)[:-1])).astype(int)
+        segment = {k: n for n, k in enumerate(keys)}
+        source = []
+        for q, i in self._keys():
+            if (q, i) not in segment and i >= 0:  # never measured: its nearest measured block's
+                near = sorted((abs(j - i), j) for j in range(self.num_blocks) if (q, j) in segment)
+                i = near[0][1] if near else i
+            source.append(segment.get((q, i), -1))
+        self.source = np.array(source)
+
+    def predict(self, size) -> Prediction:
+        """Every quantity at ``size``; bytes, and ms for time (never below zero)."""
+        values = np.maximum.reduceat(features(size) @ self.coef, self.starts)
+        flat = np.where(self.source >= 0, values[self.source], np.nan)
+        n = self.num_blocks * len(BLOCK_QUANTITIES)
+        blocks = flat[:n].reshape(len(BLOCK_QUANTITIES), self.num_blocks)
+        step = flat[n:]
+        for table, names in ((blocks, BLOCK_QUANTITIES), (step, STEP_QUANTITIES)):
+            for k, name in enumerate(names):
+                table[k] = np.nan_to_num(table[k], nan=_NO_EVENT if "peak" in name else 0.0)
+        blocks[-1] = np.maximum(blocks[-1], 0.0)
+        return Prediction(tuple(size), dict(zip(BLOCK_QUANTITIES, blocks)),
+                          dict(zip(STEP_QUANTITIES, step.tolist())))
+
+    def state_dict(self) -> dict:
+        def plain(array):
+            return None if array is None else [float(v) for v in array]
+
+        samples = [{"blocks": {q: [plain(a) for a in arrays] for q, arrays in blocks.items()},
+                    "step": {q: plain(a) for q, a in step.items()}} for blocks, step in self.samples]
+        fitted = None if self.coef is None else {
+            "coef": self.coef.tolist(), "starts": self.starts.tolist(), "source": self.source.tolist()}
+        return {"num_blocks": self.num_blocks, "features": list(FEATURES),
+                "block_quantities": list(BLOCK_QUANTITIES), "step_quantities": list(STEP_QUANTITIES),
+                "sizes": [list(s) for s in self.sizes], "samples": samples, "fitted": fitted}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_blocks"] != self.num_blocks:
+            raise ValueError(f"the saved estimator has {state['num_blocks']} blocks, this model "
+                             f"{self.num_blocks}; it was fitted for another model")
+        if (list(state["block_quantities"]) != list(BLOCK_QUANTITIES)
+                or list(state["features"]) != list(FEATURES)):
+            raise ValueError("the saved estimator was written by an incompatible mimose version")
+
+        def array(values):
+            return None if values is None else np.array(values, dtype=float)
+
+        self.sizes = [tuple(s) for s in state["sizes"]]
+        self.samples = [({q: [array(a) for a in arrays] for q, arrays in sample["blocks"].items()},
+                         {q: array(a) for q, a in sample["step"].items()}) for sample in state["samples"]]
+        fitted = state.get("fitted")
+        self.coef = None if fitted is None else np.array(fitted["coef"], dtype=float).reshape(len(FEATURES), -1)
+        self.starts = None if fitted is None else np.array(fitted["starts"], dtype=int)
+        self.source = None if fitted is None else np.array(fitted["source"], dtype=int)

@@ -1,0 +1,243 @@
+"""The Mimose planner (arXiv 2209.02478): learn per-block memory online, plan per input size.
+
+Sheltered phase (the first ``sheltered_steps`` steps): the shuttling collector measures every
+block at this step's input size and runs it checkpointed. Then the estimator is fitted, and
+the responsive phase plans each batch: the plan cache answers for sizes already planned (the
+sequence length rounded up to ``granularity``, planned at the rounded size so the plan is safe
+for every size it covers); on a miss the greedy scheduler picks the blocks to checkpoint from
+the predicted memory and the budget, re-checked against the predicted step peak.
+
+Library use::
+
+    planner = mimose_cli.Mimose(model, budget="6GB")
+    for batch in loader:
+        with planner.step(batch):
+            model(**batch).loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+    planner.save("estimator.json")   # Mimose(model, budget=...).load(path) skips the sheltered phase
+
+Without a ``meter`` the planner builds one (``build_meter("auto", budget, device)``), turns it
+on at construction (on the CPU that is the simulated device: every op is counted and going
+over the budget raises ``torch.OutOfMemoryError``) and measures each ``step()`` with it; it is
+turned off by ``close()``.
+"""
+
+import contextlib
+import json
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mimose_cli.planners.base import Planner, StepInfo
+from mimose_cli.planners.collector import GradBook, ShuttlingCollector
+from mimose_cli.planners.estimator import Estimator, peak_timeline
+from mimose_cli.planners.scheduler import greedy_plan_checked
+
+
+class Mimose(Planner):
+    """Input-aware checkpointing: the paper's collector, estimator, scheduler and plan cache."""
+
+    name = "mimose"
+
+    def __init__(self, model, budget=None, *, blocks=None, safety_margin=0, meter=None,
+                 sheltered_steps: int = 10, granularity: int = 8, bucket: float = 0.10):
+        if not isinstance(sheltered_steps, int) or sheltered_steps < 1:
+            raise ValueError(f"sheltered_steps={sheltered_steps!r} is invalid; expected an integer >= 1")
+        if not isinstance(granularity, int) or granularity < 1:
+            raise ValueError(f"granularity={granularity!r} is invalid; expected an integer >= 1")
+        if not 0.0 <= bucket < 1.0:
+            raise ValueError(f"bucket={bucket!r} is invalid; expected a fraction in [0, 1)")
+        super().__init__(model, budget, blocks=blocks, safety_margin=safety_margin, meter=meter)
+        self.sheltered_steps = sheltered_steps
+        self.granularity = granularity
+        self.bucket = bucket
+        self._own_meter = None
+        if meter is None:
+            self._own_meter = self._start_own_meter(model)
+        self.estimator = Estimator(self.num_blocks)
+        self.grads = GradBook(model, self.blocks)
+        self.collector = ShuttlingCollector(model, self.blocks, self.grads)
+        self.cache: dict = {}
+        self.sheltered_done = 0
+        self.fit_ms = 0.0
+        self.counts = {"hits": 0, "misses": 0, "scheduler_ms": 0.0, "unfit_plans": 0,
+                       "underpredictions": 0, "max_underprediction_bytes": 0,
+                       "sheltered_ms": 0.0, "responsive_ms": 0.0, "responsive_steps": 0}
+        self.warnings: list = []
+        if self.budget_bytes is None:
+            self._warn("mimose without a budget checkpoints nothing; it only fits its estimator")
+
+    def _start_own_meter(self, model):
+        from mimose_cli.memory import build_meter
+
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.meter = build_meter("auto", self.budget_bytes, device)
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.meter.activate())
+        self.meter.track(model)
+        return stack
+
+    def _warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+            warnings.warn(message, stacklevel=3)
+
+    @property
+    def sheltered(self) -> bool:
+        """True while the collector runs: until ``sheltered_steps`` samples, unless loaded."""
+        return not self.estimator.fitted
+
+    def cache_key(self, size: tuple) -> tuple:
+        """The plan-cache key: the batch size, and every other dimension rounded up."""
+        g = self.granularity
+        return (size[0],) + tuple(-(-d // g) * g for d in size[1:])
+
+    def make_step_info(self, size: tuple) -> StepInfo:
+        if self.sheltered:
+            plan = tuple(range(self.num_blocks))
+            return StepInfo(self.steps, size, plan, 0.0, phase="sheltered")
+        if self.limit_bytes is None:
+            return StepInfo(self.steps, size, (), 0.0, phase="responsive")
+        key = self.cache_key(size)
+        base = self.meter.current_bytes() if self.meter is not None else 0
+        entry = self.cache.get(key)
+        # A cached plan holds while the bytes at the step's start still leave it room.
+        hit = entry is not None and (not entry[2] or base + entry[1] <= self.limit_bytes)
+        if not hit:
+            entry = self._plan_miss(key, base)
+        self.counts["hits" if hit else "misses"] += 1
+        return StepInfo(self.steps, size, entry[0], 0.0, phase="responsive", cache_hit=hit,
+                        predicted_peak_bytes=int(base + entry[1]))
+
+    def _plan_miss(self, key: tuple, base: int) -> tuple:
+        start = time.perf_counter()
+        pred = self.estimator.predict(key)
+        grads = self.grads.pending()
+        masks = np.zeros(self.num_blocks, dtype=bool)
+
+        def predict_peak(plan):
+            masks[:] = False
+            masks[list(plan)] = True
+            return base + float(peak_timeline(pred, masks, grads).max())
+
+        plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak,
+                                               self.limit_bytes, self.bucket)
+        if not fits:
+            self.counts["unfit_plans"] += 1
+            self._warn(f"input size {key} is predicted not to fit the budget even with every "
+                       "block checkpointed; the step may run out of memory")
+        entry = (plan, peak - base, fits)
+        self.cache[key] = entry
+        self.counts["scheduler_ms"] += (time.perf_counter() - start) * 1e3
+        return entry
+
+    def decide(self, input_size: tuple) -> tuple:
+        return self.make_step_info(tuple(input_size)).plan
+
+    def route(self, index, forward, args, kwargs):
+        if self.collector.active:
+            return self.collector.route(index, forward, args, kwargs)
+        return super().route(index, forward, args, kwargs)
+
+    @contextlib.contextmanager
+    def step(self, batch=None, input_size=None):
+        """Plan and apply this batch's checkpointing; yields the ``StepInfo``."""
+        start = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            if self._own_meter is not None:
+                stack.enter_context(self.meter.step())
+            sheltered = self.sheltered
+            with super().step(batch, input_size) as info:
+                if sheltered:
+                    self.collector.begin()
+                try:
+                    yield info
+                except BaseException:
+                    self.collector.abort()
+                    raise
+                if sheltered:
+                    self._collect(info)
+        elapsed = (time.perf_counter() - start) * 1e3
+        self.counts["sheltered_ms" if sheltered else "responsive_ms"] += elapsed
+        self.counts["responsive_steps"] += 0 if sheltered else 1
+
+    def _collect(self, info: StepInfo) -> None:
+        sample = self.collector.end()
+        if sample is None:
+            return
+        self.estimator.add(info.input_size, *sample)
+        self.sheltered_done += 1
+        if self.sheltered_done >= self.sheltered_steps:
+            start = time.perf_counter()
+            self.estimator.fit()
+            self.fit_ms = (time.perf_counter() - start) * 1e3
+
+    def observe(self, info: StepInfo, peak_bytes) -> None:
+        if info.predicted_peak_bytes is None or peak_bytes is None:
+            return
+        under = peak_bytes - info.predicted_peak_bytes
+        if under > 0:
+            self.counts["underpredictions"] += 1
+            self.counts["max_underprediction_bytes"] = max(self.counts["max_underprediction_bytes"], under)
+
+    @property
+    def stats(self) -> dict:
+        c = self.counts
+        lookups = c["hits"] + c["misses"]
+        iteration_ms = c["responsive_ms"] / c["responsive_steps"] if c["responsive_steps"] else None
+        overhead_ms = self.collector.collector_ms + self.fit_ms + self.total_planning_ms
+        return {**super().stats, "phase": "sheltered" if self.sheltered else "responsive",
+                "sheltered_iterations": self.sheltered_done, "collector_ms": self.collector.collector_ms,
+                "sheltered_ms": c["sheltered_ms"], "estimator_fit_ms": self.fit_ms,
+                "scheduler_ms_mean": c["scheduler_ms"] / c["misses"] if c["misses"] else 0.0,
+                "misses": c["misses"], "hits": c["hits"],
+                "hit_rate": c["hits"] / lookups if lookups else 0.0,
+                "cached_plans": len(self.cache), "unfit_plans": c["unfit_plans"],
+                "underpredictions": c["underpredictions"],
+                "max_underprediction_bytes": c["max_underprediction_bytes"],
+                "mean_iteration_ms": iteration_ms,
+                "overhead_ms": overhead_ms,
+                "overhead_iterations": overhead_ms / iteration_ms if iteration_ms else None,
+                "warnings": list(self.warnings)}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "num_blocks": self.num_blocks, "granularity": self.granularity,
+                "sheltered_done": self.sheltered_done, "estimator": self.estimator.state_dict(),
+                "head_params": None if self.grads.head_ids is None else
+                [i for i, p in enumerate(self.grads.other_params) if id(p) in self.grads.head_ids],
+                "cache": [[list(k), list(v[0]), v[1], v[2]] for k, v in self.cache.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the fitted estimator and plan cache; a fitted one skips the sheltered phase.
+        Cached plans are kept only when the granularity is unchanged."""
+        if state.get("name", self.name) != self.name:
+            raise ValueError(f"this state was written by planner {state.get('name')!r}, not mimose")
+        self.estimator.load_state_dict(state["estimator"])
+        self.sheltered_done = state.get("sheltered_done", 0)
+        head = state.get("head_params")
+        if head is not None:
+            self.grads.head_ids = {id(self.grads.other_params[i]) for i in head
+                                   if i < len(self.grads.other_params)}
+        self.cache = {}
+        if state.get("granularity") == self.granularity:
+            self.cache = {tuple(k): (tuple(p), float(peak), bool(fits))
+                          for k, p, peak, fits in state.get("cache", [])}
+
+    def save(self, path) -> None:
+        """Write the fitted estimator and plan cache as JSON (the run's ``estimator.json``)."""
+        Path(path).write_text(json.dumps(self.state_dict(), allow_nan=False))
+
+    def load(self, path) -> "Mimose":
+        """Read what ``save`` wrote; returns self."""
+        self.load_state_dict(json.loads(Path(path).read_text()))
+        return self
+
+    def close(self) -> None:
+        super().close()
+        if self._own_meter is not None:
+            self._own_meter.close()
+            self._own_meter = None
+

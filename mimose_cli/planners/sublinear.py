@@ -1,0 +1,151 @@
+"""Sublinear: one static plan, made before training for the largest input the recipe allows.
+
+Variants (planner option ``variant``):
+  - ``greedy`` (default): the Mimose paper's "Sublinear" baseline, its greedy scheduler evaluated
+    once at the maximum input size from measured block sizes;
+  - ``sqrt``: Chen et al.'s √n segmentation (arXiv 1604.06174): ⌈√n⌉ blocks per segment, every
+    segment but the last recomputed (as ``torch.utils.checkpoint.checkpoint_sequential`` does:
+    recomputing the last segment frees nothing, backward needs it at once);
+  - ``chen``: Chen et al.'s budgeted greedy segmentation (their Algorithm 3) with the search over
+    its segment budget, keeping the candidate with the least recompute time that fits.
+
+Blocks stay the unit: a "recomputed segment" is its blocks each checkpointed, which recomputes
+the same layers and holds no more memory than checkpointing the segment whole.
+"""
+
+import math
+import time
+import warnings
+
+import torch
+
+from mimose_cli.planners.base import Planner
+from mimose_cli.planners.profile import BlockProfile, BlockProfiler, measure_fixed_bytes
+
+VARIANTS = ("greedy", "sqrt", "chen")
+
+
+def sqrt_plan(num_blocks: int) -> tuple:
+    """√n segmentation: every block outside the last segment of ⌈√n⌉ blocks."""
+    if num_blocks < 2:
+        return ()
+    segment = math.ceil(math.sqrt(num_blocks))
+    last_start = ((num_blocks - 1) // segment) * segment
+    return tuple(range(last_start))
+
+
+def chen_segments(act_bytes, segment_budget: float) -> tuple:
+    """Chen et al.'s Algorithm 3 over blocks: accumulate sizes in forward order; a block whose
+    running total exceeds ``segment_budget`` is kept (a segment boundary) and the total restarts.
+
+    Returns ``(kept, x, y)``: kept block indices, x = bytes of the kept blocks, y = the largest
+    segment total. Every block not kept is recomputed.
+    """
+    temp, x, y, kept = 0, 0, 0, []
+    for index, size in enumerate(act_bytes):
+        temp += size
+        if temp > segment_budget:
+            x += size
+            y = max(y, temp)
+            kept.append(index)
+            temp = 0
+    return tuple(kept), x, max(y, temp)
+
+
+def chen_budget_candidates(act_bytes, steps: int = 8) -> list:
+    """The search grid for Algorithm 3's budget: √(x·y) from the run with budget 0 (Chen et al.'s
+    starting estimate), scaled by 2^(k/4) for k in [-steps, steps]."""
+    _, x0, y0 = chen_segments(act_bytes, 0)
+    centre = math.sqrt(x0 * y0)
+    return [centre * 2 ** (k / 4) for k in range(-steps, steps + 1)]
+
+
+def chen_plan(profile: BlockProfile, limit_bytes) -> tuple:
+    """Budgeted segmentation with budget search: among the grid's plans, the least recompute
+    time that fits ``limit_bytes``; without a fit (or a limit), the least memory ``x + y``."""
+    candidates = []
+    for budget in chen_budget_candidates(profile.act_bytes):
+        kept, x, y = chen_segments(profile.act_bytes, budget)
+        plan = tuple(i for i in range(len(profile.act_bytes)) if i not in kept)
+        candidates.append((plan, x + y))
+    fitting = [plan for plan, _ in candidates
+               if limit_bytes is not None and profile.peak_bytes(plan) <= limit_bytes]
+    if fitting:
+        return min(fitting, key=lambda plan: (profile.recompute_ms(plan), len(plan), plan))
+    return min(candidates, key=lambda item: (item[1], len(item[0])))[0]
+
+
+def greedy_at(profile: BlockProfile, limit_bytes) -> tuple:
+    """The Mimose greedy scheduler evaluated on measured sizes, re-checked against the modelled
+    peak exactly as Mimose re-checks its predictions (``greedy_plan_checked``)."""
+    from mimose_cli.planners.scheduler import greedy_plan_checked
+
+    if limit_bytes is None:
+        return ()
+    plan, _, _ = greedy_plan_checked(profile.act_bytes, profile.peak_bytes, limit_bytes)
+    return plan
+
+
+class Sublinear(Planner):
+    """A static plan for the largest input, applied to every batch."""
+
+    name = "sublinear"
+
+    def __init__(self, model, budget=None, *, variant: str = "greedy", **kwargs):
+        super().__init__(model, budget, **kwargs)
+        if variant not in VARIANTS:
+            raise ValueError(f"planner.options.variant={variant!r} is invalid; expected one of "
+                             f"{' | '.join(VARIANTS)}")
+        self.variant = variant
+        self.profiler = BlockProfiler(model, self.num_blocks)
+        self.profile: BlockProfile | None = None
+        self.static_plan: tuple | None = None
+        self.prepare_ms = 0.0
+
+    def prepare(self, make_batch, max_input_size: tuple) -> None:
+        """Measure the blocks at the largest input and fix the plan."""
+        start = time.perf_counter()
+        if self.variant == "sqrt":
+            self.static_plan = sqrt_plan(self.num_blocks)
+        else:
+            self.static_plan = self._plan_at(make_batch, tuple(max_input_size))
+        self.prepare_ms = (time.perf_counter() - start) * 1e3
+
+    def _plan_at(self, make_batch, size: tuple) -> tuple:
+        batch = to_model_device(self.model, make_batch(size))
+        try:
+            act_bytes, fwd_ms = self.profiler.measure(batch)
+        except torch.OutOfMemoryError:
+            warnings.warn(f"sublinear: measuring one block at the largest input {size} ran out of "
+                          "memory; checkpointing every block", stacklevel=3)
+            return tuple(range(self.num_blocks))
+        fixed = measure_fixed_bytes(self, batch, act_bytes)
+        self.profile = BlockProfile(size, act_bytes, fwd_ms, fixed)
+        planner = greedy_at if self.variant == "greedy" else chen_plan
+        return planner(self.profile, self.limit_bytes)
+
+    def decide(self, input_size: tuple) -> tuple:
+        if self.static_plan is None:
+            raise RuntimeError("sublinear plans once for the largest input: call "
+                               "planner.prepare(make_batch, max_input_size) before the first step")
+        return self.static_plan
+
+    def route(self, index, forward, args, kwargs):
+        if self.profiler.active:
+            return self.profiler.route(index, forward, args, kwargs)
+        return super().route(index, forward, args, kwargs)
+
+    @property
+    def stats(self) -> dict:
+        stats = super().stats
+        stats.update(variant=self.variant, prepare_ms=self.prepare_ms,
+                     static_plan=list(self.static_plan or ()))
+        return stats
+
+
+def to_model_device(model, batch):
+    """Move a (dict) batch to the device of the model's parameters."""
+    device = next(model.parameters()).device
+    if isinstance(batch, dict):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return batch.to(device)

@@ -1,0 +1,56 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from mimose_cli.cli import app
+
+runner = CliRunner()
+QUICK = str(Path(__file__).parents[2] / "recipes" / "quickstart.yaml")
+ROOT_ARGS = ["training.max_steps=4", "data.num_examples=32"]
+
+
+def test_train_then_report_via_cli(tmp_path):
+    result = runner.invoke(app, ["train", QUICK, "--planner", "full",
+                                 "--budget", "200MB", "--out", str(tmp_path), "--view", "plain",
+                                 *ROOT_ARGS])
+    assert result.exit_code == 0, result.output
+    assert "step 3/4" in result.output
+    (run_dir,) = list(tmp_path.iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["budget_bytes"] == 200 * 10**6
+    report = runner.invoke(app, ["report", str(run_dir)])
+    assert report.exit_code == 0, report.output
+    assert "summary" in report.output and "per-iteration statistics" in report.output
+
+
+def test_train_out_of_memory_exits_nonzero_with_message(tmp_path):
+    result = runner.invoke(app, ["train", QUICK, "--planner", "none",
+                                 "--budget", "5MB", "--out", str(tmp_path), "--view", "plain",
+                                 *ROOT_ARGS])
+    assert result.exit_code == 1
+    assert "ran out of memory" in result.output
+
+
+def test_bad_recipe_key_exits_2_naming_the_key(tmp_path):
+    result = runner.invoke(app, ["train", QUICK, "training.nope=1"])
+    assert result.exit_code == 2
+    assert "training.nope" in result.output
+
+
+def test_bad_budget_flag_is_rejected():
+    result = runner.invoke(app, ["train", QUICK, "--budget", "lots"])
+    assert result.exit_code == 2
+    assert "budget" in result.output
+
+
+def test_report_on_missing_directory(tmp_path):
+    result = runner.invoke(app, ["report", str(tmp_path / "nope")])
+    assert result.exit_code == 2 and "not a run directory" in result.output
+
+
+def test_python_dash_m_entry_point():
+    out = subprocess.run([sys.executable, "-m", "mimose_cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "train" in out.stdout and "report" in out.stdout

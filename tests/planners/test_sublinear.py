@@ -1,0 +1,120 @@
+"""Sublinear: the static plan at the largest input, and Chen et al.'s variants, on blocks of known size."""
+
+import pytest
+import torch
+from torch import nn
+
+from mimose_cli.planners import build_planner
+from mimose_cli.planners.profile import BlockProfile
+from mimose_cli.planners.sublinear import chen_plan, chen_segments, sqrt_plan
+
+WIDTHS = (16, 32, 64, 32, 16)
+BATCH = 8
+
+
+class Block(nn.Module):
+    """Linear -> ReLU -> Linear: saves exactly the ReLU output (batch x width fp32) besides its
+    input and weights, so checkpointing it frees 4 * batch * width bytes."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, width), nn.Linear(width, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def stack():
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(w) for w in WIDTHS])
+
+
+def prepared(budget, **options):
+    sizes = []
+
+    def make_batch(size):
+        sizes.append(size)
+        return torch.randn(size[0], 8)
+
+    planner = build_planner("sublinear", stack(), budget, **options)
+    planner.prepare(make_batch, (BATCH, 8))
+    return planner, sizes
+
+
+def test_measures_known_block_bytes_at_the_largest_input():
+    planner, sizes = prepared(10**6)
+    assert sizes == [(BATCH, 8)]
+    assert planner.profile.act_bytes == [4 * BATCH * w for w in WIDTHS]  # 512, 1024, 2048, 1024, 512
+    assert planner.profile.fixed_bytes == 0  # no meter: the budget covers block activations
+
+
+def test_greedy_plan_step_by_step():
+    # Blocks freeing [512, 1024, 2048, 1024, 512] bytes, limit 3000; no plan peaks at 5120.
+    # The paper's greedy on excess 2120: no block covers it alone -> the largest (2); 72 left ->
+    # the smallest bucket's earliest (0). Plan (0, 2) still peaks at 3072 when backward
+    # recomputes block 2 with block 1 held, so the check goes on with 72: block 4 (peak still
+    # 3072), then block 1: (0, 1, 2, 4) peaks at 2048 (recomputing block 2 alone).
+    planner, _ = prepared(3000)
+    assert planner.static_plan == (0, 1, 2, 4)
+    assert planner.profile.peak_bytes(planner.static_plan) == 2048
+    assert planner.profile.peak_bytes((0, 2)) == 3072
+
+
+def test_the_static_plan_applies_to_every_batch():
+    planner, _ = prepared(3000)
+    seen = []
+    for rows in (1, 3, BATCH):
+        x = torch.randn(rows, 8)
+        with planner.step(x) as info:
+            planner.model(x).sum().backward()
+        seen.append(info.plan)
+    assert seen == [(0, 1, 2, 4)] * 3
+
+
+def test_no_plan_when_the_largest_input_fits():
+    planner, _ = prepared(5120)
+    assert planner.static_plan == ()
+
+
+def test_sqrt_segmentation():
+    assert sqrt_plan(9) == (0, 1, 2, 3, 4, 5)  # segments of 3, the last kept
+    assert sqrt_plan(10) == tuple(range(8))  # segments of 4: [0-3] [4-7] [8-9]
+    assert sqrt_plan(1) == ()
+    planner, sizes = prepared(10, variant="sqrt")
+    assert planner.static_plan == (0, 1, 2) and sizes == []  # ⌈√5⌉ = 3; needs no measurement
+
+
+def test_chen_algorithm_3_step_by_step():
+    # budget 7 over sizes 4,4,4,4: totals 4, 8 > 7 -> keep block 1 (x=4, y=8), restart; 4, 8 -> keep 3.
+    assert chen_segments([4, 4, 4, 4], 7) == ((1, 3), 8, 8)
+    # budget 0 keeps every block: x = total, y = the largest
+    assert chen_segments([1, 2, 3], 0) == ((0, 1, 2), 6, 3)
+    # budget 10 over 4,4,4,4: 12 > 10 at block 2; the tail (4) is the last segment
+    assert chen_segments([4, 4, 4, 4], 10) == ((2,), 4, 12)
+
+
+def test_chen_keeps_the_cheapest_fitting_candidate():
+    profile = BlockProfile((8, 8), [100] * 9, [1.0] * 9)
+    plan = chen_plan(profile, 450)
+    assert profile.peak_bytes(plan) <= 450
+    # a segmentation keeping more blocks would not fit: 4 kept blocks peak at 400 + 100 > 450
+    assert len(plan) == 9 - 3
+    # Nothing fits 50: the least memory x + y. Budgets in [100, 200) keep every second block
+    # (x = 400, y = 200), tying √n's segments of 3 (x = 300, y = 300); fewer recomputed wins.
+    assert chen_plan(profile, 50) == (0, 2, 4, 6, 8)
+
+
+def test_chen_variant_plans_at_the_largest_input():
+    planner, _ = prepared(3000, variant="chen")
+    assert planner.profile.peak_bytes(planner.static_plan) <= 3000
+
+
+def test_unknown_variant_names_the_option():
+    with pytest.raises(ValueError, match="planner.options.variant"):
+        build_planner("sublinear", stack(), "1MB", variant="fastest")
+
+
+def test_deciding_before_prepare_is_an_error():
+    planner = build_planner("sublinear", stack(), "1MB")
+    with pytest.raises(RuntimeError, match="prepare"):
+        planner.decide((1, 8))
