@@ -11,6 +11,7 @@ Prints a table and writes benchmarks/results/meter_exactness.json.
 """
 
 import json
+import platform
 import warnings
 from pathlib import Path
 
@@ -111,7 +112,8 @@ def bert_peaks(ckpt):
 def main():
     rows = []
     for ckpt in (False, True):
-        rows.append(("mlp-stack", ckpt, "hand-derived", stack_meter_peak(ckpt), stack_reference(ckpt)))
+        stack = (stack_meter_peak(ckpt), stack_reference(ckpt))
+        rows.append(("mlp-stack", ckpt, "hand-derived", *stack))
         rows.append(("bert-8x4x128", ckpt, "MemTracker", *bert_peaks(ckpt)))
     records = [
         {
@@ -121,13 +123,15 @@ def main():
         }
         for workload, ckpt, ref_name, meter_peak, ref_peak in rows
     ]
-    print(f"{'workload':<14}{'ckpt':<6}{'reference':<14}{'meter peak':>12}{'ref peak':>12}{'error %':>9}")
+    print(f"{'workload':<14}{'ckpt':<6}{'reference':<14}"
+          f"{'meter peak':>12}{'ref peak':>12}{'error %':>9}")
     for r in records:
+        meter_peak, ref_peak = r["meter_peak_bytes"], r["reference_peak_bytes"]
         print(f"{r['workload']:<14}{str(r['checkpointed']):<6}{r['reference']:<14}"
-              f"{format_bytes(r['meter_peak_bytes']):>12}{format_bytes(r['reference_peak_bytes']):>12}"
-              f"{r['error_pct']:>9.4f}")
+              f"{format_bytes(meter_peak):>12}{format_bytes(ref_peak):>12}{r['error_pct']:>9.4f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": records, "torch": torch.__version__}, indent=2) + "\n")
+    info = {"platform": platform.platform(), "torch": torch.__version__}
+    RESULTS.write_text(json.dumps({"rows": records, "machine": info}, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 
 

@@ -163,7 +163,9 @@ def print_row(row):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--round-scale", type=float, default=1.0, help="multiply every rounds count")
+    parser.add_argument(
+        "--round-scale", type=float, default=1.0, help="multiply every workload's rounds"
+    )
     args = parser.parse_args()
 
     rows = []
@@ -173,7 +175,8 @@ def main():
         print_row(rows[-1])
     result = {"workloads": rows, "machine": machine()}
     info = result["machine"]
-    print(f"\n{info['cpu_count']} CPUs, {info['torch_threads']} torch threads, torch {info['torch']}")
+    print(f"\n{info['cpu_count']} CPUs, {info['torch_threads']} torch threads, "
+          f"torch {info['torch']}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS}")

@@ -18,6 +18,7 @@ from mimose_cli.units import parse_size
 TASKS = ("multiple_choice", "question_answering", "sequence_classification", "causal_lm")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")
+SIZE_KEYS = ("budget", "planner.safety_margin")
 
 
 class RecipeError(ValueError):
@@ -154,6 +155,8 @@ def _coerce(value, tp, where: str, key: str):
         return _build(tp, value, where, key + ".")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if key in SIZE_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # a bare number of bytes
     if tp is bool and not isinstance(value, bool):
         raise RecipeError(f"{where}: {key}={value!r} is invalid; expected true or false")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):

@@ -2,20 +2,33 @@ import json
 
 import pytest
 
+from mimose_cli.recipe import load_recipe
 from mimose_cli.report import load_run
 from mimose_cli.train import run_training
 
-# Quickstart at these budgets (simulated device): `none` needs more than TIGHT on the long
-# batches, `full` fits within it, and ROOMY fits everything.
-TIGHT, ROOMY = "60MB", "200MB"
+from conftest import QUICK_OVERRIDES, QUICKSTART
+
+ROOMY = "1GB"
 
 
 def _run(recipe):
     return run_training(recipe, view="none")
 
 
-def test_run_directory_is_complete(quick_recipe):
-    result = _run(quick_recipe("planner.name=full"))
+@pytest.fixture(scope="module")
+def roomy_runs(tmp_path_factory):
+    """`none` and `full` on the same quickstart steps with a budget that never binds."""
+    out = tmp_path_factory.mktemp("runs")
+    runs = {}
+    for name in ("none", "full"):
+        recipe = load_recipe(QUICKSTART, QUICK_OVERRIDES + [f"out_dir={out}", f"planner.name={name}",
+                                                            f"budget={ROOMY}"])
+        runs[name] = _run(recipe)
+    return runs
+
+
+def test_run_directory_is_complete(roomy_runs):
+    result = roomy_runs["full"]
     files = {p.name for p in result.run_dir.iterdir()}
     assert {"recipe.yaml", "env.json", "metrics.jsonl", "plans.jsonl", "summary.json"} <= files
     lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()
@@ -27,46 +40,47 @@ def test_run_directory_is_complete(quick_recipe):
     assert result.summary["status"] == "completed" and result.summary["steps"] == 6
 
 
-def test_none_runs_out_of_memory_where_full_fits(quick_recipe):
-    none = _run(quick_recipe("planner.name=none", f"budget={TIGHT}"))
-    full = _run(quick_recipe("planner.name=full", f"budget={TIGHT}"))
-    roomy = _run(quick_recipe("planner.name=none", f"budget={ROOMY}"))
-    assert none.summary["status"] == "oom" and none.summary["oom_steps"] == 1
-    assert json.loads((none.run_dir / "metrics.jsonl").read_text().splitlines()[-1])["oom"]
-    assert full.summary["status"] == "completed"
-    assert full.summary["peak_bytes"] <= full.summary["budget_bytes"]
-    assert roomy.summary["status"] == "completed"
-
-
-def test_loss_identical_between_none_and_full_with_dropout(quick_recipe):
-    none = _run(quick_recipe("planner.name=none", f"budget={ROOMY}"))
-    full = _run(quick_recipe("planner.name=full", f"budget={ROOMY}"))
-    losses_none = [r["loss"] for r in none.records]
-    losses_full = [r["loss"] for r in full.records]
-    assert len(losses_none) == 6
+def test_loss_identical_between_none_and_full_with_dropout(roomy_runs):
+    losses_none = [r["loss"] for r in roomy_runs["none"].records]
+    losses_full = [r["loss"] for r in roomy_runs["full"].records]
+    assert len(losses_none) == 6 and len(set(losses_none)) > 1
     for a, b in zip(losses_none, losses_full):
         assert abs(a - b) <= 1e-6 * abs(a)
-    assert full.summary["peak_bytes"] < none.summary["peak_bytes"]
+    assert roomy_runs["full"].summary["peak_bytes"] < roomy_runs["none"].summary["peak_bytes"]
 
 
-def test_resolved_recipe_reruns_the_same_run(quick_recipe):
-    from mimose_cli.recipe import load_recipe
+def test_none_runs_out_of_memory_where_full_fits(roomy_runs, quick_recipe):
+    # A budget between full's and none's peaks on these very steps.
+    tight = (roomy_runs["full"].summary["peak_bytes"] + roomy_runs["none"].summary["peak_bytes"]) // 2
+    none = _run(quick_recipe("planner.name=none", f"budget={tight}"))
+    full = _run(quick_recipe("planner.name=full", f"budget={tight}"))
+    assert none.summary["status"] == "oom" and none.summary["oom_steps"] == 1
+    last = json.loads((none.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["oom"] and "out of memory" in last["error"]
+    assert (none.run_dir / "summary.json").exists()
+    assert full.summary["status"] == "completed"
+    assert full.summary["peak_bytes"] <= tight
 
-    first = _run(quick_recipe("planner.name=none", f"budget={ROOMY}"))
+
+def test_resolved_recipe_reruns_the_same_run(roomy_runs):
+    first = roomy_runs["none"]
     again = _run(load_recipe(first.run_dir / "recipe.yaml"))
     assert [r["loss"] for r in first.records] == [r["loss"] for r in again.records]
     assert [r["input_shape"] for r in first.records] == [r["input_shape"] for r in again.records]
 
 
-def test_report_reads_an_interrupted_run(quick_recipe):
-    result = _run(quick_recipe("planner.name=none", f"budget={ROOMY}"))
-    (result.run_dir / "summary.json").unlink()
-    with open(result.run_dir / "metrics.jsonl", "a") as f:
+def test_report_reads_an_interrupted_run(roomy_runs, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "cut"
+    shutil.copytree(roomy_runs["none"].run_dir, run_dir)
+    (run_dir / "summary.json").unlink()
+    with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "torn')  # a line cut off by the interruption
-    summary, records = load_run(result.run_dir)
+    summary, records = load_run(run_dir)
     assert summary["status"] == "interrupted"
     assert summary["steps"] == 6 and len(records) == 6
-    assert summary["budget_bytes"] == 200 * 10**6
+    assert summary["budget_bytes"] == 10**9
 
 
 def test_cuda_device_without_gpu_is_a_clear_error(quick_recipe):

@@ -129,9 +129,17 @@ class SimulatedMeter(memory.Meter):
     kind = "simulated"
 
     def __init__(self, budget_bytes: int | None = None):
-        self.budget_bytes = budget_bytes
         self._ledger = _Ledger(budget_bytes)
         self._active = False
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The simulated device's size; None is unlimited. May be changed between steps."""
+        return self._ledger.budget_bytes
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int | None) -> None:
+        self._ledger.budget_bytes = value
 
     @contextlib.contextmanager
     def activate(self):
@@ -162,8 +170,9 @@ class SimulatedMeter(memory.Meter):
         if isinstance(obj, torch.optim.Optimizer):
             return self._track_one(list(obj.state.values()))
         if isinstance(obj, _TENSOR):
+            added = _add_outputs(self._ledger, obj)
             grad = obj.grad if obj.is_leaf else None  # only leaves hold a .grad
-            return _add_outputs(self._ledger, obj) + (self._track_one(grad) if grad is not None else 0)
+            return added + (self._track_one(grad) if grad is not None else 0)
         if isinstance(obj, dict):
             return self._track_one(list(obj.values()))
         if isinstance(obj, (list, tuple)):

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from mimose_cli.memory import SavedBytesCounter
 from mimose_cli.planners.blocks import run_checkpointed
-from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, PendingGrads
+from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES
 
 _CHECKPOINT_HOOKS = ("_checkpoint_hook", "_recomputation_hook")
 
@@ -40,13 +40,13 @@ def inside_checkpoint(markers=_CHECKPOINT_HOOKS) -> bool:
 
 
 class _Ref(weakref.ref):
-    __slots__ = ("key", "nbytes", "op")
+    __slots__ = ("key", "nbytes")
 
 
 class LiveProbe(TorchDispatchMode):
     """Live storage bytes after every op (``trace``), whether the op was a checkpoint's
-    recompute (``recompute``), and the op at which each storage appeared. Storages passed to
-    ``ignore`` (weights, existing gradients) are never counted."""
+    recompute (``recompute``). Storages passed to ``ignore`` (weights, existing gradients)
+    are never counted."""
 
     def __init__(self):
         super().__init__()
@@ -64,7 +64,7 @@ class LiveProbe(TorchDispatchMode):
         if id(storage) in self.refs:
             return
         ref = _Ref(storage, self._free)
-        ref.key, ref.nbytes, ref.op = id(storage), storage.nbytes() if counted else 0, len(self.trace)
+        ref.key, ref.nbytes = id(storage), storage.nbytes() if counted else 0
         self.refs[ref.key] = ref
         self.live += ref.nbytes
 
@@ -72,10 +72,6 @@ class LiveProbe(TorchDispatchMode):
         for tensor in tensors:
             if tensor is not None and tensor.layout is torch.strided:
                 self._add(tensor.untyped_storage(), counted=False)
-
-    def appeared_at(self, tensor) -> int | None:
-        ref = self.refs.get(id(tensor.untyped_storage()))
-        return None if ref is None or ref.nbytes == 0 else ref.op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -146,50 +142,12 @@ class _MeasuringCounter(SavedBytesCounter):
         return super()._pack(tensor).detach()
 
 
-class GradBook:
-    """Which parameter gradients a step's backward will allocate, and when."""
-
-    def __init__(self, model, blocks: list):
-        seen: set = set()
-        self.block_params = []
-        for _, module in blocks:
-            params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
-            seen.update(id(p) for p in params)
-            self.block_params.append(params)
-        self.other_params = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
-        self.head_ids: set | None = None  # learned in the first sheltered step with pending grads
-
-    @staticmethod
-    def _pending(params) -> float:
-        return float(sum(p.numel() * p.element_size() for p in params if p.grad is None))
-
-    def pending(self) -> PendingGrads:
-        """Pending gradient bytes now; until the head is known every non-block one counts as
-        head (allocated before the blocks' backward), which over- rather than under-predicts."""
-        blocks = np.array([self._pending(ps) for ps in self.block_params])
-        head = [p for p in self.other_params if self.head_ids is None or id(p) in self.head_ids]
-        other = [p for p in self.other_params if self.head_ids is not None and id(p) not in self.head_ids]
-        return PendingGrads(blocks, self._pending(head), self._pending(other))
-
-    def without_grad(self) -> set:
-        """Ids of the trainable parameters whose ``.grad`` is None now."""
-        params = [p for ps in self.block_params for p in ps] + self.other_params
-        return {id(p) for p in params if p.grad is None}
-
-    def learn_head(self, pending_at_start: list) -> None:
-        """Called when the last block's backward starts: the non-block gradients allocated
-        by then belong to the head."""
-        if self.head_ids is None and pending_at_start:
-            self.head_ids = {id(p) for p in pending_at_start if p.grad is not None}
-
-
 class ShuttlingCollector:
     """Runs each block twice during a sheltered step and turns the timeline into a sample."""
 
-    def __init__(self, model, blocks: list, grads: GradBook):
+    def __init__(self, model, blocks: list):
         self.model = model
         self.blocks = blocks
-        self.grads = grads
         self.counter = _MeasuringCounter(exclude=list(model.parameters()))
         names = [name for name, _ in blocks]
         modules = dict(model.named_modules())
@@ -211,8 +169,6 @@ class ShuttlingCollector:
         self.dropped: dict = {}
         self.fwd_ms = np.full(len(self.blocks), np.nan)
         self.saved = np.full(len(self.blocks), np.nan)
-        self.without_grad = self.grads.without_grad()
-        self.pending_other = [p for p in self.grads.other_params if p.grad is None]
         self.active = True
 
     def mark(self, label) -> None:
@@ -274,8 +230,6 @@ class ShuttlingCollector:
     def _backward_hook(self, label):
         def hook(grad):
             if self.active:
-                if label == ("bwd", len(self.blocks) - 1):
-                    self.grads.learn_head(self.pending_other)
                 self.mark(label)
         return hook
 
@@ -288,20 +242,9 @@ class ShuttlingCollector:
         probe.__exit__(None, None, None)
         if not any(label[0] == "enter" for label, _, _ in self.marks):
             return None
-        trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.recompute, dtype=bool),
-                      self._grad_bytes(probe))
+        trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.recompute, dtype=bool))
         return build_sample(self.marks, trace, len(self.blocks), self.saved, self.fwd_ms,
                             self.dropped)
-
-    def _grad_bytes(self, probe: LiveProbe) -> np.ndarray:
-        """Bytes of parameter gradients allocated by each op of the trace."""
-        allocated = np.zeros(len(probe.trace) + 1)
-        for p in self.model.parameters():
-            if id(p) in self.without_grad and p.grad is not None:
-                op = probe.appeared_at(p.grad)
-                if op is not None:
-                    allocated[op] += p.grad.numel() * p.grad.element_size()
-        return np.cumsum(allocated)[:-1]
 
     def abort(self) -> None:
         """The step raised (out of memory): leave the probe, keep nothing."""
@@ -313,18 +256,19 @@ class ShuttlingCollector:
 
 @dataclass
 class Trace:
-    """One sheltered step's live bytes after each op, which ops were recomputes, and the
-    parameter-gradient bytes allocated by each op (taken out of the targets: the planner adds
-    back what is pending at the step it plans)."""
+    """One sheltered step's live bytes after each op, and which ops were recomputes.
+
+    Parameter gradients allocated in backward stay in the values: the fit takes them as part of
+    the step, which holds as long as the loop frees (or keeps) gradients the same way at every
+    step; gradients already allocated at a step's start count twice, over- not under-predicting.
+    """
 
     live: np.ndarray
     recompute: np.ndarray
-    grads: np.ndarray
 
     def ops(self, start: int, stop: int, reference: float, recompute=None):
-        """Live bytes of ops ``start..stop-1`` above ``reference``, gradients excluded; None
-        when there is no such op."""
-        values = self.live[start:stop] - self.grads[start:stop] - reference
+        """Live bytes of ops ``start..stop-1`` above ``reference``; None when there is no op."""
+        values = self.live[start:stop] - reference
         if recompute is not None:
             values = values[self.recompute[start:stop] == recompute]
         return values if len(values) else None

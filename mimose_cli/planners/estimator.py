@@ -13,6 +13,7 @@ Memory bytes are exact integers, quadratic in the shape, so the fit is exact whe
 model holds; forward time is fitted on ``B·L², B·L, 1``.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,8 +27,7 @@ BLOCK_QUANTITIES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "gap_peak_bytes"
 ``ckpt_bytes`` the live bytes the block adds until its backward, run plainly or checkpointed;
 ``gap_peak_bytes`` the peak between the previous block and this one; ``*fwd_peak_bytes`` the
 peak during its forward; ``bwd_peak_bytes`` the peak during its backward's own ops and
-``recompute_peak_bytes`` during its recompute (parameter gradients excluded, added back from
-what is pending)."""
+``recompute_peak_bytes`` during its recompute."""
 STEP_QUANTITIES = ("pre_bytes", "pre_peak_bytes", "head_peak_bytes", "tail_peak_bytes")
 """Outside the blocks: live bytes before the first block (embeddings), the peak before it,
 the peak from the last block's output to the start of its backward (head, loss, head
@@ -39,8 +39,8 @@ _NO_EVENT = -1e30
 def features(size) -> np.ndarray:
     """Regression features of an input size ``(B, L)`` or ``(B, H, W)``, in ``FEATURES`` order."""
     batch = float(size[0])
-    length = float(np.prod(size[1:])) if len(size) > 1 else 1.0
-    return np.array([batch * length * length, batch * length, 1.0, batch, length * length, length])
+    length = float(math.prod(size[1:]))
+    return np.array((batch * length * length, batch * length, 1.0, batch, length * length, length))
 
 
 def select_features(design: np.ndarray, candidates: tuple) -> list:
@@ -62,7 +62,8 @@ def least_squares(design: np.ndarray, targets: np.ndarray, candidates: tuple) ->
     chosen = select_features(design, candidates)
     x = design[:, chosen]
     scale = np.abs(x).max(axis=0)
-    coef[chosen] = np.linalg.lstsq(x / scale, targets, rcond=None)[0] / scale[:, None]
+    # One pseudo-inverse of the small design serves every target column (a plain product).
+    coef[chosen] = (np.linalg.pinv(x / scale) @ targets) / scale[:, None]
     return coef
 
 
@@ -75,13 +76,14 @@ def probe_sizes(sizes: list) -> np.ndarray:
     return np.stack([features((b, length)) for b in grid_b for length in grid_l])
 
 
-def prune_ops(coef: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    """Indices of the op columns that are the largest somewhere on the grid: a peak is the
-    max over ops, and only these can be it at the sizes planned for."""
-    if coef.shape[1] <= 1:
-        return np.arange(coef.shape[1])
+def prune_ops(coef: np.ndarray, segments: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Mask of the op columns that are the largest of their segment somewhere on the grid: a
+    peak is the max over its ops, and only these can be it at the sizes planned for."""
     values = grid @ coef
-    return np.unique(np.argmax(values, axis=1))
+    starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
+    best = np.maximum.reduceat(values, starts, axis=1)
+    owner = np.cumsum(np.r_[False, segments[1:] != segments[:-1]])
+    return (values >= best[:, owner]).any(axis=0)
 
 
 @dataclass
@@ -99,33 +101,14 @@ class Prediction:
         return np.maximum(self.blocks["plain_bytes"] - self.blocks["ckpt_bytes"], 0.0)
 
 
-@dataclass
-class PendingGrads:
-    """Bytes of parameter gradients backward will allocate (their ``.grad`` is None at the
-    start of the step): per block, for the head (allocated before the blocks' backward) and
-    for the rest (embeddings, allocated after it)."""
-
-    blocks: np.ndarray
-    head: float = 0.0
-    other: float = 0.0
-
-    def at_block_backward(self) -> np.ndarray:
-        """Gradient bytes allocated by the end of each block's backward."""
-        return self.head + np.cumsum(self.blocks[::-1])[::-1]
-
-    @property
-    def total(self) -> float:
-        return self.head + float(self.blocks.sum()) + self.other
-
-
-def peak_timeline(pred: Prediction, plan_mask: np.ndarray, grads: PendingGrads) -> np.ndarray:
+def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
     """The step's memory events above the start-of-step bytes, for one plan (a bool mask).
 
     Forward: each block adds its plain or checkpointed bytes; its forward peaks above what the
     blocks before it hold. Backward, block by block in reverse, peaks at what the blocks
     before it hold plus its own backward peak (the same whether it was checkpointed: the
     recompute brings its activations back; the recompute's own peak counts when it is
-    checkpointed) plus the gradients allocated by then.
+    checkpointed). Parameter gradients are in the fitted values.
     """
     b, s = pred.blocks, pred.step
     held = np.where(plan_mask, b["ckpt_bytes"], b["plain_bytes"])
@@ -134,10 +117,9 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, grads: PendingGrads) 
     fwd = at + np.maximum(b["gap_peak_bytes"],
                           np.where(plan_mask, b["ckpt_fwd_peak_bytes"], b["fwd_peak_bytes"]))
     own = np.maximum(b["bwd_peak_bytes"], np.where(plan_mask, b["recompute_peak_bytes"], _NO_EVENT))
-    bwd = at + own + grads.at_block_backward()
-    head = entry[-1] + s["head_peak_bytes"] + grads.head
-    tail = s["tail_peak_bytes"] + grads.total
-    return np.concatenate(([s["pre_peak_bytes"]], fwd, [head], bwd, [tail]))
+    bwd = at + own
+    head = entry[-1] + s["head_peak_bytes"]
+    return np.concatenate(([s["pre_peak_bytes"]], fwd, [head], bwd, [s["tail_peak_bytes"]]))
 
 
 class Estimator:
@@ -157,6 +139,7 @@ class Estimator:
         self.coef: np.ndarray | None = None  # FEATURES x kept ops, in segments
         self.starts: np.ndarray | None = None  # first column of each (quantity, block) segment
         self.source: np.ndarray | None = None  # per flat (quantity, block): its segment, or -1
+        self._gather: np.ndarray | None = None
 
     @property
     def fitted(self) -> bool:
@@ -198,11 +181,10 @@ class Estimator:
         for (rows, is_time), items in groups.items():
             coef = least_squares(design[list(rows)], np.concatenate([m for _, m in items], axis=1),
                                  TIME_FEATURES if is_time else FEATURES)
-            offset = 0
-            for key, matrix in items:
-                part = coef[:, offset: offset + matrix.shape[1]]
-                fitted[key] = part[:, prune_ops(part, grid)]
-                offset += matrix.shape[1]
+            segments = np.repeat(np.arange(len(items)), [m.shape[1] for _, m in items])
+            keep = prune_ops(coef, segments, grid)
+            for n, (key, _) in enumerate(items):
+                fitted[key] = coef[:, keep & (segments == n)]
         self._assemble(fitted)
 
     def _assemble(self, fitted: dict) -> None:
@@ -218,20 +200,27 @@ class Estimator:
                 i = near[0][1] if near else i
             source.append(segment.get((q, i), -1))
         self.source = np.array(source)
+        self._gather = None
 
     def predict(self, size) -> Prediction:
         """Every quantity at ``size``; bytes, and ms for time (never below zero)."""
         values = np.maximum.reduceat(features(size) @ self.coef, self.starts)
-        flat = np.where(self.source >= 0, values[self.source], np.nan)
+        flat = np.concatenate((values, (0.0, _NO_EVENT)))[self.gather]
         n = self.num_blocks * len(BLOCK_QUANTITIES)
         blocks = flat[:n].reshape(len(BLOCK_QUANTITIES), self.num_blocks)
-        step = flat[n:]
-        for table, names in ((blocks, BLOCK_QUANTITIES), (step, STEP_QUANTITIES)):
-            for k, name in enumerate(names):
-                table[k] = np.nan_to_num(table[k], nan=_NO_EVENT if "peak" in name else 0.0)
         blocks[-1] = np.maximum(blocks[-1], 0.0)
         return Prediction(tuple(size), dict(zip(BLOCK_QUANTITIES, blocks)),
-                          dict(zip(STEP_QUANTITIES, step.tolist())))
+                          dict(zip(STEP_QUANTITIES, flat[n:].tolist())))
+
+    @property
+    def gather(self) -> np.ndarray:
+        """Where each flat (quantity, block) reads its value: its segment, or past the end for
+        a default (0 bytes, or no event for a peak never measured)."""
+        if self._gather is None:
+            names = [q for q in BLOCK_QUANTITIES for _ in range(self.num_blocks)] + list(STEP_QUANTITIES)
+            default = np.array([len(self.starts) + ("peak" in q) for q in names])
+            self._gather = np.where(self.source >= 0, self.source, default)
+        return self._gather
 
     def state_dict(self) -> dict:
         def plain(array):
@@ -263,3 +252,4 @@ class Estimator:
         self.coef = None if fitted is None else np.array(fitted["coef"], dtype=float).reshape(len(FEATURES), -1)
         self.starts = None if fitted is None else np.array(fitted["starts"], dtype=int)
         self.source = None if fitted is None else np.array(fitted["source"], dtype=int)
+        self._gather = None

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from mimose_cli.planners.base import Planner, StepInfo
-from mimose_cli.planners.collector import GradBook, ShuttlingCollector
+from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.scheduler import greedy_plan_checked
 
@@ -58,8 +58,7 @@ class Mimose(Planner):
         if meter is None:
             self._own_meter = self._start_own_meter(model)
         self.estimator = Estimator(self.num_blocks)
-        self.grads = GradBook(model, self.blocks)
-        self.collector = ShuttlingCollector(model, self.blocks, self.grads)
+        self.collector = ShuttlingCollector(model, self.blocks)
         self.cache: dict = {}
         self.sheltered_done = 0
         self.fit_ms = 0.0
@@ -115,13 +114,12 @@ class Mimose(Planner):
     def _plan_miss(self, key: tuple, base: int) -> tuple:
         start = time.perf_counter()
         pred = self.estimator.predict(key)
-        grads = self.grads.pending()
         masks = np.zeros(self.num_blocks, dtype=bool)
 
         def predict_peak(plan):
             masks[:] = False
             masks[list(plan)] = True
-            return base + float(peak_timeline(pred, masks, grads).max())
+            return base + float(peak_timeline(pred, masks).max())
 
         plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak,
                                                self.limit_bytes, self.bucket)
@@ -206,8 +204,6 @@ class Mimose(Planner):
     def state_dict(self) -> dict:
         return {**super().state_dict(), "num_blocks": self.num_blocks, "granularity": self.granularity,
                 "sheltered_done": self.sheltered_done, "estimator": self.estimator.state_dict(),
-                "head_params": None if self.grads.head_ids is None else
-                [i for i, p in enumerate(self.grads.other_params) if id(p) in self.grads.head_ids],
                 "cache": [[list(k), list(v[0]), v[1], v[2]] for k, v in self.cache.items()]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -217,10 +213,6 @@ class Mimose(Planner):
             raise ValueError(f"this state was written by planner {state.get('name')!r}, not mimose")
         self.estimator.load_state_dict(state["estimator"])
         self.sheltered_done = state.get("sheltered_done", 0)
-        head = state.get("head_params")
-        if head is not None:
-            self.grads.head_ids = {id(self.grads.other_params[i]) for i in head
-                                   if i < len(self.grads.other_params)}
         self.cache = {}
         if state.get("granularity") == self.granularity:
             self.cache = {tuple(k): (tuple(p), float(peak), bool(fits))

@@ -9,7 +9,7 @@ from mimose_cli.cli import app
 
 runner = CliRunner()
 QUICK = str(Path(__file__).parents[2] / "recipes" / "quickstart.yaml")
-ROOT_ARGS = ["training.max_steps=4", "data.num_examples=32"]
+ROOT_ARGS = ["training.max_steps=3", "training.batch_size=2", "data.num_examples=16"]
 
 
 def test_train_then_report_via_cli(tmp_path):
@@ -17,10 +17,10 @@ def test_train_then_report_via_cli(tmp_path):
                                  "--budget", "200MB", "--out", str(tmp_path), "--view", "plain",
                                  *ROOT_ARGS])
     assert result.exit_code == 0, result.output
-    assert "step 3/4" in result.output
+    assert "step 2/3" in result.output
     (run_dir,) = list(tmp_path.iterdir())
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["budget_bytes"] == 200 * 10**6
+    assert summary["steps"] == 3 and summary["budget_bytes"] == 200 * 10**6
     report = runner.invoke(app, ["report", str(run_dir)])
     assert report.exit_code == 0, report.output
     assert "summary" in report.output and "per-iteration statistics" in report.output

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The paper's four tasks at 4-8 GB on a real GPU: `mimose compare` runs mimose, Sublinear, DTR,
+# none and oracle on the same data order and seed at each budget and prints one table per budget.
+#
+#   benchmarks/gpu_compare.sh [STEPS] [OUT_DIR]     (defaults: 200 steps, runs/gpu_compare)
+#
+# Needs a CUDA GPU with at least 8 GB free; each recipe writes OUT_DIR/<recipe>/compare.json and
+# its run directories (`mimose report OUT_DIR/<recipe>` renders them again). Tables also go to
+# OUT_DIR/<recipe>.txt.
+set -euo pipefail
+
+STEPS="${1:-200}"
+OUT="${2:-runs/gpu_compare}"
+BUDGETS="4GB,5GB,6GB,7GB,8GB"
+RECIPES=(mc_roberta qa_xlnet qa_bert tc_bert)
+
+cd "$(dirname "$0")/.."
+python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "no CUDA GPU visible")'
+mkdir -p "$OUT"
+
+for name in "${RECIPES[@]}"; do
+    echo "== ${name} =="
+    # COLUMNS keeps the tables readable when the output goes to a file.
+    COLUMNS=160 mimose compare "recipes/${name}.yaml" \
+        --baselines sublinear,dtr --budgets "$BUDGETS" --steps "$STEPS" \
+        --out "$OUT/$name" device=cuda | tee "$OUT/${name}.txt"
+done
+echo "compare directories: $OUT/{$(IFS=,; echo "${RECIPES[*]}")}"

@@ -1,0 +1,147 @@
+"""A CPU reproduction of the Mimose paper's main figure: normalised time per planner per budget.
+
+Three tiny configurations stand in for the paper's tasks: BERT on QQP-like lengths (sentence-pair
+classification), BERT on SWAG-like lengths (multiple choice) and RoBERTa multiple choice. Each runs
+``mimose compare`` (mimose, sublinear, dtr, none, oracle; same seed and data order) at budgets from
+"barely feasible" (just above full checkpointing's peak) to "almost no checkpointing needed" (just
+below no checkpointing's peak), both measured first on the same data. Memory is the exact simulated
+device, so "over budget" means what it would on a GPU of that size.
+
+    python benchmarks/paper_figure.py [--steps 40] [--threads 2] [--quick]
+
+Prints one table and writes benchmarks/results/paper_figure.json, including whether the targets
+hold: mimose >= 10 % faster than sublinear and dtr at the tight budgets, within 10 % of oracle,
+never over budget. Ratios are measured side by side in one run on this machine.
+"""
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from mimose_cli.compare import run_compare
+from mimose_cli.recipe import recipe_from_dict
+from mimose_cli.train import run_training
+
+RESULTS = Path(__file__).parent / "results"
+PLANNERS = ("mimose", "sublinear", "dtr", "oracle", "none")
+BUDGET_POINTS = (0.05, 0.35, 0.85)  # where between full's and none's peaks
+
+CONFIGS = {
+    "bert-qqp": {"task": "sequence_classification", "model": {"type": "bert", "size": "tiny"},
+                 "data": {"preset": "qqp", "max_length": 128, "num_examples": 2048},
+                 "training": {"batch_size": 32}},
+    "bert-swag": {"task": "multiple_choice", "model": {"type": "bert", "size": "tiny"},
+                  "data": {"preset": "swag", "max_length": 96, "num_examples": 1024, "num_choices": 4},
+                  "training": {"batch_size": 8}},
+    "roberta-mc": {"task": "multiple_choice", "model": {"type": "roberta", "size": "tiny"},
+                   "data": {"preset": "swag", "max_length": 96, "num_examples": 1024, "num_choices": 4},
+                   "training": {"batch_size": 8}},
+}
+
+
+def make_recipe(config: dict, steps: int, out_dir: Path, sheltered: int):
+    data = json.loads(json.dumps(config))
+    data["training"].update(max_steps=steps, lr=1e-3, warmup_steps=2)
+    data["planner"] = {"name": "mimose", "sheltered_steps": sheltered}
+    data.update(device="cpu", seed=0, out_dir=str(out_dir))
+    return recipe_from_dict(data, "<paper_figure>")
+
+
+def budgets_for(recipe) -> list:
+    """Budgets between full checkpointing's and no checkpointing's measured peaks."""
+    peaks = {}
+    for name in ("full", "none"):
+        recipe.planner.name = name
+        peaks[name] = run_training(recipe, view="none", recipe_name=f"calibrate-{name}").summary["peak_bytes"]
+    recipe.planner.name = "mimose"
+    low, high = peaks["full"], peaks["none"]
+    return [str(int(low + point * (high - low))) for point in BUDGET_POINTS], peaks
+
+
+def collect(name: str, compare_dir: Path, peaks: dict) -> list:
+    data = json.loads((compare_dir / "compare.json").read_text())
+    rows = []
+    for level, entry in zip(("tight", "middle", "roomy"), data["budgets"]):
+        runs = {r["planner"]: r for r in entry["runs"]}
+        oracle_s = runs["oracle"]["train_time_s"] if runs["oracle"]["status"] == "completed" else None
+        for planner, run in runs.items():
+            done = run["status"] == "completed"
+            rows.append({
+                "config": name, "level": level, "budget_bytes": entry["budget_bytes"],
+                "planner": planner, "status": run["status"], "train_time_s": run["train_time_s"],
+                "vs_oracle": run["train_time_s"] / oracle_s if done and oracle_s else None,
+                "peak_bytes": run["peak_bytes"],
+                "over_budget": bool(run["peak_bytes"] and run["peak_bytes"] > entry["budget_bytes"]),
+                "full_peak_bytes": peaks["full"], "none_peak_bytes": peaks["none"]})
+    return rows
+
+
+def targets(rows: list) -> dict:
+    """The figure's claims, checked on the measured rows."""
+    def time_of(config, level, planner):
+        row = next(r for r in rows if (r["config"], r["level"], r["planner"]) == (config, level, planner))
+        return row["train_time_s"] if row["status"] == "completed" else float("inf")
+
+    checks = {"mimose_never_over_budget": all(not r["over_budget"] and r["status"] == "completed"
+                                              for r in rows if r["planner"] == "mimose")}
+    for config in sorted({r["config"] for r in rows}):
+        mimose = time_of(config, "tight", "mimose")
+        for other in ("sublinear", "dtr"):
+            checks[f"{config}/tight: mimose >= 10% faster than {other}"] = mimose <= 0.9 * time_of(config, "tight", other)
+        for level in ("tight", "middle", "roomy"):
+            checks[f"{config}/{level}: mimose within 10% of oracle"] = (
+                time_of(config, level, "mimose") <= 1.1 * time_of(config, level, "oracle"))
+    return checks
+
+
+def table(rows: list) -> Table:
+    out = Table(title="time relative to oracle (peak / budget)", title_justify="left")
+    for column in ("config", "budget", *PLANNERS):
+        out.add_column(column, justify="left" if column == "config" else "right")
+    keys = sorted({(r["config"], r["level"], r["budget_bytes"]) for r in rows}, key=lambda k: (k[0], k[2]))
+    for config, level, budget in keys:
+        cells = []
+        for planner in PLANNERS:
+            row = next(r for r in rows if (r["config"], r["level"], r["planner"]) == (config, level, planner))
+            ratio = "oom" if row["status"] != "completed" else f"{row['vs_oracle']:.2f}×" if row["vs_oracle"] else "-"
+            cells.append(ratio + (" OVER" if row["over_budget"] else ""))
+        out.add_row(config, f"{level} {budget / 2**20:.1f} MiB", *cells)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="steps per run")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--quick", action="store_true", help="one configuration, 12 steps (a smoke test)")
+    parser.add_argument("--out", type=Path, default=Path("runs/paper_figure"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    configs = {"bert-swag": CONFIGS["bert-swag"]} if args.quick else CONFIGS
+    steps = 12 if args.quick else args.steps
+    console, rows, start = Console(), [], time.perf_counter()
+    for name, config in configs.items():
+        recipe = make_recipe(config, steps, args.out / name, sheltered=3 if args.quick else 5)
+        budgets, peaks = budgets_for(recipe)
+        compare_dir = run_compare(recipe, baselines=("sublinear", "dtr"), budgets=budgets,
+                                  out=args.out / name / "compare", console=console, recipe_name=name)
+        rows += collect(name, compare_dir, peaks)
+    checks = targets(rows)
+    console.print(table(rows))
+    for claim, holds in checks.items():
+        console.print(f"{'PASS' if holds else 'FAIL'}  {claim}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "paper_figure.json").write_text(json.dumps({
+        "machine": f"{platform.processor() or platform.machine()}, torch threads {args.threads}",
+        "steps": steps, "wall_s": time.perf_counter() - start, "rows": rows, "targets": checks}, indent=2))
+    console.print(f"wrote {RESULTS / 'paper_figure.json'}")
+
+
+if __name__ == "__main__":
+    main()

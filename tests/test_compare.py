@@ -1,0 +1,90 @@
+"""mimose compare: every planner at every budget, out of memory as a result, compare.json + tables."""
+
+import json
+
+import pytest
+import torch
+from rich.console import Console
+from typer.testing import CliRunner
+
+import mimose_cli.train
+from mimose_cli.cli import app
+from mimose_cli.compare import normalise, planner_specs, render_compare
+from mimose_cli.recipe import load_recipe
+
+# Fake training: time per planner, and which (planner, budget) runs out of memory.
+TIMES = {"mimose": 11.0, "sublinear": 14.0, "dtr": 15.0, "none": 10.0, "oracle": 10.5}
+
+
+@pytest.fixture
+def fake_training(monkeypatch, tmp_path):
+    calls = []
+
+    def run_training(recipe, *, out_dir=None, view="auto", console=None, recipe_name="run"):
+        calls.append((recipe.planner.name, recipe.budget, recipe.training.max_steps,
+                      dict(recipe.planner.options), recipe.seed))
+        run_dir = out_dir / f"{recipe_name}"
+        run_dir.mkdir(parents=True)
+        if recipe.planner.name == "sublinear" and recipe.budget == "1MB":
+            raise torch.OutOfMemoryError("simulated device out of memory: in prepare")
+        oom = recipe.planner.name == "none" and recipe.budget == "1MB"
+        summary = {"status": "oom" if oom else "completed", "steps": 2 if oom else 5,
+                   "oom_steps": int(oom), "train_time_s": TIMES[recipe.planner.name],
+                   "peak_bytes": 900_000, "budget_bytes": 10**6, "planning_ms_total": 1.0,
+                   "planner": {"hit_rate": 0.5} if recipe.planner.name == "mimose" else {}}
+        return mimose_cli.train.RunResult(run_dir, summary)
+
+    monkeypatch.setattr(mimose_cli.train, "run_training", run_training)
+    return calls
+
+
+def test_compare_command_runs_every_planner_at_every_budget(fake_training, tmp_path):
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(app, ["compare", "recipes/quickstart.yaml", "--budgets", "1MB,2MB",
+                                      "--steps", "5", "--out", str(out), "seed=3"])
+    assert result.exit_code == 0, result.output
+    names = [c[0] for c in fake_training]
+    assert names == ["mimose", "sublinear", "dtr", "none", "oracle"] * 2
+    assert {c[2] for c in fake_training} == {5} and {c[4] for c in fake_training} == {3}
+    data = json.loads((out / "compare.json").read_text())
+    tight, roomy = data["budgets"]
+    rows = {r["planner"]: r for r in tight["runs"]}
+    assert tight["reference"] == "oracle"  # none ran out of memory at 1MB
+    assert rows["none"]["status"] == "oom" and rows["none"]["normalised_time"] is None
+    assert rows["sublinear"]["status"] == "oom" and "prepare" in rows["sublinear"]["error"]
+    assert rows["mimose"]["normalised_time"] == pytest.approx(11.0 / 10.5)
+    assert rows["mimose"]["hit_rate"] == 0.5
+    assert roomy["reference"] == "none"
+    assert {r["planner"]: r["normalised_time"] for r in roomy["runs"]}["dtr"] == pytest.approx(1.5)
+    assert "budget 1MB" in result.output and "oom" in result.output
+
+
+def test_variants_and_unknown_planners():
+    assert planner_specs(["sublinear:sqrt", "dtr", "none"]) == ["mimose", "sublinear:sqrt", "dtr", "none", "oracle"]
+    with pytest.raises(ValueError, match="unknown planner 'dtx'"):
+        planner_specs(["dtx"])
+
+
+def test_variant_option_reaches_the_planner(fake_training, tmp_path):
+    result = CliRunner().invoke(app, ["compare", "recipes/quickstart.yaml", "--baselines",
+                                      "sublinear:chen", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    options = {c[0]: c[3] for c in fake_training}
+    assert options["sublinear"] == {"variant": "chen"} and options["none"] == {}
+    assert {c[1] for c in fake_training} == {load_recipe("recipes/quickstart.yaml").budget}
+
+
+def test_no_reference_when_none_and_oracle_fail():
+    rows = [{"planner": "none", "status": "oom", "train_time_s": 1.0},
+            {"planner": "oracle", "status": "oom", "train_time_s": 1.0},
+            {"planner": "mimose", "status": "completed", "train_time_s": 1.0}]
+    assert normalise(rows) is None and rows[2]["normalised_time"] is None
+
+
+def test_render_reads_the_compare_directory(fake_training, tmp_path):
+    out = tmp_path / "cmp"
+    CliRunner().invoke(app, ["compare", "recipes/quickstart.yaml", "--budgets", "2MB", "--out", str(out)])
+    console = Console(record=True, width=160)
+    render_compare(out, console)
+    text = console.export_text()
+    assert "budget 2MB" in text and "1.100×" in text and "50%" in text
