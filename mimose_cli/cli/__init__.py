@@ -10,15 +10,11 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from mimose_cli.cli import report, train
+    from mimose_cli.cli import compare, report, train
 
-    app.command("train", context_settings={"allow_extra_args": False})(train.train)
-    app.command("report")(report.report)
-    try:
-        from mimose_cli.cli import compare
-    except ImportError:  # compare lands with the baselines
-        return
+    app.command("train")(train.train)
     app.command("compare")(compare.compare)
+    app.command("report")(report.report)
 
 
 _register()

@@ -68,11 +68,11 @@ def least_squares(design: np.ndarray, targets: np.ndarray, candidates: tuple) ->
 
 
 def probe_sizes(sizes: list) -> np.ndarray:
-    """Features of a grid spanning (and extrapolating 4x beyond) the sizes seen."""
+    """Features of a grid spanning the sizes seen and extrapolating far (64x) beyond them."""
     batches = [s[0] for s in sizes]
-    lengths = [float(np.prod(s[1:])) for s in sizes]
-    grid_b = sorted({min(batches), max(batches), 4 * max(batches)})
-    grid_l = np.geomspace(max(1.0, min(lengths) / 2), 4 * max(lengths), 12)
+    lengths = [float(math.prod(s[1:])) for s in sizes]
+    grid_b = sorted({1, min(batches), max(batches), 64 * max(batches)})
+    grid_l = np.geomspace(1.0, 64 * max(lengths), 24)
     return np.stack([features((b, length)) for b in grid_b for length in grid_l])
 
 

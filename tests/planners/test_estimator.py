@@ -1,0 +1,108 @@
+import numpy as np
+import pytest
+
+from mimose_cli.planners.estimator import (BLOCK_QUANTITIES, STEP_QUANTITIES, Estimator, features,
+                                           peak_timeline, select_features)
+
+
+def _sample(num_blocks, value):
+    """A sample where every quantity of every block is ``value`` (a float or an op array)."""
+    one = np.atleast_1d(np.asarray(value, dtype=float))
+    return ({q: [one.copy() for _ in range(num_blocks)] for q in BLOCK_QUANTITIES},
+            {q: one.copy() for q in STEP_QUANTITIES})
+
+
+def _fitted(sizes, mem):
+    est = Estimator(2)
+    for size in sizes:
+        est.add(size, *_sample(2, mem(*size)))
+    est.fit()
+    return est
+
+
+def quadratic(batch, length):
+    return 3.0 * batch * length ** 2 + 700.0 * batch * length + 4096.0
+
+
+def test_recovers_known_quadratic_coefficients_at_unseen_lengths():
+    est = _fitted([(8, length) for length in (16, 40, 64, 100, 128)], quadratic)
+    for length in (24, 200, 512):
+        assert est.predict((8, length)).blocks["saved_bytes"][0] == pytest.approx(quadratic(8, length), rel=1e-9)
+
+
+def test_extrapolates_across_batch_sizes_when_the_batch_varied():
+    sizes = [(8, 16), (8, 64), (4, 100), (16, 32), (8, 128), (12, 80), (4, 20)]
+    est = _fitted(sizes, quadratic)
+    for size in [(32, 256), (1, 500), (64, 16)]:
+        assert est.predict(size).step["pre_bytes"] == pytest.approx(quadratic(*size), rel=1e-9)
+
+
+def test_a_constant_batch_size_fits_memory_proportional_to_the_batch():
+    est = _fitted([(8, length) for length in (16, 40, 64, 100, 128)],
+                  lambda b, length: 5.0 * b * length ** 2 + 300.0 * b * length)
+    assert select_features(np.stack([features((8, n)) for n in (16, 40, 64)]), ("BL2", "BL", "1", "B", "L2", "L")) == [0, 1, 2]
+    assert est.predict((16, 90)).blocks["plain_bytes"][1] == pytest.approx(5.0 * 16 * 90 ** 2 + 300.0 * 16 * 90)
+
+
+def test_a_peak_is_the_max_over_its_ops_each_fitted_on_its_own():
+    est = Estimator(1)
+    for length in (8, 16, 24, 48, 64, 96):
+        # op 0 grows linearly, op 1 quadratically: the peak switches from one to the other.
+        est.add((4, length), *_sample(1, [1000.0 * 4 * length, 2.0 * 4 * length ** 2]))
+    est.fit()
+    for length in (10, 500, 2000):
+        expected = max(1000.0 * 4 * length, 2.0 * 4 * length ** 2)
+        assert est.predict((4, length)).blocks["bwd_peak_bytes"][0] == pytest.approx(expected, rel=1e-9)
+
+
+def test_dropped_samples_are_left_out_of_the_fit():
+    est = Estimator(2)
+    for k, length in enumerate((16, 32, 48, 64, 80)):
+        blocks, step = _sample(2, quadratic(2, length))
+        if k == 1:
+            blocks["saved_bytes"][1] = None  # the data filter dropped it
+            blocks["saved_bytes"][0] = np.array([1e12])  # would ruin the fit if it were used
+            blocks["saved_bytes"][0] = None
+        est.add((2, length), blocks, step)
+    est.fit()
+    assert est.predict((2, 300)).blocks["saved_bytes"][1] == pytest.approx(quadratic(2, 300), rel=1e-9)
+
+
+def test_a_block_never_measured_borrows_its_nearest_measured_neighbour():
+    est = Estimator(3)
+    for length in (16, 32, 64, 128):
+        blocks, step = _sample(3, quadratic(1, length))
+        blocks["plain_bytes"][2] = None
+        est.add((1, length), blocks, step)
+    est.fit()
+    pred = est.predict((1, 256)).blocks["plain_bytes"]
+    assert pred[2] == pytest.approx(pred[1]) and pred[1] == pytest.approx(quadratic(1, 256))
+
+
+def test_state_dict_round_trip_predicts_the_same():
+    est = _fitted([(8, 16), (8, 64), (4, 100), (16, 32), (8, 128)], quadratic)
+    again = Estimator(2)
+    again.load_state_dict(est.state_dict())
+    a, b = est.predict((5, 77)), again.predict((5, 77))
+    assert all(np.array_equal(a.blocks[q], b.blocks[q]) for q in BLOCK_QUANTITIES)
+    with pytest.raises(ValueError, match="blocks"):
+        Estimator(3).load_state_dict(est.state_dict())
+
+
+def test_peak_timeline_checkpointing_the_first_block_lowers_the_forward_end_peak():
+    est = Estimator(2)
+    for length in (8, 16, 32, 64):
+        blocks, step = _sample(2, 0.0)
+        blocks["plain_bytes"] = [np.array([100.0 * length])] * 2
+        blocks["ckpt_bytes"] = [np.array([10.0 * length])] * 2
+        blocks["bwd_peak_bytes"] = [np.array([150.0 * length])] * 2
+        step["head_peak_bytes"] = np.array([5.0 * length])
+        est.add((1, length), blocks, step)
+    est.fit()
+    pred = est.predict((1, 10))
+    none = peak_timeline(pred, np.array([False, False])).max()
+    first = peak_timeline(pred, np.array([True, False])).max()
+    last = peak_timeline(pred, np.array([False, True])).max()
+    assert none == pytest.approx(1000 + 1500)  # block 1's backward above block 0's activations
+    assert first == pytest.approx(100 + 1500)  # block 1's backward above block 0's checkpoint
+    assert last == pytest.approx(none)  # the last block's recompute brings its bytes back
