@@ -187,7 +187,13 @@ class ShuttlingCollector:
         self.calls[index] += 1
         if reason is not None:
             self.dropped[index] = reason
-            return forward(*args, **kwargs) if inside_checkpoint() else run_checkpointed(forward, args, kwargs)
+            if inside_checkpoint():
+                return forward(*args, **kwargs)  # the enclosing checkpoint decides what is kept
+            self.mark(("enter", index))  # unmeasured, but its neighbours stay attributable
+            out = run_checkpointed(forward, args, kwargs)
+            self.mark(("ckpt", index))
+            self._hook_backward(index, args, out)
+            return out
         return self._shuttle(index, forward, args, kwargs)
 
     def _shuttle(self, index, forward, args, kwargs):
@@ -211,16 +217,23 @@ class ShuttlingCollector:
         self.collector_ms += (time.perf_counter() - start) * 1e3
         out = run_checkpointed(forward, args, kwargs)
         self.mark(("ckpt", index))
-        output = _first_grad_tensor(out)
-        if not usable or output is None:
+        if not usable:
             self.dropped[index] = "no_grad_output"
-            return out
+        self._hook_backward(index, args, out)
+        return out
+
+    def _hook_backward(self, index: int, args, out) -> None:
+        """Mark the start of this block's backward (its output's gradient) and, for the first
+        block, the end of it (its input's gradient)."""
+        output = _first_grad_tensor(out)
+        if output is None:
+            self.dropped[index] = "no_grad_output"
+            return
         output.register_hook(self._backward_hook(("bwd", index)))
         if index == 0:
             first = _first_grad_tensor(args)
             if first is not None:
                 first.register_hook(self._backward_hook(("bwd_end",)))
-        return out
 
     @staticmethod
     def _sync(device) -> None:
@@ -240,7 +253,7 @@ class ShuttlingCollector:
         self.active = False
         probe, self.probe = self.probe, None
         probe.__exit__(None, None, None)
-        if not any(label[0] == "enter" for label, _, _ in self.marks):
+        if len(self.dropped) == len(self.blocks) or not self.marks:
             return None
         trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.recompute, dtype=bool))
         return build_sample(self.marks, trace, len(self.blocks), self.saved, self.fwd_ms,

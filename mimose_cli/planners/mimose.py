@@ -43,17 +43,23 @@ class Mimose(Planner):
     name = "mimose"
 
     def __init__(self, model, budget=None, *, blocks=None, safety_margin=0, meter=None,
-                 sheltered_steps: int = 10, granularity: int = 8, bucket: float = 0.10):
+                 sheltered_steps: int = 10, granularity: int = 8, bucket: float = 0.10,
+                 prediction_margin: float = 0.001):
         if not isinstance(sheltered_steps, int) or sheltered_steps < 1:
             raise ValueError(f"sheltered_steps={sheltered_steps!r} is invalid; expected an integer >= 1")
         if not isinstance(granularity, int) or granularity < 1:
             raise ValueError(f"granularity={granularity!r} is invalid; expected an integer >= 1")
         if not 0.0 <= bucket < 1.0:
             raise ValueError(f"bucket={bucket!r} is invalid; expected a fraction in [0, 1)")
+        if not 0.0 <= prediction_margin < 1.0:
+            raise ValueError(f"prediction_margin={prediction_margin!r} is invalid; expected a fraction in [0, 1)")
         super().__init__(model, budget, blocks=blocks, safety_margin=safety_margin, meter=meter)
         self.sheltered_steps = sheltered_steps
         self.granularity = granularity
         self.bucket = bucket
+        # Predictions are exact to ~100 bytes on the simulated device (the sheltered steps are
+        # measured checkpointed, the planned ones are not): a relative margin absorbs that.
+        self.prediction_margin = prediction_margin
         self._own_meter = None
         if meter is None:
             self._own_meter = self._start_own_meter(model)
@@ -61,6 +67,7 @@ class Mimose(Planner):
         self.collector = ShuttlingCollector(model, self.blocks)
         self.cache: dict = {}
         self.sheltered_done = 0
+        self.sheltered_attempts = 0
         self.fit_ms = 0.0
         self.counts = {"hits": 0, "misses": 0, "scheduler_ms": 0.0, "unfit_plans": 0,
                        "underpredictions": 0, "max_underprediction_bytes": 0,
@@ -119,7 +126,7 @@ class Mimose(Planner):
         def predict_peak(plan):
             masks[:] = False
             masks[list(plan)] = True
-            return base + float(peak_timeline(pred, masks).max())
+            return base + float(peak_timeline(pred, masks).max()) * (1.0 + self.prediction_margin)
 
         plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak,
                                                self.limit_bytes, self.bucket)
@@ -164,11 +171,18 @@ class Mimose(Planner):
 
     def _collect(self, info: StepInfo) -> None:
         sample = self.collector.end()
-        if sample is None:
-            return
-        self.estimator.add(info.input_size, *sample)
-        self.sheltered_done += 1
-        if self.sheltered_done >= self.sheltered_steps:
+        self.sheltered_attempts += 1
+        if sample is not None:
+            self.estimator.add(info.input_size, *sample)
+            self.sheltered_done += 1
+        # Steps whose blocks were all filtered out do not count; after three times the planned
+        # length the estimator makes do with what it has.
+        enough = self.sheltered_done >= self.sheltered_steps or (
+            self.sheltered_done and self.sheltered_attempts >= 3 * self.sheltered_steps)
+        if not self.sheltered_done and self.sheltered_attempts == 3 * self.sheltered_steps:
+            self._warn("the collector could not measure any block (checkpointed by the model "
+                       "itself?); mimose keeps checkpointing every block")
+        if enough:
             start = time.perf_counter()
             self.estimator.fit()
             self.fit_ms = (time.perf_counter() - start) * 1e3

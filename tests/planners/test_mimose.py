@@ -1,0 +1,216 @@
+import copy
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+import mimose_cli
+from mimose_cli.memory import build_meter
+from mimose_cli.planners import PLANNERS, build_planner
+from mimose_cli.planners.base import NoCheckpointing
+from mimose_cli.planners.collector import drop_reason
+from mimose_cli.planners.mimose import Mimose
+
+SIZES = [(4, 24), (2, 40), (3, 16), (4, 56), (2, 32), (3, 48)]
+
+
+def tiny_bert(layers=3, seed=0):
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128, attn_implementation="eager")
+    return BertForSequenceClassification(config).train()  # dropout 0.1 stays on
+
+
+def batch(batch_size, length, seed=1):
+    gen = torch.Generator().manual_seed(seed * 1000 + length)
+    return {"input_ids": torch.randint(0, 64, (batch_size, length), generator=gen),
+            "labels": torch.randint(0, 2, (batch_size,), generator=gen)}
+
+
+def run_step(planner, meter, data, seed=7):
+    """One planned forward+backward; returns (loss, measured peak bytes, StepInfo)."""
+    for p in planner.model.parameters():
+        p.grad = None
+    meter.track(data)
+    torch.manual_seed(seed)
+    with meter.step() as mem:
+        with planner.step(data) as info:
+            loss = planner.model(**data).loss
+            loss.backward()
+    return loss.detach(), mem.peak_bytes, info
+
+
+def sheltered_mimose(budget="1GB", sizes=SIZES, **options):
+    model = tiny_bert()
+    meter = build_meter("simulated", None if budget is None else mimose_cli.units.parse_size(budget))
+    context = meter.activate()
+    context.__enter__()
+    meter.track(model)
+    planner = Mimose(model, budget, meter=meter, sheltered_steps=len(sizes), **options)
+    for size in sizes:
+        run_step(planner, meter, batch(*size))
+    return planner, meter, context
+
+
+@pytest.fixture
+def fitted():
+    planner, meter, context = sheltered_mimose()
+    yield planner, meter
+    planner.close()
+    context.__exit__(None, None, None)
+
+
+def test_registered_and_exported():
+    assert PLANNERS["mimose"] is Mimose and mimose_cli.Mimose is Mimose
+
+
+def test_sheltered_phase_fits_a_budget_none_cannot_and_matches_none_bit_for_bit():
+    data = batch(4, 96)
+    reference = tiny_bert()
+    sheltered = copy.deepcopy(reference)
+    free = build_meter("simulated", None)
+    with free.activate():
+        free.track(reference)
+        none = NoCheckpointing(reference, meter=free)
+        none_loss, none_peak, _ = run_step(none, free, data)
+        none_grads = [p.grad.clone() for p in reference.parameters()]
+        none.close()
+    budget = int(none_peak * 0.7)
+    meter = build_meter("simulated", budget)
+    with meter.activate():
+        meter.track(sheltered)
+        with pytest.raises(torch.OutOfMemoryError):  # the budget binds: none does not fit
+            failing = NoCheckpointing(sheltered, meter=meter)
+            try:
+                run_step(failing, meter, data)
+            finally:
+                failing.close()
+        planner = Mimose(sheltered, budget, meter=meter)
+        loss, peak, info = run_step(planner, meter, data)
+        planner.close()
+    assert info.phase == "sheltered" and info.plan == (0, 1, 2)
+    assert peak <= budget
+    assert torch.equal(loss, none_loss)
+    assert all(torch.equal(p.grad, g) for p, g in zip(sheltered.parameters(), none_grads))
+
+
+def test_sheltered_samples_are_measured_for_every_block(fitted):
+    planner, _ = fitted
+    blocks, step = planner.estimator.samples[0]
+    assert all(blocks[q][i] is not None for q in ("saved_bytes", "plain_bytes", "bwd_peak_bytes") for i in range(3))
+    assert step["head_peak_bytes"] is not None and step["tail_peak_bytes"] is not None
+    assert blocks["plain_bytes"][0][0] > blocks["ckpt_bytes"][0][0] > 0
+    assert planner.stats["sheltered_iterations"] == len(SIZES) and planner.estimator.fitted
+
+
+@pytest.mark.parametrize("name, checkpointed, parents, children, calls, inside, reason", [
+    ("layer.1", set(), ["layer"], ["layer.1.attn"], 0, False, None),
+    ("layer.1", {"layer.1"}, ["layer"], [], 0, False, "checkpointed"),
+    ("layer.1", set(), ["layer"], [], 0, True, "checkpointed"),
+    ("layer.1", {"layer"}, ["layer"], [], 0, False, "parent_checkpointed"),
+    ("layer.1", {"layer.1.attn"}, ["layer"], ["layer.1.attn"], 0, False, "child_checkpointed"),
+    ("layer.1", {"layer.2"}, ["layer"], ["layer.1.attn"], 0, False, None),  # a sibling is not a parent
+    ("layer.1", set(), [], [], 1, False, "called_twice"),
+])
+def test_drop_reason_applies_the_papers_rules(name, checkpointed, parents, children, calls, inside, reason):
+    assert drop_reason(name, checkpointed, parents, children, calls=calls, in_checkpoint=inside) == reason
+
+
+def test_data_filter_drops_blocks_whose_child_or_parent_is_checkpointed():
+    model = tiny_bert()
+    model.bert.encoder.layer[1].attention.gradient_checkpointing = True  # a child of block 1
+    meter = build_meter("simulated", None)
+    with meter.activate():
+        meter.track(model)
+        planner = Mimose(model, "1GB", meter=meter, sheltered_steps=5)
+        run_step(planner, meter, batch(2, 16))
+        model.bert.encoder.gradient_checkpointing = True  # the parent of every block
+        run_step(planner, meter, batch(2, 24))
+        planner.close()
+    first = planner.estimator.samples[0][0]
+    for q in ("saved_bytes", "plain_bytes", "fwd_peak_bytes", "bwd_peak_bytes"):
+        assert first[q][0] is not None and first[q][1] is None and first[q][2] is not None
+    assert len(planner.estimator.samples) == 1  # the second step measured nothing usable
+    assert planner.stats["sheltered_iterations"] == 1
+
+
+def test_data_filter_drops_blocks_run_inside_a_user_checkpoint():
+    model = tiny_bert()
+    meter = build_meter("simulated", None)
+    with meter.activate():
+        meter.track(model)
+        planner = Mimose(model, "1GB", meter=meter, sheltered_steps=5)
+        data = batch(2, 16)
+        with planner.step(data):
+            loss = torch.utils.checkpoint.checkpoint(lambda ids: model(input_ids=ids, labels=data["labels"]).loss,
+                                                     data["input_ids"], use_reentrant=False)
+            loss.backward()
+        planner.close()
+    assert planner.estimator.samples == [] and planner.sheltered
+
+
+def test_responsive_plan_is_empty_when_everything_fits(fitted):
+    planner, meter = fitted
+    _, peak, info = run_step(planner, meter, batch(4, 64))
+    assert info.phase == "responsive" and info.plan == () and info.cache_hit is False
+    assert peak <= info.predicted_peak_bytes
+
+
+def test_responsive_plan_checkpoints_blocks_when_the_budget_binds():
+    planner, meter, context = sheltered_mimose()
+    data = batch(4, 120)
+    none_peak = planner.estimator.predict((4, 120))
+    budget = int(meter.current_bytes() + 0.8 * (run_step(planner, meter, data)[1] - meter.current_bytes()))
+    meter._ledger.budget_bytes = planner.budget_bytes = budget  # tighten both to this budget
+    planner.cache.clear()
+    _, peak, info = run_step(planner, meter, data)
+    planner.close()
+    context.__exit__(None, None, None)
+    assert none_peak is not None and info.plan and info.plan[0] == 0  # earliest blocks first
+    assert peak <= budget and peak <= info.predicted_peak_bytes
+
+
+def test_same_rounded_size_hits_the_plan_cache(fitted):
+    planner, meter = fitted
+    _, _, first = run_step(planner, meter, batch(4, 33))
+    _, _, second = run_step(planner, meter, batch(4, 38))
+    _, _, third = run_step(planner, meter, batch(4, 41))
+    assert (first.cache_hit, second.cache_hit, third.cache_hit) == (False, True, False)
+    assert planner.cache_key((4, 38)) == (4, 40)
+    stats = planner.stats
+    assert stats["hits"] == 1 and stats["misses"] == 2 and stats["hit_rate"] == pytest.approx(1 / 3)
+
+
+def test_save_load_round_trip_skips_the_sheltered_phase(fitted, tmp_path):
+    planner, meter = fitted
+    _, _, info = run_step(planner, meter, batch(4, 50))
+    planner.save(tmp_path / "estimator.json")
+    planner.close()
+    loaded = Mimose(planner.model, "1GB", meter=meter).load(tmp_path / "estimator.json")
+    _, _, again = run_step(loaded, meter, batch(4, 50))
+    loaded.close()
+    assert again.phase == "responsive" and again.cache_hit and again.plan == info.plan
+    assert loaded.estimator.predict((3, 70)).step == pytest.approx(planner.estimator.predict((3, 70)).step)
+
+
+def test_library_api_builds_its_own_meter_and_enforces_the_budget():
+    model = tiny_bert()
+    planner = mimose_cli.Mimose(model, budget="1GB", sheltered_steps=2)
+    try:
+        for size in [(2, 16), (2, 32), (2, 24)]:
+            with planner.step(batch(*size)) as info:
+                model(**batch(*size)).loss.backward()
+        assert info.phase == "responsive" and planner.meter.peak_bytes() > 0
+    finally:
+        planner.close()
+
+
+def test_build_planner_accepts_the_loops_keywords():
+    model = tiny_bert()
+    meter = build_meter("simulated", None)
+    planner = build_planner("mimose", model, "1GB", blocks=None, safety_margin="1MB", meter=meter,
+                            sheltered_steps=3, granularity=16)
+    assert planner.limit_bytes == 10**9 - 10**6 and planner.granularity == 16
+    planner.close()
+    with pytest.raises(ValueError, match="granularity"):
+        Mimose(model, "1GB", meter=meter, granularity=0)
