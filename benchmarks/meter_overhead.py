@@ -6,7 +6,7 @@ recipe-sized batch and on a dispatch-bound one, and writes
 benchmarks/results/meter_overhead.json. Wall and process-CPU times are both reported: on
 a shared machine CPU time is the steadier of the two.
 
-    python benchmarks/meter_overhead.py [--layers 4] [--round-scale 1.0]
+    python benchmarks/meter_overhead.py [--round-scale 1.0]
 """
 
 import argparse
@@ -19,28 +19,24 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import BertConfig, BertForMultipleChoice
-
+from mimose_cli.data import make_batch
 from mimose_cli.memory import build_meter
+from mimose_cli.models import build_model, model_config
+from mimose_cli.recipe import load_recipe
 
 RESULTS = Path(__file__).parent / "results" / "meter_overhead.json"
 
 
-def build(layers, seq_len, batch_size, choices):
-    """A randomly initialised tiny BERT, its AdamW and one batch."""
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=1000, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        intermediate_size=256, max_position_embeddings=max(seq_len, 128),
-    )
-    model = BertForMultipleChoice(config).train()
+QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
+
+
+def build(seq_len, batch_size, choices):
+    """The quickstart recipe's model (random init), its AdamW and one batch of this size."""
+    recipe = load_recipe(QUICKSTART, [f"data.num_choices={choices}"])
+    config = model_config(recipe)
+    model = build_model(recipe).train()
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
-    shape = (batch_size, choices, seq_len)
-    batch = {
-        "input_ids": torch.randint(0, config.vocab_size, shape),
-        "attention_mask": torch.ones(shape, dtype=torch.long),
-        "labels": torch.randint(0, choices, (batch_size,)),
-    }
+    batch = make_batch(recipe, config, (batch_size * choices, seq_len))
     return model, optimizer, batch
 
 
@@ -129,21 +125,22 @@ def machine():
 # (name, batch size, choices, sequence length, rounds). The dispatch-bound workload has
 # ops so small that the step is almost all per-op Python: it bounds the meter's cost per op.
 WORKLOADS = (
-    ("bert-8x4x128", 8, 4, 128, 15),
+    ("quickstart-4x4x64", 4, 4, 64, 20),
+    ("quickstart-4x4x128", 4, 4, 128, 15),
     ("dispatch-bound-1x2x8", 1, 2, 8, 200),
 )
 
 
-def run_workload(name, batch_size, choices, seq_len, rounds, layers):
+def run_workload(name, batch_size, choices, seq_len, rounds):
     """Time one workload; returns its JSON row."""
-    model, optimizer, batch = build(layers, seq_len, batch_size, choices)
+    model, optimizer, batch = build(seq_len, batch_size, choices)
     train_step = make_step(model, optimizer, batch)
     train_step()  # creates the optimizer state, as every later step finds it
     ops = count_ops(train_step)
     plain, metered, peak_bytes = measure(train_step, model, optimizer, batch, rounds)
     return {
         "workload": name,
-        "model": f"BertForMultipleChoice hidden 128, {layers} layers, 4 heads, inter 256",
+        "model": "recipes/quickstart.yaml (tiny BERT multiple choice)",
         "batch": [batch_size, choices, seq_len],
         "rounds": rounds,
         "ops_per_step": ops,
@@ -162,7 +159,6 @@ def print_row(row):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument(
         "--round-scale", type=float, default=1.0, help="multiply every workload's rounds"
     )
@@ -171,7 +167,7 @@ def main():
     rows = []
     for name, batch_size, choices, seq_len, rounds in WORKLOADS:
         rounds = max(3, int(rounds * args.round_scale))
-        rows.append(run_workload(name, batch_size, choices, seq_len, rounds, args.layers))
+        rows.append(run_workload(name, batch_size, choices, seq_len, rounds))
         print_row(rows[-1])
     result = {"workloads": rows, "machine": machine()}
     info = result["machine"]

@@ -20,6 +20,12 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
+def _sum_known(values):
+    """Sum of the values a planner measured; None when it measured none."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
 def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None) -> dict:
     """Aggregate metrics.jsonl records into summary.json's content."""
     done = [r for r in records if not r.get("oom")]
@@ -42,6 +48,7 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
         "mean_checkpointed_blocks": _mean([len(r["plan"]) for r in done]),
         "num_blocks": records[0].get("num_blocks") if records else None,
         "planning_ms_total": sum(r.get("planner_ms") or 0.0 for r in done),
+        "recompute_ms_total": _sum_known(r.get("recompute_ms") for r in done),
         "loss_first": _mean(losses[:TAIL]),
         "loss_last": _mean(losses[-TAIL:]),
         "planner": planner_stats or {},
@@ -69,6 +76,7 @@ SUMMARY_ROWS = (
     ("p50 / p95 iteration", None, "p50p95"),
     ("mean blocks checkpointed", "mean_checkpointed_blocks", "blocks"),
     ("planning time total", "planning_ms_total", "ms"),
+    ("recompute time total", "recompute_ms_total", "ms"),
     ("loss first / last 10 steps", None, "loss"),
 )
 

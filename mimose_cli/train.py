@@ -163,7 +163,8 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter) -> dic
         "plan": list(info.plan), "num_blocks": trainer.planner.num_blocks,
         "planner_ms": info.planning_ms, "phase": info.phase, "cache_hit": info.cache_hit,
         "predicted_peak_bytes": info.predicted_peak_bytes,
-        "excluded_ms": info.extra.get("excluded_ms", 0.0), "oom": False,
+        "excluded_ms": info.extra.get("excluded_ms", 0.0),
+        "recompute_ms": info.extra.get("recompute_ms"), "oom": False,
     }
 
 

@@ -58,6 +58,26 @@ class Meter:
         """Start a new peak window at the current live bytes."""
         raise NotImplementedError
 
+    supports_pressure_handler: bool = False
+    """Whether ``set_pressure_handler`` works: the meter can ask for memory to be freed before
+    it reports out-of-memory (what DTR's on-demand eviction needs)."""
+
+    def set_pressure_handler(self, handler) -> None:
+        """Call ``handler(need_bytes)`` when an allocation would exceed the budget, before failing.
+
+        ``need_bytes`` is how many bytes must be freed to fit; the handler frees what it can
+        (drops references) and returns; the allocation fails only if it still does not fit.
+        Meters without an allocator hook (CUDA: the caching allocator offers none to Python)
+        raise NotImplementedError, so callers must check ``supports_pressure_handler`` and fall
+        back to freeing memory ahead of time.
+        """
+        raise NotImplementedError(
+            f"the {self.kind or type(self).__name__} meter cannot call a handler before an "
+            "allocation fails; free memory ahead of time instead")
+
+    def clear_pressure_handler(self) -> None:
+        """Remove the handler set by ``set_pressure_handler``; out-of-memory fails at once again."""
+
     @contextlib.contextmanager
     def step(self):
         """Measure one training iteration; yields a StepMemory filled in on exit.

@@ -14,6 +14,10 @@ class CudaMeter(memory.Meter):
     ``torch.cuda.set_per_process_memory_fraction``, so going over it raises a real
     ``torch.OutOfMemoryError``. The fraction caps *reserved* memory, which includes
     fragmentation, so a plan that fits exactly on the simulated device may still fail here.
+
+    No pressure handler (``supports_pressure_handler`` is False): the caching allocator gives
+    Python no hook between "this allocation does not fit" and the OutOfMemoryError, so DTR
+    cannot evict on demand here and evicts ahead of time against a reserve instead.
     """
 
     kind = "cuda"

@@ -11,6 +11,15 @@ What a dispatch mode cannot see, and so is not counted:
     ``torch.from_numpy``, unless passed to ``track()`` (or written in place later, when
     they are counted on first sight);
   - fragmentation and the allocator's rounding (the CUDA meter sees those).
+
+Memory pressure (``set_pressure_handler``, what DTR's on-demand eviction uses): the budget is
+checked after an op has computed its outputs, so the handler is called with the op's outputs
+already counted and frees memory after the fact; the op fails only if the live count is still
+over the budget when the handler returns. A GPU allocator would free first and allocate
+second; the live set that results is the same, because what a handler can free (tensors only
+it references) is never an input the running op still uses, and the peak is sampled after the
+handler, i.e. as a GPU would see it. The handler runs inside ``__torch_dispatch__``, where this
+mode is off: ops the handler itself runs are not counted, and it is never re-entered.
 """
 
 import contextlib
@@ -43,6 +52,8 @@ class _Ledger:
         # id(storage) -> _StorageRef. An id is only reused after its storage died, and the
         # weakref callback removes the entry during that death, so keys never go stale.
         self.refs: dict[int, _StorageRef] = {}
+        self.pressure_handler = None
+        self._relieving = False
 
     def add(self, storage) -> int:
         """Count ``storage`` if new, or a change in its size; returns the bytes added."""
@@ -69,10 +80,20 @@ class _Ledger:
     def commit(self, added: int) -> None:
         """Record a new peak, or raise if the bytes just added broke the budget.
 
-        The caller drops its references before the exception propagates, so the
-        weakref callbacks take the failed allocation back out of ``live``.
+        Over the budget, the pressure handler is asked to free the excess first, and the
+        budget checked again after it returns. The caller drops its references before the
+        exception propagates, so the weakref callbacks take the failed allocation back out of
+        ``live``.
         """
-        if self.budget_bytes is not None and self.live > self.budget_bytes:
+        if self._relieving:
+            return  # allocated by the handler itself (a storage resize): the outer commit checks
+        if self._over_budget() and self.pressure_handler is not None:
+            self._relieving = True
+            try:
+                self.pressure_handler(self.live - self.budget_bytes)
+            finally:
+                self._relieving = False
+        if self._over_budget():
             raise torch.OutOfMemoryError(
                 f"simulated device out of memory: tried to allocate {format_bytes(added)} "
                 f"(live {format_bytes(self.live - added)}) with a budget of "
@@ -81,6 +102,9 @@ class _Ledger:
             )
         if self.live > self.peak:
             self.peak = self.live
+
+    def _over_budget(self) -> bool:
+        return self.budget_bytes is not None and self.live > self.budget_bytes
 
 
 def _add_outputs(ledger: _Ledger, out) -> int:
@@ -117,7 +141,7 @@ class _StorageMode(TorchDispatchMode):
         if added:
             try:
                 self.ledger.commit(added)
-            except torch.OutOfMemoryError:
+            except BaseException:  # out of memory, or an error in the pressure handler
                 del out  # free the failed allocation before the traceback pins this frame
                 raise
         return out
@@ -178,6 +202,17 @@ class SimulatedMeter(memory.Meter):
         if isinstance(obj, (list, tuple)):
             return sum(self._track_one(item) for item in obj)
         return 0
+
+    supports_pressure_handler = True
+
+    def set_pressure_handler(self, handler) -> None:
+        """Call ``handler(need_bytes)`` before failing an allocation; see the module docstring."""
+        if self._ledger.pressure_handler is not None:
+            raise RuntimeError("this simulated meter has a pressure handler already; clear it first")
+        self._ledger.pressure_handler = handler
+
+    def clear_pressure_handler(self) -> None:
+        self._ledger.pressure_handler = None
 
     def current_bytes(self) -> int:
         return self._ledger.live

@@ -1,13 +1,21 @@
 """DTR (Kirisame et al., ICLR 2021) at block granularity: evict under pressure, recompute on demand.
 
 Every block's forward runs under ``saved_tensors_hooks`` whose pack stores each saved tensor in
-the block's ``_Holder`` and hands autograd a small handle. When tracked memory would exceed the
-budget, whole blocks are evicted (their held tensors dropped) in order of DTR's heuristic
+the block's ``_Holder`` and hands autograd a small handle. When memory would exceed the budget,
+whole blocks are evicted (their held tensors dropped) in order of DTR's heuristic
 ``cost / (memory × staleness)``; when backward unpacks a handle of an evicted block, the block is
 recomputed from its stashed inputs with the RNG and autocast state of its first run, and the
 recomputation's saved tensors refill the holder by pack index (as non-reentrant
-``torch.utils.checkpoint`` refills its frame). Nothing survives the step: every batch decides
-again, which is what makes DTR reactive.
+``torch.utils.checkpoint`` refills its frame, stopping as it does once the last tensor backward
+still needs is back). A block's stashed inputs are dropped once backward has used all it saved.
+Nothing survives the step: every batch decides again, which is what makes DTR reactive.
+
+When to evict: as DTR does, on demand, when an allocation would not fit. On a meter that supports
+it (the simulated device) DTR registers a pressure handler for the step, so every allocation
+(blocks, head, loss, backward temporaries) can evict. The CUDA caching allocator has no such hook,
+so there (and without a meter) DTR evicts ahead of time: before a block runs (room for as much as
+the previous block held) and at each pack (room for the largest saved tensor seen); allocations
+outside that reserve can still run out of memory on CUDA.
 
 Pitfalls handled (docs/BASELINES.md):
   - inputs changed in place after the block ran would recompute different values: input
@@ -61,9 +69,9 @@ class _Holder:
                          for d in _AUTOCAST_DEVICES]
         self.tensors = weakref.WeakKeyDictionary()  # live handle -> tensor; empty when evicted
         self.handles: list = []  # weak references to the handles, by pack index
+        self.live_handles = 0
         self.meta: list = []  # (shape, dtype) by pack index, to check recomputation
         self.complete = False
-        self.resident = True
         self.bytes = 0  # evictable bytes when the forward finished
         self.cost_ms = 0.0
         self.last_access = 0
@@ -77,6 +85,29 @@ class _Holder:
             if ptr not in self.exclude:
                 seen[ptr] = storage.nbytes()
         return sum(seen.values())
+
+    def add_handle(self, handle) -> None:
+        self.handles.append(weakref.ref(handle, self._handle_died))
+        self.live_handles += 1
+
+    def _handle_died(self, _ref) -> None:
+        # Backward has used everything this block saved: its stashed inputs go now, as a
+        # checkpoint frame drops its inputs, not at the end of the step.
+        self.live_handles -= 1
+        if self.live_handles == 0 and self.complete:
+            self.release()
+
+    def release(self) -> None:
+        """Drop the held tensors and stashed inputs: once backward is done with the block, and
+        for every block at the end of the step.
+
+        Autograd nodes that backward never ran keep their handles, and through them reference
+        cycles (held tensor -> grad_fn -> handle -> holder) that would keep this memory alive
+        until the garbage collector happens to run, i.e. into the next step.
+        """
+        self.tensors.clear()
+        self.args = self.kwargs = None
+        self.input_versions = []
 
 
 class DTR(Planner):
@@ -96,6 +127,8 @@ class DTR(Planner):
         self._clock = itertools.count(1)
         self._now = 0
         self._reserve_bytes = 0
+        self._in_use = None  # the holder whose saved tensors backward is unpacking now
+        self._on_demand = False
         self.events: list = []  # ("evict" | "recompute", block index) in order, this step
         self.totals = {"evictions": 0, "recomputations": 0, "recompute_ms": 0.0}
 
@@ -107,12 +140,20 @@ class DTR(Planner):
         self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self._holders, self.events, self._reserve_bytes = [], [], 0
         self._step_recompute_ms = 0.0
+        self._on_demand = (self._holders_enabled() and self.meter is not None
+                           and self.meter.supports_pressure_handler)
+        if self._on_demand:
+            self.meter.set_pressure_handler(self._relieve)
         try:
             with super().step(batch, input_size) as info:
                 yield info
                 self._record(info)
         finally:
-            self._holders = []
+            if self._on_demand:
+                self.meter.clear_pressure_handler()
+            for holder in self._holders:
+                holder.release()
+            self._holders, self._in_use, self._on_demand = [], None, False
 
     def _record(self, info) -> None:
         evicted = {index for kind, index in self.events if kind == "evict"}
@@ -133,20 +174,20 @@ class DTR(Planner):
         if not torch.is_grad_enabled() or not self._holders_enabled():
             return forward(*args, **kwargs)
         previous = next((h.bytes for h in reversed(self._holders) if h.complete), 0)
-        self._make_room(previous, protect=None)  # the next block is likely as large
+        self._make_room(self._ahead(previous), protect=None)  # the next block is likely as large
         holder = _Holder(index, forward, args, kwargs, self._params)
         self._holders.append(holder)
 
         def pack(tensor):
             handle = _Handle(holder, len(holder.handles))
-            holder.handles.append(weakref.ref(handle))
+            holder.add_handle(handle)
             holder.meta.append((tensor.shape, tensor.dtype))
             holder.tensors[handle] = tensor
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in holder.exclude:
                 self._reserve_bytes = max(self._reserve_bytes, storage.nbytes())
             self._tick(holder)
-            self._make_room(self._reserve_bytes, protect=holder)
+            self._make_room(self._ahead(self._reserve_bytes), protect=holder)
             return handle
 
         start = time.perf_counter()
@@ -160,8 +201,13 @@ class DTR(Planner):
     def _holders_enabled(self) -> bool:
         return self.budget_bytes is not None
 
+    def _ahead(self, need_bytes: int) -> int:
+        """Room to make ahead of time: none when the meter evicts on demand (only the margin)."""
+        return 0 if self._on_demand else need_bytes
+
     def _unpack(self, handle):
         holder = handle.holder
+        self._in_use = holder  # its backward runs now: on-demand eviction must not take it
         if handle not in holder.tensors:
             self._rematerialize(holder)
         self._tick(holder)
@@ -170,7 +216,7 @@ class DTR(Planner):
     def _tracked_bytes(self) -> int:
         if self.meter is not None:
             return self.meter.current_bytes()
-        return sum(h.held_bytes() for h in self._holders if h.resident)
+        return sum(h.held_bytes() for h in self._holders)
 
     def _make_room(self, need_bytes: int, protect) -> None:
         """Evict blocks by the DTR heuristic until ``need_bytes`` more fit under the limit."""
@@ -180,6 +226,19 @@ class DTR(Planner):
                 return
             self._evict(victim)
 
+    def _relieve(self, need_bytes: int) -> None:
+        """The meter's pressure handler: evict by the DTR heuristic until ``need_bytes`` are freed.
+
+        Evicting a block frees less than it holds when something else still references its
+        tensors (a block's output is the next one's input), hence the meter is read again.
+        """
+        target = self.meter.current_bytes() - need_bytes
+        while self.meter.current_bytes() > target:
+            victim = self.choose_victim(protect=None)
+            if victim is None:
+                return  # nothing left to evict: the meter raises out-of-memory
+            self._evict(victim)
+
     def score(self, holder) -> float:
         """DTR's h(t) = cost / (memory × staleness); the smallest is evicted first."""
         cost = self.cost_fn(holder) if self.cost_fn is not None else holder.cost_ms
@@ -187,30 +246,36 @@ class DTR(Planner):
         return cost / (max(holder.held_bytes(), 1) * staleness)
 
     def choose_victim(self, protect):
-        candidates = [h for h in self._holders if h.complete and h.resident and h is not protect
-                      and h.held_bytes() > 0]
+        """The block to evict next, or None: a finished one, never ``protect`` nor the block
+        whose backward is running (whose saved tensors it is unpacking)."""
+        candidates = [h for h in self._holders if h.complete and h is not protect
+                      and h is not self._in_use and h.held_bytes() > 0]
         if not candidates:
             return None
         return min(candidates, key=lambda h: (self.score(h), h.index))
 
     def _evict(self, holder) -> None:
         holder.tensors.clear()
-        holder.resident = False
         self.events.append(("evict", holder.index))
 
     def _rematerialize(self, holder) -> None:
         """Recompute an evicted block and refill the tensors backward still needs."""
-        self._make_room(holder.bytes + self._reserve_bytes, protect=holder)
+        if holder.args is None:
+            raise RuntimeError("dtr: backward ran after planner.step() ended; run it inside the step")
+        self._make_room(self._ahead(holder.bytes + self._reserve_bytes), protect=holder)
         _check_inputs_unchanged(holder)
         refill = _refill_hook(holder)
         start = time.perf_counter()
-        with _replay_state(holder), saved_tensors_hooks(refill, _never_unpacked), torch.enable_grad():
-            args, kwargs = tree_map(_detach, (holder.args, holder.kwargs))
-            holder.forward(*args, **kwargs)
-        if refill.count != len(holder.handles):
+        try:
+            with _replay_state(holder), saved_tensors_hooks(refill, _never_unpacked), \
+                    torch.enable_grad():
+                args, kwargs = tree_map(_detach, (holder.args, holder.kwargs))
+                holder.forward(*args, **kwargs)
+        except _RecomputedEnough:
+            pass
+        else:
             raise RuntimeError(_nondeterministic(holder, f"saved {refill.count} tensors, first run "
                                                  f"saved {len(holder.handles)}"))
-        holder.resident = True
         elapsed = (time.perf_counter() - start) * 1e3
         self._step_recompute_ms += elapsed
         self.events.append(("recompute", holder.index))
@@ -222,7 +287,15 @@ class DTR(Planner):
         return stats
 
 
+class _RecomputedEnough(Exception):
+    """Stops a recomputation once every tensor backward still needs is back, as non-reentrant
+    ``torch.utils.checkpoint`` stops early: the rest of the block would only cost memory."""
+
+
 def _refill_hook(holder):
+    needed = [i for i, ref in enumerate(holder.handles) if ref() is not None]
+    last = needed[-1] if needed else len(holder.handles) - 1
+
     def refill(tensor):
         index = refill.count
         refill.count += 1
@@ -231,6 +304,8 @@ def _refill_hook(holder):
         handle = holder.handles[index]()
         if handle is not None:  # else backward has used it already
             holder.tensors[handle] = tensor
+        if index == last:
+            raise _RecomputedEnough
     refill.count = 0
     return refill
 

@@ -33,6 +33,7 @@ STEP_QUANTITIES = ("pre_bytes", "pre_peak_bytes", "head_peak_bytes", "tail_peak_
 the peak from the last block's output to the start of its backward (head, loss, head
 backward) above the live bytes then, and the peak after the first block's backward."""
 _RANK_RTOL = 1e-9
+_MAX_SAMPLES = 60  # the most recent samples fitted (a bit per sample marks which are missing)
 _NO_EVENT = -1e30
 
 
@@ -72,7 +73,7 @@ def probe_sizes(sizes: list) -> np.ndarray:
     batches = [s[0] for s in sizes]
     lengths = [float(math.prod(s[1:])) for s in sizes]
     grid_b = sorted({1, min(batches), max(batches), 64 * max(batches)})
-    grid_l = np.geomspace(1.0, 64 * max(lengths), 24)
+    grid_l = np.geomspace(1.0, 64 * max(lengths), 10)
     return np.stack([features((b, length)) for b in grid_b for length in grid_l])
 
 
@@ -135,7 +136,9 @@ class Estimator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.sizes: list = []
-        self.samples: list = []  # (blocks: {q: [array | None] * num_blocks}, step: {q: array | None})
+        self.samples: list = []  # this session's (blocks, step) dicts, for inspection
+        self.layout: dict = {}  # (quantity, block or -1) -> (offset, ops) in a flat row
+        self.rows: list = []  # one flat array per sample, NaN where it has no value
         self.coef: np.ndarray | None = None  # FEATURES x kept ops, in segments
         self.starts: np.ndarray | None = None  # first column of each (quantity, block) segment
         self.source: np.ndarray | None = None  # per flat (quantity, block): its segment, or -1
@@ -145,57 +148,67 @@ class Estimator:
     def fitted(self) -> bool:
         return self.coef is not None
 
-    def add(self, size: tuple, blocks: dict, step: dict) -> None:
-        """Record one sheltered step's measurements at input size ``size``."""
-        self.sizes.append(tuple(int(d) for d in size))
-        self.samples.append((blocks, step))
-
     def _keys(self) -> list:
         return ([(q, i) for q in BLOCK_QUANTITIES for i in range(self.num_blocks)]
                 + [(q, -1) for q in STEP_QUANTITIES])
 
-    def _series(self, key) -> tuple:
-        """The samples of one quantity: rows used and their matrix (samples x ops). Samples
-        whose op count differs from the most common one (another kernel ran) are left out."""
-        q, i = key
-        arrays = [(blocks[q][i] if i >= 0 else step[q]) for blocks, step in self.samples]
-        lengths = [len(a) for a in arrays if a is not None]
-        if not lengths:
-            return (), None
-        common = max(set(lengths), key=lengths.count)
-        rows = tuple(k for k, a in enumerate(arrays) if a is not None and len(a) == common)
-        return rows, np.stack([arrays[k] for k in rows])
+    def add(self, size: tuple, blocks: dict, step: dict) -> None:
+        """Record one sheltered step's measurements at input size ``size``: ``blocks[q][i]`` and
+        ``step[q]`` are arrays over ops, or None for what the data filter dropped. A stretch
+        whose op count differs from the first one seen (another kernel ran) is left out."""
+        self.sizes.append(tuple(int(d) for d in size))
+        self.samples.append((blocks, step))
+        placed = []
+        for q, i in self._keys():
+            values = blocks[q][i] if i >= 0 else step[q]
+            if values is None:
+                continue
+            offset, ops = self.layout.setdefault((q, i), (self._width(), len(values)))
+            if ops == len(values):
+                placed.append((offset, values))
+        row = np.full(self._width(), np.nan)
+        for offset, values in placed:
+            row[offset: offset + len(values)] = values
+        self.rows.append(row)
+
+    def _width(self) -> int:
+        return max((offset + ops for offset, ops in self.layout.values()), default=0)
 
     def fit(self) -> None:
-        """Fit every quantity; raises ValueError without samples."""
+        """Fit every op of every quantity (one pseudo-inverse per pattern of missing samples),
+        then keep the ops that can be a peak; raises ValueError without samples."""
         if not self.sizes:
             raise ValueError("the estimator has no samples: run the sheltered phase or load one")
-        design = np.stack([features(size) for size in self.sizes])
-        grid = probe_sizes(self.sizes)
-        groups: dict = {}
-        for key in self._keys():
-            rows, matrix = self._series(key)
-            if matrix is not None:
-                groups.setdefault((rows, key[0] == "fwd_ms"), []).append((key, matrix))
-        fitted = {}
-        for (rows, is_time), items in groups.items():
-            coef = least_squares(design[list(rows)], np.concatenate([m for _, m in items], axis=1),
-                                 TIME_FEATURES if is_time else FEATURES)
-            segments = np.repeat(np.arange(len(items)), [m.shape[1] for _, m in items])
-            keep = prune_ops(coef, segments, grid)
-            for n, (key, _) in enumerate(items):
-                fitted[key] = coef[:, keep & (segments == n)]
-        self._assemble(fitted)
+        rows = self.rows[-_MAX_SAMPLES:]
+        matrix = np.full((len(rows), self._width()), np.nan)
+        for r, row in enumerate(rows):
+            matrix[r, : len(row)] = row
+        design = np.stack([features(size) for size in self.sizes[-_MAX_SAMPLES:]])
+        keys = sorted(self.layout, key=lambda k: self.layout[k][0])
+        lengths = [self.layout[k][1] for k in keys]
+        segments = np.repeat(np.arange(len(keys)), lengths)
+        is_time = np.repeat([k[0] == "fwd_ms" for k in keys], lengths)
+        present = ~np.isnan(matrix)
+        pattern = (present.T.astype(np.int64) @ (1 << np.arange(len(rows), dtype=np.int64))) * 2 + is_time
+        coef = np.zeros((len(FEATURES), matrix.shape[1]))
+        for value in np.unique(pattern):
+            columns = pattern == value
+            used = [r for r in range(len(rows)) if (value >> (r + 1)) & 1]
+            coef[:, columns] = least_squares(design[used], matrix[np.ix_(used, columns)],
+                                             TIME_FEATURES if value & 1 else FEATURES)
+        keep = prune_ops(coef, segments, probe_sizes(self.sizes))
+        self.coef = coef[:, keep]
+        kept = segments[keep]
+        self.starts = np.flatnonzero(np.r_[True, kept[1:] != kept[:-1]])
+        self._map_sources(keys)
 
-    def _assemble(self, fitted: dict) -> None:
-        keys = [k for k in self._keys() if k in fitted]
-        widths = [fitted[k].shape[1] for k in keys]
-        self.coef = np.concatenate([fitted[k] for k in keys], axis=1)
-        self.starts = np.concatenate(([0], np.cumsum(widths)[:-1])).astype(int)
+    def _map_sources(self, keys: list) -> None:
+        """Each (quantity, block) reads its own segment; one never measured reads its nearest
+        measured block's (homogeneous stacks), or a default (-1)."""
         segment = {k: n for n, k in enumerate(keys)}
         source = []
         for q, i in self._keys():
-            if (q, i) not in segment and i >= 0:  # never measured: its nearest measured block's
+            if (q, i) not in segment and i >= 0:
                 near = sorted((abs(j - i), j) for j in range(self.num_blocks) if (q, j) in segment)
                 i = near[0][1] if near else i
             source.append(segment.get((q, i), -1))
@@ -224,15 +237,15 @@ class Estimator:
 
     def state_dict(self) -> dict:
         def plain(array):
-            return None if array is None else [float(v) for v in array]
+            return [None if np.isnan(v) else float(v) for v in array]
 
-        samples = [{"blocks": {q: [plain(a) for a in arrays] for q, arrays in blocks.items()},
-                    "step": {q: plain(a) for q, a in step.items()}} for blocks, step in self.samples]
         fitted = None if self.coef is None else {
             "coef": self.coef.tolist(), "starts": self.starts.tolist(), "source": self.source.tolist()}
         return {"num_blocks": self.num_blocks, "features": list(FEATURES),
                 "block_quantities": list(BLOCK_QUANTITIES), "step_quantities": list(STEP_QUANTITIES),
-                "sizes": [list(s) for s in self.sizes], "samples": samples, "fitted": fitted}
+                "sizes": [list(s) for s in self.sizes],
+                "layout": [[q, i, offset, ops] for (q, i), (offset, ops) in self.layout.items()],
+                "rows": [plain(row) for row in self.rows], "fitted": fitted}
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_blocks"] != self.num_blocks:
@@ -241,13 +254,10 @@ class Estimator:
         if (list(state["block_quantities"]) != list(BLOCK_QUANTITIES)
                 or list(state["features"]) != list(FEATURES)):
             raise ValueError("the saved estimator was written by an incompatible mimose version")
-
-        def array(values):
-            return None if values is None else np.array(values, dtype=float)
-
         self.sizes = [tuple(s) for s in state["sizes"]]
-        self.samples = [({q: [array(a) for a in arrays] for q, arrays in sample["blocks"].items()},
-                         {q: array(a) for q, a in sample["step"].items()}) for sample in state["samples"]]
+        self.samples = []
+        self.layout = {(q, i): (offset, ops) for q, i, offset, ops in state["layout"]}
+        self.rows = [np.array([np.nan if v is None else v for v in row], dtype=float) for row in state["rows"]]
         fitted = state.get("fitted")
         self.coef = None if fitted is None else np.array(fitted["coef"], dtype=float).reshape(len(FEATURES), -1)
         self.starts = None if fitted is None else np.array(fitted["starts"], dtype=int)

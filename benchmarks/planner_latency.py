@@ -1,0 +1,105 @@
+"""How long Mimose's estimator and scheduler take: fit, predict, plan on a miss and on a hit.
+
+For tiny BERTs of 12, 24 and 48 blocks the sheltered phase runs on 10 sizes (real samples:
+every op of every block's forward and backward), then each operation is timed many times and
+the median is reported. The budget is set so that a miss must checkpoint about half of the
+blocks. Paper: fit < 1 ms, prediction ~16 us, estimator + scheduler 0.26-0.39 ms per miss.
+Targets here: miss <= 0.5 ms, hit <= 10 us. Writes benchmarks/results/planner_latency.json.
+
+    python benchmarks/planner_latency.py [--blocks 12,24,48]
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from mimose_cli.memory import build_meter
+from mimose_cli.planners.estimator import peak_timeline
+from mimose_cli.planners.mimose import Mimose
+
+RESULTS = Path(__file__).parent / "results" / "planner_latency.json"
+SHELTERED = [(4, 16), (2, 40), (8, 24), (3, 64), (6, 32), (2, 56), (5, 48), (4, 20), (7, 36), (3, 28)]
+
+
+def median_us(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def fitted_planner(num_blocks: int):
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=num_blocks, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=256, attn_implementation="eager")
+    model = BertForSequenceClassification(config).train()
+    meter = build_meter("simulated", None)
+    with meter.activate():
+        meter.track(model)
+        planner = Mimose(model, "100GB", meter=meter, sheltered_steps=len(SHELTERED))
+        for b, length in SHELTERED:
+            batch = {"input_ids": torch.randint(0, 100, (b, length)), "labels": torch.randint(0, 2, (b,))}
+            with planner.step(batch):
+                model(**batch).loss.backward()
+            for p in model.parameters():
+                p.grad = None
+    planner.meter = None  # timings below read no meter: the start-of-step bytes count as 0
+    return planner
+
+
+def measure(num_blocks: int, repeat: int) -> dict:
+    planner = fitted_planner(num_blocks)
+    size = (16, 200)
+    pred = planner.estimator.predict(size)
+    none_peak = peak_timeline(pred, np.zeros(num_blocks, dtype=bool)).max()
+    planner.budget_bytes = int(0.6 * none_peak)  # a miss must checkpoint blocks
+    fit_us = median_us(planner.estimator.fit, max(5, repeat // 100))
+    predict_us = median_us(lambda: planner.estimator.predict(size), repeat)
+
+    def miss():
+        planner.cache.clear()
+        planner.make_step_info(size)
+
+    miss_us = median_us(miss, repeat)
+    planner.make_step_info(size)
+    hit_us = median_us(lambda: planner.make_step_info(size), repeat)
+    plan = planner.make_step_info(size).plan
+    planner.close()
+    return {"num_blocks": num_blocks, "fit_us": fit_us, "predict_us": predict_us, "miss_us": miss_us,
+            "hit_us": hit_us, "plan_length": len(plan),
+            "ops_fitted": int(sum(len(a) for a in planner.estimator.samples[0][0]["bwd_peak_bytes"] if a is not None)),
+            "ops_kept": int(planner.estimator.coef.shape[1])}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", default="12,24,48")
+    parser.add_argument("--repeat", type=int, default=2000)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    print(f"{'blocks':>6} {'fit us':>9} {'predict us':>10} {'miss us':>9} {'hit us':>7} {'plan':>5} {'ops kept':>8}")
+    for n in (int(b) for b in args.blocks.split(",")):
+        row = measure(n, args.repeat)
+        rows.append(row)
+        print(f"{n:6d} {row['fit_us']:9.1f} {row['predict_us']:10.1f} {row['miss_us']:9.1f} "
+              f"{row['hit_us']:7.2f} {row['plan_length']:5d} {row['ops_kept']:8d}", flush=True)
+    result = {"benchmark": "planner_latency", "machine": platform.processor() or platform.machine(),
+              "torch": torch.__version__, "numpy": np.__version__,
+              "targets_us": {"miss": 500, "hit": 10, "fit": 1000}, "rows": rows}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
