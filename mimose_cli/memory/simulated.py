@@ -16,10 +16,11 @@ Memory pressure (``set_pressure_handler``, what DTR's on-demand eviction uses): 
 checked after an op has computed its outputs, so the handler is called with the op's outputs
 already counted and frees memory after the fact; the op fails only if the live count is still
 over the budget when the handler returns. A GPU allocator would free first and allocate
-second; the live set that results is the same, because what a handler can free (tensors only
-it references) is never an input the running op still uses, and the peak is sampled after the
-handler, i.e. as a GPU would see it. The handler runs inside ``__torch_dispatch__``, where this
-mode is off: ops the handler itself runs are not counted, and it is never re-entered.
+second; the live set that results is the same, because a handler can only free tensors nothing
+else references (never the running op's inputs), and the peak is sampled after the handler, as a
+GPU would see it. The handler is never re-entered: called from an op, it runs inside
+``__torch_dispatch__`` where this mode is off, so ops it runs are not counted; called from a
+storage resize, what it allocates is counted and checked with the rest once it returns.
 """
 
 import contextlib
@@ -151,6 +152,7 @@ class SimulatedMeter(memory.Meter):
     """An exact simulated device: live storage bytes, their peak, and a hard budget."""
 
     kind = "simulated"
+    supports_pressure_handler = True
 
     def __init__(self, budget_bytes: int | None = None):
         self._ledger = _Ledger(budget_bytes)
@@ -202,8 +204,6 @@ class SimulatedMeter(memory.Meter):
         if isinstance(obj, (list, tuple)):
             return sum(self._track_one(item) for item in obj)
         return 0
-
-    supports_pressure_handler = True
 
     def set_pressure_handler(self, handler) -> None:
         """Call ``handler(need_bytes)`` before failing an allocation; see the module docstring."""

@@ -6,8 +6,8 @@ whole blocks are evicted (their held tensors dropped) in order of DTR's heuristi
 ``cost / (memory × staleness)``; when backward unpacks a handle of an evicted block, the block is
 recomputed from its stashed inputs with the RNG and autocast state of its first run, and the
 recomputation's saved tensors refill the holder by pack index (as non-reentrant
-``torch.utils.checkpoint`` refills its frame, stopping as it does once the last tensor backward
-still needs is back). A block's stashed inputs are dropped once backward has used all it saved.
+``torch.utils.checkpoint`` refills its frame). A block's stashed inputs are dropped once backward
+has used all it saved.
 Nothing survives the step: every batch decides again, which is what makes DTR reactive.
 
 When to evict: as DTR does, on demand, when an allocation would not fit. On a meter that supports
@@ -261,19 +261,15 @@ class DTR(Planner):
     def _rematerialize(self, holder) -> None:
         """Recompute an evicted block and refill the tensors backward still needs."""
         if holder.args is None:
-            raise RuntimeError("dtr: backward ran after planner.step() ended; run it inside the step")
+            raise RuntimeError("dtr: backward ran after planner.step() ended; run it inside")
         self._make_room(self._ahead(holder.bytes + self._reserve_bytes), protect=holder)
         _check_inputs_unchanged(holder)
         refill = _refill_hook(holder)
         start = time.perf_counter()
-        try:
-            with _replay_state(holder), saved_tensors_hooks(refill, _never_unpacked), \
-                    torch.enable_grad():
-                args, kwargs = tree_map(_detach, (holder.args, holder.kwargs))
-                holder.forward(*args, **kwargs)
-        except _RecomputedEnough:
-            pass
-        else:
+        with _replay_state(holder), saved_tensors_hooks(refill, _never_unpacked), torch.enable_grad():
+            args, kwargs = tree_map(_detach, (holder.args, holder.kwargs))
+            holder.forward(*args, **kwargs)
+        if refill.count != len(holder.handles):
             raise RuntimeError(_nondeterministic(holder, f"saved {refill.count} tensors, first run "
                                                  f"saved {len(holder.handles)}"))
         elapsed = (time.perf_counter() - start) * 1e3
@@ -287,15 +283,7 @@ class DTR(Planner):
         return stats
 
 
-class _RecomputedEnough(Exception):
-    """Stops a recomputation once every tensor backward still needs is back, as non-reentrant
-    ``torch.utils.checkpoint`` stops early: the rest of the block would only cost memory."""
-
-
 def _refill_hook(holder):
-    needed = [i for i, ref in enumerate(holder.handles) if ref() is not None]
-    last = needed[-1] if needed else len(holder.handles) - 1
-
     def refill(tensor):
         index = refill.count
         refill.count += 1
@@ -304,8 +292,6 @@ def _refill_hook(holder):
         handle = holder.handles[index]()
         if handle is not None:  # else backward has used it already
             holder.tensors[handle] = tensor
-        if index == last:
-            raise _RecomputedEnough
     refill.count = 0
     return refill
 

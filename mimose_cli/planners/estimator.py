@@ -142,6 +142,7 @@ class Estimator:
         self.coef: np.ndarray | None = None  # FEATURES x kept ops, in segments
         self.starts: np.ndarray | None = None  # first column of each (quantity, block) segment
         self.source: np.ndarray | None = None  # per flat (quantity, block): its segment, or -1
+        self.offset: np.ndarray | None = None  # per flat (quantity, block): added to its segment
         self._gather: np.ndarray | None = None
 
     @property
@@ -184,7 +185,10 @@ class Estimator:
         for r, row in enumerate(rows):
             matrix[r, : len(row)] = row
         design = np.stack([features(size) for size in self.sizes[-_MAX_SAMPLES:]])
-        keys = sorted(self.layout, key=lambda k: self.layout[k][0])
+        alias = self._duplicates(matrix)
+        keys = sorted((k for k in self.layout if k not in alias), key=lambda k: self.layout[k][0])
+        columns = np.concatenate([np.arange(*self._span(k)) for k in keys])
+        matrix = matrix[:, columns]
         lengths = [self.layout[k][1] for k in keys]
         segments = np.repeat(np.arange(len(keys)), lengths)
         is_time = np.repeat([k[0] == "fwd_ms" for k in keys], lengths)
@@ -192,33 +196,64 @@ class Estimator:
         pattern = (present.T.astype(np.int64) @ (1 << np.arange(len(rows), dtype=np.int64))) * 2 + is_time
         coef = np.zeros((len(FEATURES), matrix.shape[1]))
         for value in np.unique(pattern):
-            columns = pattern == value
+            chosen = pattern == value
             used = [r for r in range(len(rows)) if (value >> (r + 1)) & 1]
-            coef[:, columns] = least_squares(design[used], matrix[np.ix_(used, columns)],
-                                             TIME_FEATURES if value & 1 else FEATURES)
+            coef[:, chosen] = least_squares(design[used], matrix[np.ix_(used, chosen)],
+                                            TIME_FEATURES if value & 1 else FEATURES)
         keep = prune_ops(coef, segments, probe_sizes(self.sizes))
         self.coef = coef[:, keep]
         kept = segments[keep]
         self.starts = np.flatnonzero(np.r_[True, kept[1:] != kept[:-1]])
-        self._map_sources(keys)
+        self._map_sources(keys, alias)
 
-    def _map_sources(self, keys: list) -> None:
-        """Each (quantity, block) reads its own segment; one never measured reads its nearest
-        measured block's (homogeneous stacks), or a default (-1)."""
+    def _span(self, key) -> tuple:
+        offset, ops = self.layout[key]
+        return offset, offset + ops
+
+    def _duplicates(self, matrix: np.ndarray) -> dict:
+        """Blocks whose samples equal the first block's op for op up to a constant (the layers
+        of a homogeneous stack; the constant is the parameter gradients already allocated when
+        a later block runs backward): ``{key: (first block's key, constant)}``. They share its
+        fit, so the fit's cost grows with the number of distinct blocks, not of blocks."""
+        alias = {}
+        for q in BLOCK_QUANTITIES:
+            keys = [(q, i) for i in range(self.num_blocks) if (q, i) in self.layout]
+            if len(keys) < 2 or q == "fwd_ms":
+                continue
+            offset, ops = self.layout[keys[0]]
+            if any(self.layout[k] != (offset + n * ops, ops) for n, k in enumerate(keys)):
+                continue  # not laid out side by side: each is fitted on its own
+            slab = matrix[:, offset: offset + len(keys) * ops].reshape(matrix.shape[0], len(keys), ops)
+            missing = np.isnan(slab)
+            diff = slab - slab[:, :1]
+            low = np.where(missing, np.inf, diff).min(axis=(0, 2))
+            high = np.where(missing, -np.inf, diff).max(axis=(0, 2))
+            same = (missing == missing[:, :1]).all(axis=(0, 2)) & (low == high)
+            alias.update({k: (keys[0], float(low[n])) for n, k in enumerate(keys) if n and same[n]})
+        return alias
+
+    def _map_sources(self, keys: list, alias: dict) -> None:
+        """Each (quantity, block) reads its own segment (or its duplicate's); a block never
+        measured reads its nearest measured block's (homogeneous stacks); what is left reads a
+        default (-1: no bytes, or no event for a peak, as the gap before the first block)."""
         segment = {k: n for n, k in enumerate(keys)}
-        source = []
+        segment.update({k: segment[rep] for k, (rep, _) in alias.items()})
+        measured = {i for q, i in self.layout if q == "plain_bytes"}
+        source, offset = [], []
         for q, i in self._keys():
-            if (q, i) not in segment and i >= 0:
+            if (q, i) not in segment and i >= 0 and i not in measured:
                 near = sorted((abs(j - i), j) for j in range(self.num_blocks) if (q, j) in segment)
                 i = near[0][1] if near else i
             source.append(segment.get((q, i), -1))
+            offset.append(alias.get((q, i), (None, 0.0))[1])
         self.source = np.array(source)
+        self.offset = np.array(offset)
         self._gather = None
 
     def predict(self, size) -> Prediction:
         """Every quantity at ``size``; bytes, and ms for time (never below zero)."""
         values = np.maximum.reduceat(features(size) @ self.coef, self.starts)
-        flat = np.concatenate((values, (0.0, _NO_EVENT)))[self.gather]
+        flat = np.concatenate((values, (0.0, _NO_EVENT)))[self.gather] + self.offset
         n = self.num_blocks * len(BLOCK_QUANTITIES)
         blocks = flat[:n].reshape(len(BLOCK_QUANTITIES), self.num_blocks)
         blocks[-1] = np.maximum(blocks[-1], 0.0)
@@ -240,7 +275,8 @@ class Estimator:
             return [None if np.isnan(v) else float(v) for v in array]
 
         fitted = None if self.coef is None else {
-            "coef": self.coef.tolist(), "starts": self.starts.tolist(), "source": self.source.tolist()}
+            "coef": self.coef.tolist(), "starts": self.starts.tolist(), "source": self.source.tolist(),
+            "offset": self.offset.tolist()}
         return {"num_blocks": self.num_blocks, "features": list(FEATURES),
                 "block_quantities": list(BLOCK_QUANTITIES), "step_quantities": list(STEP_QUANTITIES),
                 "sizes": [list(s) for s in self.sizes],
@@ -262,4 +298,5 @@ class Estimator:
         self.coef = None if fitted is None else np.array(fitted["coef"], dtype=float).reshape(len(FEATURES), -1)
         self.starts = None if fitted is None else np.array(fitted["starts"], dtype=int)
         self.source = None if fitted is None else np.array(fitted["source"], dtype=int)
+        self.offset = None if fitted is None else np.array(fitted["offset"], dtype=float)
         self._gather = None

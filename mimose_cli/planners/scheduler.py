@@ -85,7 +85,9 @@ def greedy_plan_checked(block_bytes: Sequence[float], predict_peak: Callable[[tu
     whole plan is predicted again (the peak may sit in backward, where a recomputed block comes
     back), and the greedy goes on with the remaining shortfall until the plan fits or holds
     every block. Each round adds at least one block, so there are at most ``len`` rounds and
-    usually one or two.
+    usually one or two. Then, since block bytes only approximate how much the peak drops, the
+    blocks taken are tried out again, last taken first, and left out when the plan fits
+    without them (each try is one prediction; most plans need one or two).
     """
     greedy = Greedy(block_bytes, bucket)
     plan = ()
@@ -94,4 +96,12 @@ def greedy_plan_checked(block_bytes: Sequence[float], predict_peak: Callable[[tu
         greedy.cover(peak - limit_bytes)
         plan = tuple(sorted(greedy.plan))
         peak = predict_peak(plan)
-    return plan, peak, peak <= limit_bytes
+    if peak > limit_bytes:
+        return plan, peak, False
+    for index in reversed(greedy.plan[1:]):
+        trial = tuple(i for i in plan if i != index)
+        trial_peak = predict_peak(trial)
+        if trial_peak > limit_bytes:
+            break
+        plan, peak = trial, trial_peak
+    return plan, peak, True

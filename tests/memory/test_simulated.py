@@ -220,6 +220,73 @@ def test_storage_resize_is_followed_and_refused_past_budget():
         assert meter.current_bytes() == 0
 
 
+def test_pressure_handler_that_frees_avoids_out_of_memory():
+    meter = build_meter("simulated", budget_bytes=4096)
+    held, calls = [], []
+
+    def handler(need_bytes):
+        calls.append((need_bytes, meter.current_bytes()))
+        held.clear()
+
+    with meter.activate():
+        held.append(torch.empty(512))  # 2 KiB
+        meter.set_pressure_handler(handler)
+        with meter.step() as mem:
+            out = torch.empty(768)  # 3 KiB: 5 KiB live with the held tensor
+        # Called once the op's output was counted, asked to free the excess over the budget.
+        assert calls == [(1024, 5120)]
+        assert meter.current_bytes() == 3072 == mem.peak_bytes  # the peak is sampled after it
+        meter.clear_pressure_handler()
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(512)  # 5 KiB again, and no handler any more
+    assert calls == [(1024, 5120)] and out.numel() == 768
+
+
+def test_pressure_handler_that_frees_nothing_still_raises():
+    meter = build_meter("simulated", budget_bytes=4096)
+    calls = []
+    with meter.activate():
+        meter.set_pressure_handler(calls.append)
+        keep = torch.empty(512)
+        with pytest.raises(torch.OutOfMemoryError, match="simulated device out of memory"):
+            torch.empty(768)
+        assert calls == [1024]
+        assert meter.current_bytes() == keep.nbytes  # the failed allocation was freed
+        with pytest.raises(RuntimeError, match="pressure handler already"):
+            meter.set_pressure_handler(calls.append)
+
+
+def test_pressure_handler_is_not_reentered():
+    meter = build_meter("simulated", budget_bytes=4096)
+    held, scratch, calls = [], [], []
+
+    def handler(need_bytes):
+        calls.append(need_bytes)
+        scratch.append(torch.empty(256))  # 1 KiB while over the budget: must not call us again
+        held.clear()
+
+    with meter.activate():
+        held.append(torch.empty(512))
+        meter.set_pressure_handler(handler)
+        torch.empty(768)  # from an op: the handler runs in __torch_dispatch__, uncounted
+        assert calls == [1024] and meter.current_bytes() == 0
+        held.append(torch.empty(512))
+        scratch.clear()
+        storage = torch.empty(0).untyped_storage()
+        storage.resize_(3072)  # from a storage resize: the handler's own allocation is counted
+        assert calls == [1024, 1024] and meter.current_bytes() == 3072 + 1024 == 4096
+    assert storage.nbytes() == 3072
+
+
+def test_cuda_meter_has_no_pressure_handler():
+    from mimose_cli.memory import CudaMeter
+
+    meter = CudaMeter(None, torch.device("cuda"))
+    assert not meter.supports_pressure_handler
+    with pytest.raises(NotImplementedError, match="ahead of time"):
+        meter.set_pressure_handler(lambda need_bytes: None)
+
+
 def test_step_memory_is_filled_in():
     meter = build_meter("simulated")
     with meter.activate():

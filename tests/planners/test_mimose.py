@@ -159,15 +159,21 @@ def test_responsive_plan_is_empty_when_everything_fits(fitted):
 def test_responsive_plan_checkpoints_blocks_when_the_budget_binds():
     planner, meter, context = sheltered_mimose()
     data = batch(4, 120)
-    none_peak = planner.estimator.predict((4, 120))
-    budget = int(meter.current_bytes() + 0.8 * (run_step(planner, meter, data)[1] - meter.current_bytes()))
-    meter._ledger.budget_bytes = planner.budget_bytes = budget  # tighten both to this budget
-    planner.cache.clear()
-    _, peak, info = run_step(planner, meter, data)
+    _, none_peak, free = run_step(planner, meter, data)
+    state = planner.state_dict()
     planner.close()
     context.__exit__(None, None, None)
-    assert none_peak is not None and info.plan and info.plan[0] == 0  # earliest blocks first
-    assert peak <= budget and peak <= info.predicted_peak_bytes
+    budget = int(0.8 * none_peak)
+    tight = build_meter("simulated", budget)
+    with tight.activate():
+        tight.track(planner.model)
+        bound = Mimose(planner.model, budget, meter=tight)
+        bound.load_state_dict(state)
+        bound.cache.clear()
+        _, peak, info = run_step(bound, tight, data)
+        bound.close()
+    assert free.plan == () and info.plan and info.plan[0] == 0  # earliest blocks first
+    assert peak <= budget and peak <= info.predicted_peak_bytes <= budget
 
 
 def test_same_rounded_size_hits_the_plan_cache(fitted):

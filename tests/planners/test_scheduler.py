@@ -55,3 +55,10 @@ def test_checked_variant_reports_a_plan_that_cannot_fit():
 
 def test_checked_variant_is_empty_when_everything_fits():
     assert greedy_plan_checked([5.0, 5.0], lambda plan: 10.0, 20.0) == ((), 10.0, True)
+
+
+def test_checked_variant_leaves_out_blocks_the_plan_fits_without():
+    # Each block really lowers the peak by 30, three times its 10 bytes: the greedy takes all
+    # four for an excess of 55, and the re-check gives back the last two.
+    plan, peak, fits = greedy_plan_checked([10.0] * 4, lambda plan: 100.0 - 30.0 * len(plan), 45.0)
+    assert plan == (0, 1) and peak == 40.0 and fits
