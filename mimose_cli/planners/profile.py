@@ -125,6 +125,7 @@ class BlockProfiler:
                         run_model(self.model, batch)
         finally:
             self.active = False
+            self._batch = None  # the batch is the caller's; keep no device memory after measuring
         return list(self._act_bytes), list(self._fwd_ms)
 
     def route(self, index, forward, args, kwargs):
@@ -138,12 +139,16 @@ class BlockProfiler:
 
         _sync(self._batch)
         start = time.perf_counter()
-        with saved_tensors_hooks(pack, _unreachable):
-            out = forward(*args, **kwargs)
-        _sync(self._batch)
-        self._fwd_ms[index] = min(self._fwd_ms[index], (time.perf_counter() - start) * 1e3)
-        self._act_bytes[index] = sum(t.untyped_storage().nbytes() for t in held.values())
-        held.clear()  # autograd keeps ``pack`` (and what it references) with the graph
+        try:
+            with saved_tensors_hooks(pack, _unreachable):
+                out = forward(*args, **kwargs)
+            _sync(self._batch)
+            self._fwd_ms[index] = min(self._fwd_ms[index], (time.perf_counter() - start) * 1e3)
+            self._act_bytes[index] = sum(t.untyped_storage().nbytes() for t in held.values())
+        finally:
+            # Autograd keeps ``pack`` (and so ``held``) with the graph: a cycle through C++ that
+            # the garbage collector cannot see. Clearing ``held`` breaks it, out of memory included.
+            held.clear()
         return out
 
 

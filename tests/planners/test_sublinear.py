@@ -118,3 +118,20 @@ def test_deciding_before_prepare_is_an_error():
     planner = build_planner("sublinear", stack(), "1MB")
     with pytest.raises(RuntimeError, match="prepare"):
         planner.decide((1, 8))
+
+
+def test_measuring_that_runs_out_of_memory_leaves_nothing_behind():
+    """An OOM while profiling at the largest input must free the failed pass's tensors (the
+    profiler's saved-tensor hook forms a cycle through autograd that gc cannot break)."""
+    from mimose_cli.memory import build_meter
+
+    model = nn.Sequential(*[Block(4096) for _ in range(4)])
+    meter = build_meter("simulated", 2_000_000, torch.device("cpu"))
+    planner = build_planner("sublinear", model, 2_000_000, meter=meter)
+    with meter.activate():
+        meter.track(model)
+        before = meter.current_bytes()
+        with pytest.warns(UserWarning, match="ran out of memory"):
+            planner.prepare(lambda size: torch.randn(size[0], 8), (64, 8))
+        assert planner.static_plan == (0, 1, 2, 3)
+        assert meter.current_bytes() == before
