@@ -220,6 +220,10 @@ class Mimose(Planner):
                 "mean_iteration_ms": iteration_ms,
                 "overhead_ms": overhead_ms,
                 "overhead_iterations": overhead_ms / iteration_ms if iteration_ms else None,
+                # Everything the sheltered phase cost beyond ordinary steps: the measuring passes
+                # plus checkpointing every block and the live-bytes probe while collecting.
+                "sheltered_extra_iterations": (
+                    c["sheltered_ms"] / iteration_ms - self.sheltered_done if iteration_ms else None),
                 "warnings": list(self.warnings)}
 
     def state_dict(self) -> dict:
