@@ -1,5 +1,7 @@
 """The ``mimose`` command: one module per command, each thin (parse, load, call one function)."""
 
+import warnings
+
 import typer
 
 app = typer.Typer(
@@ -20,5 +22,11 @@ def _register() -> None:
 _register()
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one readable line on stderr, not Python's file:line dump."""
+    typer.echo(f"warning: {message}", err=True)
+
+
 def main() -> None:
+    warnings.showwarning = _show_warning
     app()
