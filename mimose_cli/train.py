@@ -183,11 +183,11 @@ def _oom_record(trainer: Trainer, batch: dict, error: Exception) -> dict:
     }
 
 
-def _data_batches(recipe: Recipe, dataset, config, total_steps: int):
+def _data_batches(recipe: Recipe, dataset, config, total_steps: int, first_loader):
     """Yield (epoch, batch) until total_steps batches; same seed -> same order."""
     produced, epoch = 0, 0
     while produced < total_steps:
-        loader = build_dataloader(recipe, dataset, config, epoch=epoch)
+        loader = first_loader if epoch == 0 else build_dataloader(recipe, dataset, config, epoch=epoch)
         if len(loader) == 0:
             raise ValueError("the data set yields no batch; raise data.num_examples or lower training.batch_size")
         for batch in loader:
@@ -230,8 +230,8 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
 
     config = model_config(recipe)
     dataset = build_dataset(recipe, config)
-    probe = build_dataloader(recipe, dataset, config, epoch=0)
-    total = total_steps_of(recipe, len(probe))
+    first_loader = build_dataloader(recipe, dataset, config, epoch=0)
+    total = total_steps_of(recipe, len(first_loader))
     trainer = build_trainer(recipe, config, total)
     run_dir = new_run_dir(out_dir or recipe.out_dir, recipe_name, recipe.planner.name)
     writer = RunWriter(run_dir, recipe, environment(trainer.device))
@@ -243,7 +243,7 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
             trainer.meter.track(trainer.model, trainer.optimizer)
             trainer.planner.prepare(lambda size: make_batch(recipe, config, size),
                                     max_input_size(recipe))
-            records, status = _loop(trainer, _data_batches(recipe, dataset, config, total), writer, progress)
+            records, status = _loop(trainer, _data_batches(recipe, dataset, config, total, first_loader), writer, progress)
     finally:
         progress.close()
         writer.close()

@@ -18,20 +18,19 @@ def infer_input_size(batch) -> tuple:
     Leading dimensions are folded into B, so a multiple-choice batch (B, C, L) is (B*C, L):
     that is the batch the encoder blocks actually see.
     """
-    tensor = None
-    if isinstance(batch, torch.Tensor):
-        tensor = batch
-    elif isinstance(batch, dict):
-        tensor = next((batch[k] for k in TOKEN_KEYS if k in batch and batch[k] is not None), None)
+    key, tensor = "input_ids", batch if isinstance(batch, torch.Tensor) else None
+    if isinstance(batch, dict):
+        key = next((k for k in TOKEN_KEYS if batch.get(k) is not None), None)
+        tensor = batch.get(key)
     if tensor is None:
         raise ValueError(
             "cannot infer the input size from this batch: pass a tensor or a dict with "
             f"one of {TOKEN_KEYS}, or call planner.step(input_size=(B, L))"
         )
     shape = tuple(tensor.shape)
-    if "inputs_embeds" in (batch if isinstance(batch, dict) else {}) and tensor is batch["inputs_embeds"]:
-        shape = shape[:-1]
-    if "pixel_values" in (batch if isinstance(batch, dict) else {}) and tensor is batch["pixel_values"]:
+    if key == "inputs_embeds":
+        shape = shape[:-1]  # the hidden dimension is not part of the input size
+    if key == "pixel_values":
         return (shape[0],) + shape[-2:]
     if len(shape) == 1:
         return (1, shape[0])

@@ -38,7 +38,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_leaves, tree_map
 
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.profile import tensor_storages
+from mimose_cli.planners.profile import restored_buffers, tensor_storages
 
 _AUTOCAST_DEVICES = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
 
@@ -314,20 +314,14 @@ def _replay_state(holder):
     """The RNG and autocast state of the block's first run; its buffers restored afterwards."""
     cpu_state, cuda_states = holder.rng
     module = getattr(holder.forward, "__self__", None)
-    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
     with torch.random.fork_rng(devices=[d for d, _ in cuda_states], device_type="cuda"), \
-            contextlib.ExitStack() as stack:
+            restored_buffers(module), contextlib.ExitStack() as stack:
         torch.set_rng_state(cpu_state)
         for device, state in cuda_states:
             torch.cuda.set_rng_state(state, device)
         for device_type, enabled, dtype in holder.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+        yield
 
 
 def _detach(value):

@@ -12,9 +12,8 @@ import time
 
 import numpy as np
 
-from mimose_cli.planners.base import Planner, StepInfo
-from mimose_cli.planners.profile import BlockProfile, BlockProfiler, measure_fixed_bytes
-from mimose_cli.planners.sublinear import to_model_device
+from mimose_cli.planners.base import StepInfo
+from mimose_cli.planners.profile import BlockProfile, ProfilingPlanner, measure_fixed_bytes, to_model_device
 
 EXACT_MAX_BLOCKS = 16
 
@@ -102,14 +101,13 @@ def optimal_plan(profile: BlockProfile, limit_bytes) -> tuple:
     return knapsack_plan(profile, limit_bytes)
 
 
-class Oracle(Planner):
+class Oracle(ProfilingPlanner):
     """Per batch, the least-recompute plan that fits, from measurements at that input size."""
 
     name = "oracle"
 
     def __init__(self, model, budget=None, **kwargs):
         super().__init__(model, budget, **kwargs)
-        self.profiler = BlockProfiler(model, self.num_blocks)
         self.profiles: dict = {}
         self._make_batch = None
         self._batch = None
@@ -163,11 +161,6 @@ class Oracle(Planner):
         leaves out backward transients that differ from the calibration step's)."""
         if peak_bytes is not None and info.predicted_peak_bytes is not None:
             self.margin_bytes = max(self.margin_bytes, peak_bytes - info.predicted_peak_bytes)
-
-    def route(self, index, forward, args, kwargs):
-        if self.profiler.active:
-            return self.profiler.route(index, forward, args, kwargs)
-        return super().route(index, forward, args, kwargs)
 
     @property
     def stats(self) -> dict:

@@ -16,6 +16,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 
+from mimose_cli.planners.base import Planner
+
 
 @dataclass
 class BlockProfile:
@@ -82,18 +84,32 @@ def _sync(batch) -> None:
 
 
 @contextlib.contextmanager
+def restored_buffers(module):
+    """Put ``module``'s buffers (BatchNorm statistics) back as they were on exit."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+@contextlib.contextmanager
 def side_effect_free(model, batch):
     """Fork the RNG and restore the model's buffers (BatchNorm statistics) on exit."""
     devices = sorted({leaf.device.index or 0 for leaf in tree_leaves(batch)
                       if isinstance(leaf, torch.Tensor) and leaf.is_cuda})
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+    with torch.random.fork_rng(devices=devices, device_type="cuda"), restored_buffers(model):
+        yield
+
+
+def to_model_device(model, batch):
+    """Move a (dict) batch to the device of the model's parameters."""
+    device = next(model.parameters()).device
+    if isinstance(batch, dict):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return batch.to(device)
 
 
 class BlockProfiler:
@@ -198,3 +214,17 @@ def measure_fixed_bytes(planner, batch, act_bytes) -> int:
     if peak is None:  # nothing fits: make every plan but "all" look infeasible
         return planner.limit_bytes or 0
     return peak - BlockProfile((), act_bytes, [0.0] * len(act_bytes)).peak_bytes(plan)
+
+
+class ProfilingPlanner(Planner):
+    """A planner that measures its blocks with a ``BlockProfiler`` (sublinear, oracle): while the
+    profiler runs, blocks are routed through it instead of the plan."""
+
+    def __init__(self, model, budget=None, **kwargs):
+        super().__init__(model, budget, **kwargs)
+        self.profiler = BlockProfiler(model, self.num_blocks)
+
+    def route(self, index, forward, args, kwargs):
+        if self.profiler.active:
+            return self.profiler.route(index, forward, args, kwargs)
+        return super().route(index, forward, args, kwargs)

@@ -19,8 +19,7 @@ import warnings
 
 import torch
 
-from mimose_cli.planners.base import Planner
-from mimose_cli.planners.profile import BlockProfile, BlockProfiler, measure_fixed_bytes
+from mimose_cli.planners.profile import BlockProfile, ProfilingPlanner, measure_fixed_bytes, to_model_device
 
 VARIANTS = ("greedy", "sqrt", "chen")
 
@@ -86,7 +85,7 @@ def greedy_at(profile: BlockProfile, limit_bytes) -> tuple:
     return plan
 
 
-class Sublinear(Planner):
+class Sublinear(ProfilingPlanner):
     """A static plan for the largest input, applied to every batch."""
 
     name = "sublinear"
@@ -97,7 +96,6 @@ class Sublinear(Planner):
             raise ValueError(f"planner.options.variant={variant!r} is invalid; expected one of "
                              f"{' | '.join(VARIANTS)}")
         self.variant = variant
-        self.profiler = BlockProfiler(model, self.num_blocks)
         self.profile: BlockProfile | None = None
         self.static_plan: tuple | None = None
         self.prepare_ms = 0.0
@@ -130,11 +128,6 @@ class Sublinear(Planner):
                                "planner.prepare(make_batch, max_input_size) before the first step")
         return self.static_plan
 
-    def route(self, index, forward, args, kwargs):
-        if self.profiler.active:
-            return self.profiler.route(index, forward, args, kwargs)
-        return super().route(index, forward, args, kwargs)
-
     @property
     def stats(self) -> dict:
         stats = super().stats
@@ -143,9 +136,3 @@ class Sublinear(Planner):
         return stats
 
 
-def to_model_device(model, batch):
-    """Move a (dict) batch to the device of the model's parameters."""
-    device = next(model.parameters()).device
-    if isinstance(batch, dict):
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return batch.to(device)
