@@ -54,7 +54,7 @@ def _run_recipe(recipe: Recipe, spec: str, budget: str, steps) -> Recipe:
 
 def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
     stats = summary.get("planner") or {}
-    recompute = summary.get("recompute_ms", stats.get("recompute_ms"))
+    recompute = summary.get("recompute_ms_total", stats.get("recompute_ms"))
     hit_rate = summary.get("hit_rate", stats.get("hit_rate"))
     return {
         "planner": spec, "status": summary.get("status"), "steps": summary.get("steps"),

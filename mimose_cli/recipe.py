@@ -109,8 +109,9 @@ class PlannerConfig:
     """Mimose: iterations of the sheltered (collecting) phase."""
     safety_margin: str = "0MB"
     """Budget headroom kept free for fragmentation (a byte size)."""
-    granularity: int = 8
-    """Mimose: plan-cache key rounds the sequence length up to a multiple of this."""
+    granularity: int = 1
+    """Mimose: plan-cache key rounds the sequence length up to a multiple of this (1: every
+    length planned exactly; larger values raise the hit rate but plan at the rounded-up size)."""
     options: dict = field(default_factory=dict)
     """Planner-specific options."""
 

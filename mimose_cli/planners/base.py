@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mimose_cli.planners.blocks import BlockRouter, discover_blocks, run_checkpointed
+from mimose_cli.planners.blocks import BlockRouter, RecomputeClock, discover_blocks, run_checkpointed
 from mimose_cli.units import parse_size
 
 TOKEN_KEYS = ("input_ids", "inputs_embeds", "pixel_values")
@@ -78,6 +78,7 @@ class Planner:
         self.steps = 0
         self.last: StepInfo | None = None
         self.total_planning_ms = 0.0
+        self.recompute_clock = RecomputeClock()
         self._router = BlockRouter(self.blocks, self.route)
 
     @property
@@ -98,7 +99,7 @@ class Planner:
     def route(self, index, forward, args, kwargs):
         """Run block ``index``: checkpointed when it is in the current plan."""
         if index in self._plan_set and torch.is_grad_enabled():
-            return run_checkpointed(forward, args, kwargs)
+            return run_checkpointed(forward, args, kwargs, self.recompute_clock)
         return forward(*args, **kwargs)
 
     def observe(self, info: StepInfo, peak_bytes: int | None) -> None:
@@ -114,10 +115,13 @@ class Planner:
         size = tuple(input_size) if input_size is not None else infer_input_size(batch)
         start = time.perf_counter()
         self.last = self.make_step_info(size)
+        self.recompute_clock.take()  # not this step's: a raised step's partial time, a planner's probe
         self.set_plan(self.last.plan)
         self.last.planning_ms = (time.perf_counter() - start) * 1e3
         self.total_planning_ms += self.last.planning_ms
         yield self.last
+        recompute_ms = self.recompute_clock.take()
+        self.last.extra.setdefault("recompute_ms", recompute_ms)  # DTR times its own
         peak = self.meter.peak_bytes() if self.meter is not None else None
         self.observe(self.last, peak)
         self.steps += 1

@@ -2,6 +2,7 @@
 
 import fnmatch
 import functools
+import time
 
 import torch
 from torch import nn
@@ -60,8 +61,81 @@ def discover_blocks(model: nn.Module, pattern: str | None = None) -> list:
     return found
 
 
-def run_checkpointed(forward, args, kwargs):
-    """Run ``forward`` under non-reentrant checkpointing with RNG state preserved."""
+_CHECKPOINT_HOOKS = ("_checkpoint_hook", "_recomputation_hook")
+
+
+def inside_checkpoint(markers=_CHECKPOINT_HOOKS) -> bool:
+    """True while a ``torch.utils.checkpoint`` region (forward or recompute) is running."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if not hooks:
+        return False
+    name = getattr(hooks[0], "__qualname__", "")
+    return any(marker in name for marker in markers)
+
+
+def recomputing() -> bool:
+    """True while backward recomputes a checkpointed region."""
+    return inside_checkpoint(("_recomputation_hook",))
+
+
+def _first_device(tree):
+    for leaf in tree:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+        if isinstance(leaf, (list, tuple)):
+            found = _first_device(leaf)
+            if found is not None:
+                return found
+    return None
+
+
+class RecomputeClock:
+    """Time spent recomputing checkpointed blocks in backward; ``take()`` returns and resets it.
+
+    On CUDA it records events (no synchronisation while the step runs) and resolves them in
+    ``take()``. A recompute that torch stops early (once backward has what it needs) is timed
+    up to that point.
+    """
+
+    def __init__(self):
+        self._ms = 0.0
+        self._events: list = []
+
+    def timed(self, forward):
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            if not recomputing():
+                return forward(*args, **kwargs)
+            device = _first_device(list(args) + list(kwargs.values()))
+            if device is not None and device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                try:
+                    return forward(*args, **kwargs)
+                finally:
+                    end.record()
+                    self._events.append((start, end))
+            begin = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._ms += (time.perf_counter() - begin) * 1e3
+        return run
+
+    def take(self) -> float:
+        """Milliseconds recomputed since the last ``take()``."""
+        for start, end in self._events:
+            end.synchronize()
+            self._ms += start.elapsed_time(end)
+        ms, self._ms, self._events = self._ms, 0.0, []
+        return ms
+
+
+def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None):
+    """Run ``forward`` under non-reentrant checkpointing with RNG state preserved; a ``clock``
+    times its recomputation in backward."""
+    if clock is not None:
+        forward = clock.timed(forward)
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 

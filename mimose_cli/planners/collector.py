@@ -24,20 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from mimose_cli.memory import SavedBytesCounter
-from mimose_cli.planners.blocks import run_checkpointed
+from mimose_cli.planners.blocks import inside_checkpoint, recomputing, run_checkpointed
 from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES
-
-_CHECKPOINT_HOOKS = ("_checkpoint_hook", "_recomputation_hook")
-
-
-def inside_checkpoint(markers=_CHECKPOINT_HOOKS) -> bool:
-    """True while a ``torch.utils.checkpoint`` region (forward or recompute) is running."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if not hooks:
-        return False
-    name = getattr(hooks[0], "__qualname__", "")
-    return any(marker in name for marker in markers)
-
 
 class _Ref(weakref.ref):
     __slots__ = ("key", "nbytes")
@@ -79,7 +67,7 @@ class LiveProbe(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:
                 self._add(leaf.untyped_storage())
         self.trace.append(self.live)
-        self.recompute.append(inside_checkpoint(("_recomputation_hook",)))
+        self.recompute.append(recomputing())
         return out
 
 
@@ -145,8 +133,9 @@ class _MeasuringCounter(SavedBytesCounter):
 class ShuttlingCollector:
     """Runs each block twice during a sheltered step and turns the timeline into a sample."""
 
-    def __init__(self, model, blocks: list):
+    def __init__(self, model, blocks: list, clock=None):
         self.model = model
+        self.clock = clock
         self.blocks = blocks
         self.counter = _MeasuringCounter(exclude=list(model.parameters()))
         names = [name for name, _ in blocks]
@@ -190,7 +179,7 @@ class ShuttlingCollector:
             if inside_checkpoint():
                 return forward(*args, **kwargs)  # the enclosing checkpoint decides what is kept
             self.mark(("enter", index))  # unmeasured, but its neighbours stay attributable
-            out = run_checkpointed(forward, args, kwargs)
+            out = run_checkpointed(forward, args, kwargs, self.clock)
             self.mark(("ckpt", index))
             self._hook_backward(index, args, out)
             return out
@@ -215,7 +204,7 @@ class ShuttlingCollector:
         self.mark(("dropped", index))
         _set_rng_state(rng, device)
         self.collector_ms += (time.perf_counter() - start) * 1e3
-        out = run_checkpointed(forward, args, kwargs)
+        out = run_checkpointed(forward, args, kwargs, self.clock)
         self.mark(("ckpt", index))
         if not usable:
             self.dropped[index] = "no_grad_output"

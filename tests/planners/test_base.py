@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -94,3 +96,27 @@ def test_full_recomputes_blocks_in_backward():
 def test_unknown_planner_lists_choices():
     with pytest.raises(ValueError, match="none"):
         build_planner("nope", Stack())
+
+
+class Slow(nn.Module):
+    """A block whose forward takes at least ``seconds``: its recompute is timeable."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("name, recomputed", [("none", 0), ("full", 3)])
+def test_recompute_time_counts_only_backward_recomputation(name, recomputed):
+    model = nn.Sequential(*(Slow(0.02) for _ in range(3)))
+    planner = build_planner(name, model, blocks="*")
+    with planner.step(input_size=(2, 16)) as info:
+        model(torch.randn(2, 16, requires_grad=True)).sum().backward()
+    planner.close()
+    # three forwards and `recomputed` recomputes each slept 20 ms; only the recomputes count
+    assert recomputed * 20 <= info.extra["recompute_ms"] < recomputed * 20 + 40

@@ -176,8 +176,13 @@ def test_responsive_plan_checkpoints_blocks_when_the_budget_binds():
     assert peak <= budget and peak <= info.predicted_peak_bytes <= budget
 
 
-def test_same_rounded_size_hits_the_plan_cache(fitted):
-    planner, meter = fitted
+def test_default_cache_key_is_the_exact_size(fitted):
+    planner, _ = fitted
+    assert planner.granularity == 1 and planner.cache_key((4, 38)) == (4, 38)
+
+
+def test_same_rounded_size_hits_the_plan_cache():
+    planner, meter, context = sheltered_mimose(granularity=8)
     _, _, first = run_step(planner, meter, batch(4, 33))
     _, _, second = run_step(planner, meter, batch(4, 38))
     _, _, third = run_step(planner, meter, batch(4, 41))
@@ -185,6 +190,8 @@ def test_same_rounded_size_hits_the_plan_cache(fitted):
     assert planner.cache_key((4, 38)) == (4, 40)
     stats = planner.stats
     assert stats["hits"] == 1 and stats["misses"] == 2 and stats["hit_rate"] == pytest.approx(1 / 3)
+    planner.close()
+    context.__exit__(None, None, None)
 
 
 def test_save_load_round_trip_skips_the_sheltered_phase(fitted, tmp_path):
