@@ -62,8 +62,32 @@ def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
         "peak_bytes": summary.get("peak_bytes"), "budget_bytes": summary.get("budget_bytes"),
         "recompute_ms": recompute, "planning_ms_total": summary.get("planning_ms_total"),
         "hit_rate": hit_rate, "error": summary.get("error"),
+        "mean_checkpointed_blocks": summary.get("mean_checkpointed_blocks"),
         "run_dir": str(Path(run_dir).relative_to(compare_dir)) if run_dir else None,
     }
+
+
+def _median(values):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def merge_repeats(rows: list) -> dict:
+    """One planner's rows from several rounds as one row: the median time, recompute and
+    planning time, the largest peak; "completed" only when every round completed."""
+    failed = next((r for r in rows if r["status"] != "completed"), None)
+    merged = dict(failed or rows[0])
+    merged["train_times_s"] = [r["train_time_s"] for r in rows]
+    merged["run_dirs"] = [r["run_dir"] for r in rows]
+    merged["peak_bytes"] = max((r["peak_bytes"] for r in rows if r["peak_bytes"] is not None), default=None)
+    merged["oom_steps"] = max(r.get("oom_steps", 0) for r in rows)
+    if failed is None:
+        for key in ("train_time_s", "recompute_ms", "planning_ms_total", "mean_checkpointed_blocks"):
+            merged[key] = _median(r.get(key) for r in rows)
+    return merged
 
 
 def normalise(rows: list) -> str | None:
@@ -96,8 +120,16 @@ def _one_run(recipe: Recipe, spec: str, budget: str, steps, compare_dir: Path, v
 
 
 def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None, steps=None,
-                out=None, view: str = "none", console=None, recipe_name: str = "recipe") -> Path:
-    """Run every planner at every budget and write ``compare.json``; returns the directory."""
+                out=None, view: str = "none", console=None, recipe_name: str = "recipe",
+                repeats: int = 1) -> Path:
+    """Run every planner at every budget and write ``compare.json``; returns the directory.
+
+    With ``repeats`` > 1 each planner runs that many times per budget, the order rotated every
+    round so that a slow stretch of a shared machine does not always hit the same planner; each
+    row then reports the median (``train_times_s`` keeps every round's time).
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} is invalid; expected an integer >= 1")
     specs = planner_specs(baselines)
     budgets = list(budgets or ([recipe.budget] if recipe.budget else []))
     if not budgets:
@@ -109,15 +141,20 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     compare_dir.mkdir(parents=True, exist_ok=True)
     console = console or Console()
     data = {"recipe": recipe_name, "planners": specs, "steps": steps or recipe.training.max_steps,
-            "seed": recipe.seed, "budgets": []}
+            "seed": recipe.seed, "repeats": repeats, "budgets": []}
     for budget in budgets:
         entry = {"budget": budget, "budget_bytes": parse_size(budget), "reference": None, "runs": []}
         data["budgets"].append(entry)
-        for spec in specs:
-            console.print(f"compare: {spec} at {budget}")
-            entry["runs"].append(_one_run(recipe, spec, budget, steps, compare_dir, view))
-            entry["reference"] = normalise(entry["runs"])
-            (compare_dir / "compare.json").write_text(json.dumps(data, indent=2))
+        done = {spec: [] for spec in specs}
+        for round_ in range(repeats):
+            for spec in specs[round_ % len(specs):] + specs[:round_ % len(specs)]:
+                console.print(f"compare: {spec} at {budget}"
+                              + (f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""))
+                done[spec].append(_one_run(recipe, spec, budget, steps, compare_dir, view))
+                entry["runs"] = [merge_repeats(rows) if repeats > 1 else rows[0]
+                                 for rows in done.values() if rows]
+                entry["reference"] = normalise(entry["runs"])
+                (compare_dir / "compare.json").write_text(json.dumps(data, indent=2))
     render_compare(compare_dir, console)
     console.print(f"compare directory: {compare_dir}")
     return compare_dir
@@ -133,7 +170,7 @@ def compare_table(entry: dict) -> Table:
     table = Table(title=f"budget {entry['budget']} ({format_bytes(entry['budget_bytes'])}); "
                         f"time relative to {reference or '-'}", title_justify="left")
     for column in ("planner", "status", "time", "train time", "peak memory", "OOM",
-                   "recompute", "planning", "cache hits"):
+                   "blocks", "recompute", "planning", "cache hits"):
         table.add_column(column, justify="left" if column in ("planner", "status") else "right")
     for row in entry["runs"]:
         status = row["status"] if row["status"] != "oom" else f"[red]oom[/red] after {row['steps']}"
@@ -142,6 +179,7 @@ def compare_table(entry: dict) -> Table:
             "-" if row.get("normalised_time") is None else f"{row['normalised_time']:.3f}×",
             "-" if row.get("train_time_s") is None else f"{row['train_time_s']:.2f} s",
             format_bytes(row.get("peak_bytes")), str(row.get("oom_steps", 0)),
+            "-" if row.get("mean_checkpointed_blocks") is None else f"{row['mean_checkpointed_blocks']:.2f}",
             _fmt_ms(row.get("recompute_ms")), _fmt_ms(row.get("planning_ms_total")),
             "-" if row.get("hit_rate") is None else f"{row['hit_rate']:.0%}")
     return table
@@ -152,6 +190,9 @@ def render_compare(compare_dir, console=None) -> None:
     this when a directory holds one)."""
     console = console or Console()
     data = json.loads((Path(compare_dir) / "compare.json").read_text())
-    console.print(f"compare {data.get('recipe')}: {data.get('steps')} steps, seed {data.get('seed')}")
+    repeats = data.get("repeats", 1)
+    console.print(f"compare {data.get('recipe')}: {data.get('steps')} steps, seed {data.get('seed')}"
+                  + (f", median of {repeats} rounds" if repeats > 1 else "")
+                  + "; blocks = mean blocks checkpointed (dtr: evicted) per step")
     for entry in data["budgets"]:
         console.print(compare_table(entry))

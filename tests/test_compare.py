@@ -88,3 +88,38 @@ def test_render_reads_the_compare_directory(fake_training, tmp_path):
     render_compare(out, console)
     text = console.export_text()
     assert "budget 2MB" in text and "1.100×" in text and "50%" in text
+
+
+def test_repeats_rotate_the_order_and_report_the_median(monkeypatch, tmp_path):
+    order, times = [], {"mimose": iter([12.0, 9.0, 11.0]), "none": iter([10.0, 10.0, 30.0])}
+
+    def run_training(recipe, *, out_dir=None, view="auto", console=None, recipe_name="run"):
+        name = recipe.planner.name
+        order.append(name)
+        run_dir = out_dir / f"{recipe_name}-{len(order)}"
+        run_dir.mkdir(parents=True)
+        oom = name == "oracle" and len(order) > 6  # the oracle fails in the last round only
+        summary = {"status": "oom" if oom else "completed", "steps": 5, "oom_steps": int(oom),
+                   "train_time_s": next(times[name]) if name in times else 10.5,
+                   "peak_bytes": 900_000 + len(order), "budget_bytes": 10**6,
+                   "mean_checkpointed_blocks": 1.5, "planner": {}}
+        return mimose_cli.train.RunResult(run_dir, summary)
+
+    monkeypatch.setattr(mimose_cli.train, "run_training", run_training)
+    result = CliRunner().invoke(app, ["compare", "recipes/quickstart.yaml", "--baselines", "",
+                                      "--budgets", "1MB", "--repeats", "3", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert order == ["mimose", "none", "oracle", "none", "oracle", "mimose", "oracle", "mimose", "none"]
+    entry = json.loads((tmp_path / "c" / "compare.json").read_text())["budgets"][0]
+    rows = {r["planner"]: r for r in entry["runs"]}
+    assert rows["mimose"]["train_time_s"] == 11.0 and rows["mimose"]["train_times_s"] == [12.0, 9.0, 11.0]
+    assert rows["none"]["train_time_s"] == 10.0 and rows["mimose"]["normalised_time"] == pytest.approx(1.1)
+    assert rows["oracle"]["status"] == "oom" and len(rows["oracle"]["run_dirs"]) == 3
+    assert rows["none"]["peak_bytes"] == 900_009  # the largest of the rounds
+    assert "median of 3 rounds" in result.output and "1.50" in result.output
+
+
+def test_repeats_must_be_positive():
+    with pytest.raises(ValueError, match="repeats"):
+        from mimose_cli.compare import run_compare
+        run_compare(load_recipe("recipes/quickstart.yaml"), repeats=0)
