@@ -142,13 +142,15 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     console = console or Console()
     data = {"recipe": recipe_name, "planners": specs, "steps": steps or recipe.training.max_steps,
             "seed": recipe.seed, "repeats": repeats, "budgets": []}
+    total, started, count = len(budgets) * len(specs) * repeats, time.perf_counter(), 0
     for budget in budgets:
         entry = {"budget": budget, "budget_bytes": parse_size(budget), "reference": None, "runs": []}
         data["budgets"].append(entry)
         done = {spec: [] for spec in specs}
         for round_ in range(repeats):
             for spec in specs[round_ % len(specs):] + specs[:round_ % len(specs)]:
-                console.print(f"compare: {spec} at {budget}"
+                count += 1
+                console.print(f"compare [{count}/{total}, {time.perf_counter() - started:.0f} s]: {spec} at {budget}"
                               + (f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""))
                 done[spec].append(_one_run(recipe, spec, budget, steps, compare_dir, view))
                 entry["runs"] = [merge_repeats(rows) if repeats > 1 else rows[0]

@@ -80,6 +80,14 @@ class Planner:
         self.total_planning_ms = 0.0
         self.recompute_clock = RecomputeClock()
         self._router = BlockRouter(self.blocks, self.route)
+        # A block that appends to a key/value cache cannot be recomputed or run twice, and a
+        # training step never reads the cache (Hugging Face turns it off for checkpointing
+        # too): off while the planner is attached, for every planner alike so that their
+        # memory compares; close() puts the user's setting back for generate().
+        self._config = getattr(model, "config", None)
+        self._use_cache = getattr(self._config, "use_cache", None)
+        if self._use_cache:
+            self._config.use_cache = False
 
     @property
     def limit_bytes(self):
@@ -142,8 +150,10 @@ class Planner:
         self.steps = state.get("steps", 0)
 
     def close(self) -> None:
-        """Restore the blocks' original forwards."""
+        """Restore the blocks' original forwards and the model's ``use_cache``."""
         self._router.remove()
+        if self._use_cache:
+            self._config.use_cache = self._use_cache
 
 
 class NoCheckpointing(Planner):

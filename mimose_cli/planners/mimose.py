@@ -75,13 +75,6 @@ class Mimose(Planner):
         self.warnings: list = []
         if self.budget_bytes is None:
             self._warn("mimose without a budget checkpoints nothing; it only fits its estimator")
-        config = getattr(model, "config", None)
-        if getattr(config, "use_cache", False):
-            # A block that appends to a key/value cache cannot run twice (collector) or be
-            # recomputed (checkpoint); Hugging Face turns the cache off for checkpointing too.
-            config.use_cache = False
-            self._warn("mimose set model.config.use_cache=False: cached keys/values are "
-                       "incompatible with running a block twice or recomputing it")
 
     def _start_own_meter(self, model):
         from mimose_cli.memory import build_meter

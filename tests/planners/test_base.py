@@ -120,3 +120,20 @@ def test_recompute_time_counts_only_backward_recomputation(name, recomputed):
     planner.close()
     # three forwards and `recomputed` recomputes each slept 20 ms; only the recomputes count
     assert recomputed * 20 <= info.extra["recompute_ms"] < recomputed * 20 + 40
+
+
+@pytest.mark.parametrize("name", ["none", "full", "mimose"])
+def test_key_value_cache_is_off_while_attached_and_restored_on_close(name):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32))
+    assert model.config.use_cache is True
+    planner = build_planner(name, model, "1GB")
+    assert model.config.use_cache is False
+    ids = torch.randint(0, 64, (2, 8))
+    with planner.step({"input_ids": ids}):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert out.past_key_values is None  # no cache built during training
+    planner.close()
+    assert model.config.use_cache is True
