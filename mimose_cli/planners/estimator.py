@@ -34,7 +34,7 @@ the peak from the last block's output to the start of its backward (head, loss, 
 backward) above the live bytes then, and the peak after the first block's backward."""
 _RANK_RTOL = 1e-9
 _MAX_SAMPLES = 60  # the most recent samples fitted (a bit per sample marks which are missing)
-_NO_EVENT = -1e30
+NO_EVENT = -1e30
 
 
 def features(size) -> np.ndarray:
@@ -103,7 +103,8 @@ class Prediction:
 
 
 def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
-    """The step's memory events above the start-of-step bytes, for one plan (a bool mask).
+    """The step's memory events above the start-of-step bytes, for one plan (a bool mask over
+    blocks) or for many at once (masks of shape ``(plans, blocks)``: events on the last axis).
 
     Forward: each block adds its plain or checkpointed bytes; its forward peaks above what the
     blocks before it hold. Backward, block by block in reverse, peaks at what the blocks
@@ -113,14 +114,15 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
     """
     b, s = pred.blocks, pred.step
     held = np.where(plan_mask, b["ckpt_bytes"], b["plain_bytes"])
-    entry = s["pre_bytes"] + np.concatenate(([0.0], np.cumsum(held)))
-    at = entry[:-1]
+    one = np.ones(held.shape[:-1] + (1,))
+    entry = s["pre_bytes"] + np.concatenate((0.0 * one, np.cumsum(held, axis=-1)), axis=-1)
+    at = entry[..., :-1]
     fwd = at + np.maximum(b["gap_peak_bytes"],
                           np.where(plan_mask, b["ckpt_fwd_peak_bytes"], b["fwd_peak_bytes"]))
-    own = np.maximum(b["bwd_peak_bytes"], np.where(plan_mask, b["recompute_peak_bytes"], _NO_EVENT))
+    own = np.maximum(b["bwd_peak_bytes"], np.where(plan_mask, b["recompute_peak_bytes"], NO_EVENT))
     bwd = at + own
-    head = entry[-1] + s["head_peak_bytes"]
-    return np.concatenate(([s["pre_peak_bytes"]], fwd, [head], bwd, [s["tail_peak_bytes"]]))
+    head = entry[..., -1:] + s["head_peak_bytes"]
+    return np.concatenate((s["pre_peak_bytes"] * one, fwd, head, bwd, s["tail_peak_bytes"] * one), axis=-1)
 
 
 class Estimator:
@@ -253,7 +255,7 @@ class Estimator:
     def predict(self, size) -> Prediction:
         """Every quantity at ``size``; bytes, and ms for time (never below zero)."""
         values = np.maximum.reduceat(features(size) @ self.coef, self.starts)
-        flat = np.concatenate((values, (0.0, _NO_EVENT)))[self.gather] + self.offset
+        flat = np.concatenate((values, (0.0, NO_EVENT)))[self.gather] + self.offset
         n = self.num_blocks * len(BLOCK_QUANTITIES)
         blocks = flat[:n].reshape(len(BLOCK_QUANTITIES), self.num_blocks)
         blocks[-1] = np.maximum(blocks[-1], 0.0)

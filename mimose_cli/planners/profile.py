@@ -217,7 +217,7 @@ def measure_fixed_bytes(planner, batch, act_bytes) -> int:
 
 
 class ProfilingPlanner(Planner):
-    """A planner that measures its blocks with a ``BlockProfiler`` (sublinear, oracle): while the
+    """A planner that measures its blocks with a ``BlockProfiler`` (sublinear): while the
     profiler runs, blocks are routed through it instead of the plan."""
 
     def __init__(self, model, budget=None, **kwargs):

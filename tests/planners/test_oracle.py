@@ -3,36 +3,59 @@
 import itertools
 import random
 
+import numpy as np
+import pytest
 import torch
-from torch import nn
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import build_planner
-from mimose_cli.planners.oracle import exact_plan, knapsack_plan, min_cost_cover
+from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction
+from mimose_cli.planners.oracle import exact_search, knapsack_plan, knapsack_search, min_cost_cover, plan_peak
 from mimose_cli.planners.profile import BlockProfile
+from tests.planners.test_mimose import batch, tiny_bert
 
 
-def brute_force(profile, limit):
-    n = len(profile.act_bytes)
+def random_prediction(rng, n):
+    """Block quantities of a made-up stack: plain > checkpointed bytes, peaks around them."""
+    plain = np.array([rng.randint(20, 100) for _ in range(n)], dtype=float)
+    ckpt = np.array([rng.randint(1, 10) for _ in range(n)], dtype=float)
+    blocks = {q: np.array([rng.randint(0, 40) for _ in range(n)], dtype=float) for q in BLOCK_QUANTITIES}
+    blocks.update(plain_bytes=plain, ckpt_bytes=ckpt, fwd_ms=np.array([rng.uniform(0.5, 3.0) for _ in range(n)]))
+    blocks["fwd_peak_bytes"] = plain + blocks["fwd_peak_bytes"]
+    blocks["recompute_peak_bytes"] = plain + blocks["recompute_peak_bytes"]
+    step = {q: float(rng.randint(0, 30)) for q in STEP_QUANTITIES}
+    return Prediction((1, 1), blocks, step)
+
+
+def brute_force(pred, limit):
+    n = len(pred.blocks["fwd_ms"])
     fitting = [plan for k in range(n + 1) for plan in itertools.combinations(range(n), k)
-               if profile.peak_bytes(plan) <= limit]
-    return min((profile.recompute_ms(p), len(p)) for p in fitting) if fitting else None
+               if plan_peak(pred, plan) <= limit]
+    return min(sum(pred.blocks["fwd_ms"][list(p)]) for p in fitting) if fitting else None
 
 
-def test_exact_search_matches_brute_force():
+def test_exact_search_matches_brute_force_on_the_timeline():
     rng = random.Random(0)
-    for _ in range(30):
+    for _ in range(40):
         n = rng.randint(2, 7)
-        profile = BlockProfile((1, 1), [rng.randint(1, 100) for _ in range(n)],
-                               [rng.uniform(0.5, 3.0) for _ in range(n)], fixed_bytes=rng.randint(0, 50))
-        limit = rng.randint(50, 300)
-        best = brute_force(profile, limit)
-        plan = exact_plan(profile, limit)
+        pred = random_prediction(rng, n)
+        limit = rng.randint(60, 500)
+        best = brute_force(pred, limit)
+        plan = exact_search(pred, limit)
         if best is None:
             assert plan == tuple(range(n))
         else:
-            assert profile.peak_bytes(plan) <= limit
-            assert abs(profile.recompute_ms(plan) - best[0]) < 1e-9
+            assert plan_peak(pred, plan) <= limit
+            assert abs(sum(pred.blocks["fwd_ms"][list(plan)]) - best) < 1e-9
+
+
+def test_knapsack_search_fits_many_blocks():
+    rng = random.Random(2)
+    for _ in range(10):
+        pred = random_prediction(rng, 20)
+        limit = (plan_peak(pred, ()) + plan_peak(pred, range(20))) / 2
+        plan = knapsack_search(pred, limit)
+        assert plan_peak(pred, plan) <= limit and len(plan) < 20
 
 
 def test_knapsack_fits_and_is_exact_on_its_bound():
@@ -61,52 +84,68 @@ def test_min_cost_cover():
     assert min_cost_cover([1], [1.0], 0) == (0.0, ())
 
 
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.up, self.down = nn.Linear(8, width), nn.Linear(width, 8)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-def test_plans_per_input_size_from_measurements():
-    torch.manual_seed(0)
-    model = nn.Sequential(*[Block(w) for w in (16, 64, 16, 64)])
-    planner = build_planner("oracle", model, 4000)  # no meter: the budget covers activations
-    infos = []
-    for rows in (8, 2, 8):
-        x = torch.randn(rows, 8)
-        with planner.step(x) as info:
-            model(x).sum().backward()
-        infos.append(info)
-    big, small, again = infos
-    # rows=8 holds [512, 2048, 512, 2048] = 5120 > 4000: block 1 alone frees its bytes at the peak
-    assert planner.profiles[(8, 8)].act_bytes == [512, 2048, 512, 2048]
-    assert big.plan == (1,) and big.predicted_peak_bytes == 3072
-    assert small.plan == () and small.cache_hit is False
-    assert again.cache_hit is True and again.plan == big.plan
-    assert all(i.extra["excluded_ms"] > 0 for i in infos)
-
-
-def test_the_calibrated_model_predicts_the_simulated_peak():
-    torch.manual_seed(0)
-    model = nn.Sequential(*[Block(256) for _ in range(5)])
-    x = torch.randn(64, 8)
-    meter = build_meter("simulated", None)
-    planner = build_planner("oracle", model, None, meter=meter)
-    with meter.activate():
-        meter.track(model, x)
-        with meter.step() as free, planner.step(x):
-            model(x).sum().backward()
-    budget = int(free.peak_bytes * 0.75)
-    for p in model.parameters():
+def _step(planner, meter, data, seed=7):
+    for p in planner.model.parameters():
         p.grad = None
-    meter = build_meter("simulated", budget)
-    planner = build_planner("oracle", model, budget, meter=meter)
+    meter.track(data)
+    torch.manual_seed(seed)
+    with meter.step() as mem, planner.step(data) as info:
+        loss = planner.model(**data).loss
+        loss.backward()
+    return loss.item(), mem.peak_bytes, info
+
+
+def _peaks(model, data, plans):
+    """Measured peak of one step per plan, without a budget."""
+    meter = build_meter("simulated", None)
+    planner = build_planner("none", model, None, meter=meter)
+    peaks = []
     with meter.activate():
-        meter.track(model, x)
-        with meter.step() as mem, planner.step(x) as info:
-            model(x).sum().backward()
-    assert info.plan and mem.peak_bytes <= budget
-    assert abs(mem.peak_bytes - info.predicted_peak_bytes) <= 0.02 * budget
+        meter.track(model)
+        for plan in plans:
+            planner.decide = lambda size, plan=plan: plan
+            peaks.append(_step(planner, meter, data)[1])
+    planner.close()
+    return peaks
+
+
+def test_oracle_plans_the_fewest_blocks_that_fit_and_predicts_the_peak():
+    model = tiny_bert(layers=4)
+    data = batch(4, 64)
+    none_peak, full_peak = _peaks(model, data, [(), (0, 1, 2, 3)])
+    budget = int(full_peak + 0.4 * (none_peak - full_peak))
+    meter = build_meter("simulated", budget)
+    oracle = build_planner("oracle", model, budget, meter=meter)
+    with meter.activate():
+        meter.track(model)
+        loss, peak, info = _step(oracle, meter, data)
+        again = _step(oracle, meter, data)[2]
+    oracle.close()
+    assert 0 < len(info.plan) < 4 and peak <= budget
+    assert abs(peak - info.predicted_peak_bytes) <= 1e-3 * peak
+    assert again.cache_hit and again.plan == info.plan and info.extra["excluded_ms"] > 0
+    # least recompute: dropping any block of the plan would not fit (blocks cost about the same)
+    lighter = [tuple(i for i in info.plan if i != drop) for drop in info.plan]
+    assert all(p > budget for p in _peaks(model, data, lighter))
+    # measuring left no trace: the same loss as an unplanned step
+    free = build_meter("simulated", None)
+    plain = build_planner("none", model, None, meter=free)
+    with free.activate():
+        free.track(model)
+        assert _step(plain, free, data)[0] == loss
+    plain.close()
+
+
+def test_oracle_without_room_checkpoints_everything_and_says_so():
+    model = tiny_bert(layers=3)
+    data = batch(4, 64)
+    budget = int(0.6 * _peaks(model, data, [(0, 1, 2)])[0])  # not even full checkpointing fits
+    meter = build_meter("simulated", budget)
+    oracle = build_planner("oracle", model, budget, meter=meter)
+    with meter.activate():
+        meter.track(model)
+        with pytest.warns(UserWarning, match="could not be measured"), pytest.raises(torch.OutOfMemoryError):
+            _step(oracle, meter, data)
+        assert oracle.last.plan == (0, 1, 2) and oracle.measured[(4, 64)] is None
+        assert meter.current_bytes() < budget  # the failed measurement freed what it held
+    oracle.close()
