@@ -3,6 +3,7 @@
 # none and oracle on the same data order and seed at each budget and prints one table per budget.
 #
 #   benchmarks/gpu_compare.sh [STEPS] [OUT_DIR]     (defaults: 200 steps, runs/gpu_compare)
+#   REPEATS=3 benchmarks/gpu_compare.sh              (median of 3 rotated rounds; default 1)
 #
 # Needs a CUDA GPU with at least 8 GB free; each recipe writes OUT_DIR/<recipe>/compare.json and
 # its run directories (`mimose report OUT_DIR/<recipe>` renders them again). Tables also go to
@@ -12,6 +13,7 @@ set -euo pipefail
 STEPS="${1:-200}"
 OUT="${2:-runs/gpu_compare}"
 BUDGETS="4GB,5GB,6GB,7GB,8GB"
+REPEATS="${REPEATS:-1}"
 RECIPES=(mc_roberta qa_xlnet qa_bert tc_bert)
 
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ for name in "${RECIPES[@]}"; do
     echo "== ${name} =="
     # COLUMNS keeps the tables readable when the output goes to a file.
     COLUMNS=160 mimose compare "recipes/${name}.yaml" \
-        --baselines sublinear,dtr --budgets "$BUDGETS" --steps "$STEPS" \
+        --baselines sublinear,dtr --budgets "$BUDGETS" --steps "$STEPS" --repeats "$REPEATS" \
         --out "$OUT/$name" device=cuda | tee "$OUT/${name}.txt"
 done
 echo "compare directories: $OUT/{$(IFS=,; echo "${RECIPES[*]}")}"
