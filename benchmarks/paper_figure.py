@@ -170,11 +170,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--quick", action="store_true", help="one configuration, 12 steps (a smoke test)")
     parser.add_argument("--out", type=Path, default=Path("runs/paper_figure"))
+    parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)} (default: all)")
     parser.add_argument("--from-runs", action="store_true",
                         help="run nothing: rebuild the table and JSON from the run directories in --out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    configs = {"bert-swag": CONFIGS["bert-swag"]} if args.quick else CONFIGS
+    configs = {"bert-swag": CONFIGS["bert-swag"]} if args.quick else {
+        name: CONFIGS[name] for name in (args.configs.split(",") if args.configs else CONFIGS)}
     steps = 12 if args.quick else args.steps
     console, rows, start = Console(), [], time.perf_counter()
     for name, config in configs.items():

@@ -132,6 +132,23 @@ def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
     return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler)
 
 
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes the optimizer's state will take once its first step allocates it: Adam and AdamW
+    keep two moments per parameter (three with amsgrad; plus a step count, not counted), SGD one
+    momentum buffer when momentum is on. Other optimizers are not known here: 0, and a warning."""
+    per_param = None
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        per_param = 2 + int(any(group.get("amsgrad") for group in optimizer.param_groups))
+    if per_param is None and isinstance(optimizer, torch.optim.SGD):
+        per_param = int(any(group.get("momentum", 0) for group in optimizer.param_groups))
+    if per_param is None:
+        warnings.warn(f"cannot size the state of {type(optimizer).__name__}; static plans "
+                      "(sublinear) will not leave room for it", stacklevel=2)
+        return 0
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return per_param * sum(p.numel() * p.element_size() for p in params)
+
+
 def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
     if recipe.training.max_steps is not None:
         return recipe.training.max_steps
@@ -242,7 +259,7 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
         with trainer.meter.activate():
             trainer.meter.track(trainer.model, trainer.optimizer)
             trainer.planner.prepare(lambda size: make_batch(recipe, config, size),
-                                    max_input_size(recipe))
+                                    max_input_size(recipe), optimizer_state_bytes(trainer.optimizer))
             records, status = _loop(trainer, _data_batches(recipe, dataset, config, total, first_loader), writer, progress)
     finally:
         progress.close()

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from mimose_cli.recipe import load_recipe
 from mimose_cli.report import load_run
@@ -90,3 +91,39 @@ def test_cuda_device_without_gpu_is_a_clear_error(quick_recipe):
         pytest.skip("a GPU is present")
     with pytest.raises(ValueError, match="no CUDA GPU"):
         _run(quick_recipe(device="cuda"))
+
+
+@pytest.mark.parametrize("make, moments", [
+    (lambda params: torch.optim.AdamW(params, lr=0.1), 2),
+    (lambda params: torch.optim.Adam(params, lr=0.1, amsgrad=True), 3),
+    (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), 1),
+    (lambda params: torch.optim.SGD(params, lr=0.1), 0),
+])
+def test_optimizer_state_bytes_matches_the_state_its_first_step_allocates(make, moments):
+    from mimose_cli.train import optimizer_state_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    optimizer = make(model.parameters())
+    expected = optimizer_state_bytes(optimizer)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    allocated = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+                    for name, t in state.items() if name != "step" and isinstance(t, torch.Tensor))
+    assert expected == allocated == moments * sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_optimizer_state_bytes_warns_for_an_unknown_optimizer():
+    from mimose_cli.train import optimizer_state_bytes
+
+    optimizer = torch.optim.Adagrad(torch.nn.Linear(2, 2).parameters())
+    with pytest.warns(UserWarning, match="Adagrad"):
+        assert optimizer_state_bytes(optimizer) == 0
+
+
+def test_trainer_reserves_the_adamw_state_for_a_static_plan(quick_recipe):
+    from mimose_cli.models import build_model
+
+    recipe = quick_recipe("planner.name=sublinear", "training.max_steps=1")
+    params = sum(p.numel() * p.element_size() for p in build_model(recipe).parameters())
+    result = run_training(recipe, view="none")
+    assert result.summary["planner"]["reserve_bytes"] == 2 * params

@@ -96,10 +96,12 @@ class Planner:
             return None
         return self.budget_bytes - self.safety_margin_bytes
 
-    def prepare(self, make_batch, max_input_size: tuple) -> None:
+    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
         """Called once before training by the loop. ``make_batch(input_size)`` returns a
         training batch of that size on the device; ``max_input_size`` is the largest size the
-        recipe allows. Static planners (sublinear) plan here; the default does nothing."""
+        recipe allows; ``reserve_bytes`` is memory that is not allocated yet but will be for the
+        whole run from the first optimizer step on (the optimizer's state), which a plan made now
+        must leave room for. Static planners (sublinear) plan here; the default does nothing."""
 
     def decide(self, input_size: tuple) -> tuple:
         raise NotImplementedError

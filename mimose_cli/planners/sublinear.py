@@ -99,10 +99,13 @@ class Sublinear(ProfilingPlanner):
         self.profile: BlockProfile | None = None
         self.static_plan: tuple | None = None
         self.prepare_ms = 0.0
+        self.reserve_bytes = 0
 
-    def prepare(self, make_batch, max_input_size: tuple) -> None:
-        """Measure the blocks at the largest input and fix the plan."""
+    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
+        """Measure the blocks at the largest input and fix the plan, leaving ``reserve_bytes``
+        (the optimizer state the first step will allocate) free."""
         start = time.perf_counter()
+        self.reserve_bytes = int(reserve_bytes)
         if self.variant == "sqrt":
             self.static_plan = sqrt_plan(self.num_blocks)
         else:
@@ -120,7 +123,14 @@ class Sublinear(ProfilingPlanner):
         fixed = measure_fixed_bytes(self, batch, act_bytes)
         self.profile = BlockProfile(size, act_bytes, fwd_ms, fixed)
         planner = greedy_at if self.variant == "greedy" else chen_plan
-        return planner(self.profile, self.limit_bytes)
+        limit = None if self.limit_bytes is None else self.limit_bytes - self.reserve_bytes
+        plan = planner(self.profile, limit)
+        if limit is not None and self.profile.peak_bytes(plan) > limit:
+            warnings.warn(f"sublinear: at the largest input {size} even this plan {plan} is predicted "
+                          f"to peak at {self.profile.peak_bytes(plan)} bytes, over the "
+                          f"{limit} available (budget less the optimizer state); batches that "
+                          "long may run out of memory", stacklevel=3)
+        return plan
 
     def decide(self, input_size: tuple) -> tuple:
         if self.static_plan is None:
@@ -131,7 +141,7 @@ class Sublinear(ProfilingPlanner):
     @property
     def stats(self) -> dict:
         stats = super().stats
-        stats.update(variant=self.variant, prepare_ms=self.prepare_ms,
+        stats.update(variant=self.variant, prepare_ms=self.prepare_ms, reserve_bytes=self.reserve_bytes,
                      static_plan=list(self.static_plan or ()))
         return stats
 

@@ -135,3 +135,20 @@ def test_measuring_that_runs_out_of_memory_leaves_nothing_behind():
             planner.prepare(lambda size: torch.randn(size[0], 8), (64, 8))
         assert planner.static_plan == (0, 1, 2, 3)
         assert meter.current_bytes() == before
+
+
+def test_static_plan_leaves_room_for_the_optimizer_state():
+    # No plan peaks at 5120 bytes: a budget of 6000 needs none, unless 1500 of it will hold the
+    # optimizer's state from the first step on.
+    roomy, _ = prepared(6000)
+    assert roomy.static_plan == ()
+    planner = build_planner("sublinear", stack(), 6000)
+    planner.prepare(lambda size: torch.randn(size[0], 8), (BATCH, 8), reserve_bytes=1500)
+    assert planner.static_plan and planner.profile.peak_bytes(planner.static_plan) <= 4500
+    assert planner.stats["reserve_bytes"] == 1500
+
+
+def test_warns_when_even_the_plan_does_not_fit_at_the_largest_input():
+    with pytest.warns(UserWarning, match="may run out of memory"):
+        planner, _ = prepared(1000)  # the largest block alone needs 2048
+    assert planner.static_plan == (0, 1, 2, 3, 4)
