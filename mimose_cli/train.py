@@ -168,6 +168,7 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter) -> dic
     start = time.perf_counter()
     with trainer.meter.step() as mem:
         loss, info, activation_bytes = trainer.forward_backward(batch, counter)
+        planned_peak = trainer.meter.peak_bytes()  # what the planner plans for: before the optimizer
         trainer.optimizer_step()
     _sync(trainer.device)
     iter_ms = (time.perf_counter() - start) * 1e3
@@ -175,7 +176,8 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter) -> dic
         "step": trainer.step, "input_shape": list(batch["input_ids"].shape),
         "input_size": list(info.input_size), "loss": loss.item(),
         "lr": trainer.scheduler.get_last_lr()[0], "iter_ms": iter_ms,
-        "memory/peak_bytes": mem.peak_bytes, "memory/start_bytes": mem.start_bytes,
+        "memory/peak_bytes": mem.peak_bytes, "memory/fwd_bwd_peak_bytes": planned_peak,
+        "memory/start_bytes": mem.start_bytes,
         "memory/activation_bytes": activation_bytes,
         "plan": list(info.plan), "num_blocks": trainer.planner.num_blocks,
         "planner_ms": info.planning_ms, "phase": info.phase, "cache_hit": info.cache_hit,
