@@ -139,3 +139,19 @@ def test_records_separate_the_optimizer_step_from_the_planned_peak(quick_recipe)
     assert first["memory/fwd_bwd_peak_bytes"] < first["memory/peak_bytes"]
     for record in records:
         assert abs(record["memory/fwd_bwd_peak_bytes"] - record["predicted_peak_bytes"]) <= 1e-3 * record["memory/fwd_bwd_peak_bytes"]
+
+
+def test_a_budget_below_the_model_state_fails_before_the_first_step(quick_recipe, tmp_path):
+    from typer.testing import CliRunner
+
+    from mimose_cli.cli import app
+    from mimose_cli.report import load_run
+
+    result = CliRunner().invoke(app, ["train", str(QUICKSTART), *QUICK_OVERRIDES, "budget=1MB",
+                                      f"out_dir={tmp_path / 'runs'}"])
+    assert result.exit_code == 1
+    assert "cannot hold the model's state" in result.output and "AdamW state" in result.output
+    run = next((tmp_path / "runs").iterdir())
+    summary, records = load_run(run)
+    assert records == [] and summary["status"] == "oom" and summary["steps"] == 0
+    assert "raise --budget" in summary["error"].lower()
