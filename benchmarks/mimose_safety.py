@@ -26,7 +26,7 @@ from mimose_cli.data import build_dataloader, build_dataset
 from mimose_cli.models import model_config
 from mimose_cli.planners import infer_input_size
 from mimose_cli.planners.estimator import Estimator, peak_timeline
-from mimose_cli.recipe import load_recipe
+from mimose_cli.recipe import PlannerConfig, load_recipe
 from mimose_cli.train import run_training
 
 RESULTS = Path(__file__).parent / "results" / "mimose_safety.json"
@@ -39,7 +39,8 @@ def recipe_for(preset: str, steps: int, out_dir, *overrides):
     return load_recipe(QUICKSTART, [
         f"task={TASKS[preset]}", f"data.preset={preset}", f"training.max_steps={steps}",
         f"training.batch_size={batch}", f"data.num_examples={steps * batch}", "data.max_length=256",
-        "model.config_overrides={num_hidden_layers: 12}", "planner.sheltered_steps=10", f"out_dir={out_dir}",
+        "model.config_overrides={num_hidden_layers: 12}", f"planner.sheltered_steps={PlannerConfig.sheltered_steps}",
+        f"out_dir={out_dir}",
         *overrides])
 
 

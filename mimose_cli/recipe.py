@@ -105,7 +105,7 @@ class TrainingConfig:
 class PlannerConfig:
     name: str = "mimose"
     """Planner: mimose, none, full, sublinear, dtr, oracle."""
-    sheltered_steps: int = 10
+    sheltered_steps: int = 5
     """Mimose: iterations of the sheltered (collecting) phase."""
     safety_margin: str = "0MB"
     """Budget headroom kept free for fragmentation (a byte size)."""

@@ -43,7 +43,7 @@ class Mimose(Planner):
     name = "mimose"
 
     def __init__(self, model, budget=None, *, blocks=None, safety_margin=0, meter=None,
-                 sheltered_steps: int = 10, granularity: int = 1, bucket: float = 0.10,
+                 sheltered_steps: int = 5, granularity: int = 1, bucket: float = 0.10,
                  prediction_margin: float = 0.001):
         if not isinstance(sheltered_steps, int) or sheltered_steps < 1:
             raise ValueError(f"sheltered_steps={sheltered_steps!r} is invalid; expected an integer >= 1")
