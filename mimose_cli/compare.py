@@ -7,6 +7,7 @@ memory is a result (status "oom"), never a crash of the comparison.
 
 import copy
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -68,11 +69,8 @@ def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
 
 
 def _median(values):
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def merge_repeats(rows: list) -> dict:

@@ -7,7 +7,6 @@ meter for its own device (LOCAL_RANK), the budget being per device.
 """
 
 import contextlib
-import math
 import os
 import time
 import warnings
@@ -19,7 +18,8 @@ import torch
 from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
 from mimose_cli.memory import SavedBytesCounter, build_meter
 from mimose_cli.models import build_model, model_config
-from mimose_cli.planners import build_planner, infer_input_size
+from mimose_cli.planners import build_planner
+from mimose_cli.planners.blocks import block_param_bytes
 from mimose_cli.recipe import Recipe
 from mimose_cli.rundir import RunWriter, environment, new_run_dir
 from mimose_cli.units import format_bytes
@@ -150,23 +150,20 @@ def optimizer_state_bytes(optimizer) -> int:
     return per_param * sum(p.numel() * p.element_size() for p in params)
 
 
-def check_model_state_fits(trainer: Trainer) -> None:
-    """Raise ``torch.OutOfMemoryError`` before the first step when the budget cannot hold what
-    every iteration keeps whatever the plan: the weights (already on the meter), their gradients
-    and the optimizer's state. Checkpointing only shrinks activations, so no planner could help."""
+def model_state_error(trainer: Trainer, state_bytes: int) -> str | None:
+    """Why the budget cannot hold what every iteration keeps whatever the plan — the weights
+    (already on the meter), their gradients and the optimizer's ``state_bytes`` — or None when it
+    can. Checkpointing only shrinks activations, so no planner could help."""
     budget = trainer.recipe.budget_bytes
-    if budget is None:
-        return
     weights = trainer.meter.current_bytes()
-    grads = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
-    state = optimizer_state_bytes(trainer.optimizer)
-    if weights + grads + state > budget:
-        raise torch.OutOfMemoryError(
-            f"budget {format_bytes(budget)} cannot hold the model's state before any activation: "
+    grads = block_param_bytes(trainer.model)
+    if budget is None or weights + grads + state_bytes <= budget:
+        return None
+    return (f"budget {format_bytes(budget)} cannot hold the model's state before any activation: "
             f"weights {format_bytes(weights)} + gradients {format_bytes(grads)} + "
-            f"{type(trainer.optimizer).__name__} state {format_bytes(state)} = "
-            f"{format_bytes(weights + grads + state)}; no checkpointing plan reduces these. Raise --budget "
-            "well above that (activations come on top) or use a smaller model")
+            f"{type(trainer.optimizer).__name__} state {format_bytes(state_bytes)} = "
+            f"{format_bytes(weights + grads + state_bytes)}; no checkpointing plan reduces these. Raise "
+            "--budget well above that (activations come on top) or use a smaller model")
 
 
 def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
@@ -276,19 +273,18 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
     writer = RunWriter(run_dir, recipe, environment(trainer.device))
     progress = ProgressView(f"mimose train {recipe_name} [{recipe.planner.name}]", recipe.budget_bytes,
                             total, recipe.training.log_every, view, console)
-    start, error = time.perf_counter(), None
+    start = time.perf_counter()
     try:
         with trainer.meter.activate():
             trainer.meter.track(trainer.model, trainer.optimizer)
-            try:
-                check_model_state_fits(trainer)
-            except torch.OutOfMemoryError as err:
-                error = str(err)
+            state_bytes = optimizer_state_bytes(trainer.optimizer)
+            error = model_state_error(trainer, state_bytes)
+            if error is not None:
                 progress.message(f"[red]out of memory before the first step[/red]: {error}")
                 records, status = [], "oom"
             else:
                 trainer.planner.prepare(lambda size: make_batch(recipe, config, size),
-                                        max_input_size(recipe), optimizer_state_bytes(trainer.optimizer))
+                                        max_input_size(recipe), state_bytes)
                 records, status = _loop(trainer, _data_batches(recipe, dataset, config, total, first_loader),
                                         writer, progress)
     finally:

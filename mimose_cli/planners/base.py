@@ -79,6 +79,7 @@ class Planner:
         self.last: StepInfo | None = None
         self.total_planning_ms = 0.0
         self.recompute_clock = RecomputeClock()
+        self.measurer = None  # a collector or profiler that runs the blocks while it is active
         self._router = BlockRouter(self.blocks, self.route)
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
         # training step never reads the cache (Hugging Face turns it off for checkpointing
@@ -107,7 +108,10 @@ class Planner:
         raise NotImplementedError
 
     def route(self, index, forward, args, kwargs):
-        """Run block ``index``: checkpointed when it is in the current plan."""
+        """Run block ``index``: through ``measurer`` while it measures, else checkpointed when it
+        is in the current plan."""
+        if self.measurer is not None and self.measurer.active:
+            return self.measurer.route(index, forward, args, kwargs)
         if index in self._plan_set and torch.is_grad_enabled():
             return run_checkpointed(forward, args, kwargs, self.recompute_clock)
         return forward(*args, **kwargs)

@@ -6,6 +6,7 @@ import time
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 
@@ -78,17 +79,6 @@ def recomputing() -> bool:
     return inside_checkpoint(("_recomputation_hook",))
 
 
-def _first_device(tree):
-    for leaf in tree:
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device
-        if isinstance(leaf, (list, tuple)):
-            found = _first_device(leaf)
-            if found is not None:
-                return found
-    return None
-
-
 class RecomputeClock:
     """Time spent recomputing checkpointed blocks in backward; ``take()`` returns and resets it.
 
@@ -106,7 +96,7 @@ class RecomputeClock:
         def run(*args, **kwargs):
             if not recomputing():
                 return forward(*args, **kwargs)
-            device = _first_device(list(args) + list(kwargs.values()))
+            device = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
             if device is not None and device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()

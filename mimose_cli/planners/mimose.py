@@ -64,7 +64,7 @@ class Mimose(Planner):
         if meter is None:
             self._own_meter = self._start_own_meter(model)
         self.estimator = Estimator(self.num_blocks)
-        self.collector = ShuttlingCollector(model, self.blocks, self.recompute_clock)
+        self.collector = self.measurer = ShuttlingCollector(model, self.blocks, self.recompute_clock)
         self.cache: dict = {}
         self.sheltered_done = 0
         self.sheltered_attempts = 0
@@ -141,11 +141,6 @@ class Mimose(Planner):
 
     def decide(self, input_size: tuple) -> tuple:
         return self.make_step_info(tuple(input_size)).plan
-
-    def route(self, index, forward, args, kwargs):
-        if self.collector.active:
-            return self.collector.route(index, forward, args, kwargs)
-        return super().route(index, forward, args, kwargs)
 
     @contextlib.contextmanager
     def step(self, batch=None, input_size=None):

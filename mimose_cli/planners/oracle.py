@@ -17,13 +17,12 @@ import time
 import warnings
 
 import numpy as np
-import torch
 
 from mimose_cli.planners.base import Planner, StepInfo
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import (NO_EVENT, BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction,
                                            peak_timeline)
-from mimose_cli.planners.profile import BlockProfile, loss_of, run_model, side_effect_free, to_model_device
+from mimose_cli.planners.profile import BlockProfile, probe_step, to_model_device
 
 EXACT_MAX_BLOCKS = 16
 _REQUIRED = ("plain_bytes", "ckpt_bytes", "fwd_ms")
@@ -152,7 +151,7 @@ class Oracle(Planner):
 
     def __init__(self, model, budget=None, **kwargs):
         super().__init__(model, budget, **kwargs)
-        self.collector = ShuttlingCollector(model, self.blocks)
+        self.collector = self.measurer = ShuttlingCollector(model, self.blocks)
         self.measured: dict = {}  # input size -> Prediction, or None when it could not be measured
         self._make_batch = None
         self._batch = None
@@ -162,11 +161,6 @@ class Oracle(Planner):
     def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
         # the oracle plans each step against the bytes live at its start: nothing to reserve
         self._make_batch = make_batch
-
-    def route(self, index, forward, args, kwargs):
-        if self.collector.active:
-            return self.collector.route(index, forward, args, kwargs)
-        return super().route(index, forward, args, kwargs)
 
     @contextlib.contextmanager
     def step(self, batch=None, input_size=None):
@@ -186,23 +180,12 @@ class Oracle(Planner):
                 raise RuntimeError("oracle measures every input size: pass the batch to "
                                    "planner.step(batch) or call planner.prepare(make_batch, ...)")
             batch = to_model_device(self.model, self._make_batch(size))
-        params = list(self.model.parameters())
-        grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
         self.collector.begin()
+        ran = False
         try:
-            with side_effect_free(self.model, batch), torch.enable_grad():
-                loss_of(run_model(self.model, batch)).backward()
-            sample = self.collector.end()
-        except torch.OutOfMemoryError:
-            self.collector.abort()
-            sample = None
+            ran = probe_step(self, batch) is not None
         finally:
-            for p, g in zip(params, grads):
-                p.grad = g
-            if self.meter is not None:
-                self.meter.reset_peak()
+            sample = self.collector.end() if ran else self.collector.abort()  # abort keeps nothing
         pred = None if sample is None else measured_prediction(size, sample, self.num_blocks)
         if pred is None:
             warnings.warn(f"oracle: input size {size} could not be measured (out of memory, or a "

@@ -184,33 +184,47 @@ def probe_plan(num_blocks: int) -> tuple:
     return tuple(range(num_blocks - 1))
 
 
+def probe_step(planner, batch):
+    """One forward and backward on ``batch`` that the training run never sees: RNG forked,
+    buffers restored, the gradients put back as they were (the probe starts from none), the
+    meter's peak reset afterwards. Returns the probe's peak (0 without a meter), or None when it
+    ran out of memory."""
+    meter = planner.meter
+    params = list(planner.model.parameters())
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    if meter is not None:
+        meter.reset_peak()
+    try:
+        with side_effect_free(planner.model, batch), torch.enable_grad():
+            loss_of(run_model(planner.model, batch)).backward()
+        return meter.peak_bytes() if meter is not None else 0
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        if meter is not None:
+            meter.reset_peak()
+
+
 def measure_fixed_bytes(planner, batch, act_bytes) -> int:
     """Run one side-effect-free step with ``probe_plan`` and return its measured peak less the
     modelled activations of that plan: the part of the peak no plan changes.
 
-    Needs the planner's meter; returns 0 without one. Gradients are restored afterwards and the
-    meter's peak is reset, so the probe does not count as the step's peak.
+    Needs the planner's meter; returns 0 without one. The probe (``probe_step``) does not count
+    as the step's peak.
     """
-    meter = planner.meter
-    if meter is None:
+    if planner.meter is None:
         return 0
     plan = probe_plan(planner.num_blocks)
-    params = list(planner.model.parameters())
-    grads = [p.grad for p in params]
     saved_plan = planner.plan
     planner.set_plan(plan)
-    meter.reset_peak()
     try:
-        with side_effect_free(planner.model, batch):
-            loss_of(run_model(planner.model, batch)).backward()
-        peak = meter.peak_bytes()
-    except torch.OutOfMemoryError:
-        peak = None
+        peak = probe_step(planner, batch)
     finally:
-        for p, g in zip(params, grads):
-            p.grad = g
         planner.set_plan(saved_plan)
-        meter.reset_peak()
     if peak is None:  # nothing fits: make every plan but "all" look infeasible
         return planner.limit_bytes or 0
     return peak - BlockProfile((), act_bytes, [0.0] * len(act_bytes)).peak_bytes(plan)
@@ -222,9 +236,4 @@ class ProfilingPlanner(Planner):
 
     def __init__(self, model, budget=None, **kwargs):
         super().__init__(model, budget, **kwargs)
-        self.profiler = BlockProfiler(model, self.num_blocks)
-
-    def route(self, index, forward, args, kwargs):
-        if self.profiler.active:
-            return self.profiler.route(index, forward, args, kwargs)
-        return super().route(index, forward, args, kwargs)
+        self.profiler = self.measurer = BlockProfiler(model, self.num_blocks)

@@ -125,9 +125,10 @@ class Sublinear(ProfilingPlanner):
         planner = greedy_at if self.variant == "greedy" else chen_plan
         limit = None if self.limit_bytes is None else self.limit_bytes - self.reserve_bytes
         plan = planner(self.profile, limit)
-        if limit is not None and self.profile.peak_bytes(plan) > limit:
+        peak = self.profile.peak_bytes(plan)
+        if limit is not None and peak > limit:
             warnings.warn(f"sublinear: at the largest input {size} even this plan {plan} is predicted "
-                          f"to peak at {self.profile.peak_bytes(plan)} bytes, over the "
+                          f"to peak at {peak} bytes, over the "
                           f"{limit} available (budget less the optimizer state); batches that "
                           "long may run out of memory", stacklevel=3)
         return plan
