@@ -15,14 +15,13 @@ Writes benchmarks/results/estimator_error.json.
 """
 
 import argparse
-import json
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from _results import write_results
 from mimose_cli.data import make_batch
 from mimose_cli.memory import build_meter
 from mimose_cli.models import build_model, model_config
@@ -30,7 +29,6 @@ from mimose_cli.planners.estimator import peak_timeline
 from mimose_cli.planners.mimose import Mimose
 from mimose_cli.recipe import load_recipe
 
-RESULTS = Path(__file__).parent / "results" / "estimator_error.json"
 QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
 TASKS = {"bert": "sequence_classification", "roberta": "sequence_classification",
          "xlnet": "sequence_classification", "gpt2": "causal_lm"}
@@ -133,12 +131,7 @@ def main():
                   f"{row['peak_mean_pct']:11.4f} {row['peak_max_pct']:10.4f} {row['activation_peak_max_pct']:14.4f} "
                   f"{row['peak_under_max_pct']:11.4f} {row['largest_peak_bytes']:12d}",
                   flush=True)
-    result = {"benchmark": "estimator_error", "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "targets": {"block_mean_pct": 0.5, "peak_max_pct": 2.0},
-              "rows": rows}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    print(f"wrote {RESULTS}")
+    write_results("estimator_error", rows, targets={"block_mean_pct": 0.5, "peak_max_pct": 2.0})
 
 
 if __name__ == "__main__":

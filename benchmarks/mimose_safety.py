@@ -15,13 +15,13 @@ equal within 1e-6. Writes benchmarks/results/mimose_safety.json.
 
 import argparse
 import json
-import platform
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from _results import write_results
 from mimose_cli.data import build_dataloader, build_dataset
 from mimose_cli.models import model_config
 from mimose_cli.planners import infer_input_size
@@ -29,7 +29,6 @@ from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.recipe import PlannerConfig, load_recipe
 from mimose_cli.train import run_training
 
-RESULTS = Path(__file__).parent / "results" / "mimose_safety.json"
 QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
 TASKS = {"swag": "multiple_choice", "squad": "question_answering", "qqp": "sequence_classification"}
 
@@ -107,13 +106,8 @@ def main():
               f"{row['over_budget_steps']:4d} {row['binding_steps']:7d} {row['binding_peak_mean_pct'] or 0:18.2f} "
               f"{row['binding_peak_min_pct'] or 0:6.2f} {row['loss_max_rel_diff']:17.2e} {row['hit_rate']:8.3f}",
               flush=True)
-    result = {"benchmark": "mimose_safety", "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__,
-              "targets": {"over_budget_steps": 0, "binding_peak_mean_pct": 85.0, "loss_max_rel_diff": 1e-6},
-              "rows": rows}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    print(f"wrote {RESULTS}")
+    write_results("mimose_safety", rows,
+                  targets={"over_budget_steps": 0, "binding_peak_mean_pct": 85.0, "loss_max_rel_diff": 1e-6})
 
 
 if __name__ == "__main__":

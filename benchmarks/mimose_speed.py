@@ -15,18 +15,15 @@ Writes benchmarks/results/mimose_speed.json.
 """
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
-from pathlib import Path
 
 import torch
 
+from _results import write_results
 from mimose_cli.train import run_training
 from mimose_safety import calibrate, recipe_for
 
-RESULTS = Path(__file__).parent / "results" / "mimose_speed.json"
 
 
 def epoch_s(preset: str, steps: int, out_dir, planner: str, budget) -> tuple:
@@ -76,12 +73,8 @@ def main():
         print(f"{preset:6} {t['none']:7.1f} {t['full']:7.1f} {t['mimose']:8.1f} {row['mimose_over_full']:6.3f} "
               f"{row['mimose_over_none']:6.3f} {row['mimose_mean_checkpointed_blocks']:11.2f} "
               f"{row['overhead_iterations'] or 0:11.2f}", flush=True)
-    result = {"benchmark": "mimose_speed", "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "targets": {"mimose_over_full": 0.85, "mimose_over_none": 1.10}, "rows": rows}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    print(f"wrote {RESULTS}")
+    write_results("mimose_speed", rows, threads=torch.get_num_threads(),
+                  targets={"mimose_over_full": 0.85, "mimose_over_none": 1.10})
 
 
 if __name__ == "__main__":

@@ -10,21 +10,18 @@ Targets here: miss <= 0.5 ms, hit <= 10 us. Writes benchmarks/results/planner_la
 """
 
 import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
+from _results import write_results
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.estimator import peak_timeline
 from mimose_cli.planners.mimose import Mimose
 
-RESULTS = Path(__file__).parent / "results" / "planner_latency.json"
 SHELTERED = [(4, 16), (2, 40), (8, 24), (3, 64), (6, 32), (2, 56), (5, 48), (4, 20), (7, 36), (3, 28)]
 
 
@@ -93,12 +90,8 @@ def main():
         rows.append(row)
         print(f"{n:6d} {row['fit_us']:9.1f} {row['predict_us']:10.1f} {row['miss_us']:9.1f} "
               f"{row['hit_us']:7.2f} {row['plan_length']:5d} {row['ops_kept']:8d}", flush=True)
-    result = {"benchmark": "planner_latency", "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "numpy": np.__version__,
-              "targets_us": {"miss": 500, "hit": 10, "fit": 1000}, "rows": rows}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    print(f"wrote {RESULTS}")
+    write_results("planner_latency", rows, numpy=np.__version__,
+                  targets_us={"miss": 500, "hit": 10, "fit": 1000})
 
 
 if __name__ == "__main__":

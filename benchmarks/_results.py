@@ -1,0 +1,21 @@
+"""Where the benchmark scripts write their JSON, and in what shape."""
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def write_results(benchmark: str, rows: list, **fields) -> Path:
+    """Write ``results/<benchmark>.json`` — the machine, torch's version, ``fields`` (targets and
+    settings) and the rows — and say where."""
+    path = RESULTS / f"{benchmark}.json"
+    result = {"benchmark": benchmark, "machine": platform.processor() or platform.machine(),
+              "torch": torch.__version__, **fields, "rows": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return path
