@@ -95,17 +95,23 @@ class _Ledger:
             finally:
                 self._relieving = False
         if self._over_budget():
-            raise torch.OutOfMemoryError(
-                f"simulated device out of memory: tried to allocate {format_bytes(added)} "
-                f"(live {format_bytes(self.live - added)}) with a budget of "
-                f"{format_bytes(self.budget_bytes)}; lower the batch size, raise --budget, "
-                "or use a checkpointing planner"
-            )
+            # Built by a function, not held in a local: a local would make a cycle with the
+            # traceback and keep the failed step's tensors alive until the garbage collector runs.
+            raise _out_of_memory(added, self.live, self.budget_bytes)
         if self.live > self.peak:
             self.peak = self.live
 
     def _over_budget(self) -> bool:
         return self.budget_bytes is not None and self.live > self.budget_bytes
+
+
+def _out_of_memory(added: int, live: int, budget_bytes: int) -> torch.OutOfMemoryError:
+    error = torch.OutOfMemoryError(
+        f"simulated device out of memory: tried to allocate {format_bytes(added)} "
+        f"(live {format_bytes(live - added)}) with a budget of {format_bytes(budget_bytes)}; "
+        "lower the batch size, raise --budget, or use a checkpointing planner")
+    error.reached_bytes = live  # what the step tried to hold (out-of-memory recovery reports it)
+    return error
 
 
 def _add_outputs(ledger: _Ledger, out) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mimose_cli.planners.blocks import BlockRouter, RecomputeClock, discover_blocks, run_checkpointed
+from mimose_cli.planners.recovery import PlanOutOfMemoryError, StepGuard, oom_message, reached_bytes
 from mimose_cli.units import parse_size
 
 TOKEN_KEYS = ("input_ids", "inputs_embeds", "pixel_values")
@@ -51,6 +52,8 @@ class StepInfo:
     phase: str = "responsive"
     cache_hit: bool | None = None
     predicted_peak_bytes: int | None = None
+    retries: int = 0
+    """Attempts of this step that ran out of memory before this one (``Planner.run``)."""
     extra: dict = field(default_factory=dict)
 
 
@@ -65,6 +68,10 @@ class Planner:
     """
 
     name = "base"
+    adapts = True
+    """Whether out-of-memory recovery may change this planner's plan (``none`` and ``full`` are
+    fixed by definition: ``none`` running out of memory is its answer, ``full`` has no more to give)."""
+    max_retries = 2
 
     def __init__(self, model, budget=None, *, blocks=None, safety_margin=0, meter=None):
         self.model = model
@@ -79,6 +86,10 @@ class Planner:
         self.last: StepInfo | None = None
         self.total_planning_ms = 0.0
         self.recompute_clock = RecomputeClock()
+        self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
+        self.attempt = 0  # failed attempts of the step being run (``run``)
+        self.retries_total = 0
+        self._result = None
         self.measurer = None  # a collector or profiler that runs the blocks while it is active
         self._router = BlockRouter(self.blocks, self.route)
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
@@ -129,6 +140,9 @@ class Planner:
         size = tuple(input_size) if input_size is not None else infer_input_size(batch)
         start = time.perf_counter()
         self.last = self.make_step_info(size)
+        if self.size_key(size) in self.full_sizes:
+            self.last.plan, self.last.phase = tuple(range(self.num_blocks)), "recovery"
+        self.last.retries = self.attempt
         self.recompute_clock.take()  # not this step's: a raised step's partial time, a planner's probe
         self.set_plan(self.last.plan)
         self.last.planning_ms = (time.perf_counter() - start) * 1e3
@@ -140,6 +154,64 @@ class Planner:
         self.observe(self.last, peak)
         self.steps += 1
 
+    def run(self, step_fn, batch=None, input_size=None):
+        """Run ``step_fn(batch)`` (forward and backward) under this planner, recovering from
+        out of memory; returns what ``step_fn`` returns, and ``self.last.retries`` says how many
+        attempts failed first.
+
+        A failed attempt is undone (``StepGuard``: its gradients dropped, RNG and buffers put
+        back, gradients accumulated before it kept) and the batch run again: first with the
+        planner's own remedy (``recover``), then with every block checkpointed; if that fails
+        too, ``PlanOutOfMemoryError`` says why with the budget, the prediction and what was
+        reached. The optimizer is never touched here.
+        """
+        size = tuple(input_size) if input_size is not None else infer_input_size(batch)
+        guard = StepGuard(self.model, batch)
+        last_try = self.max_retries if self.adapts else 0
+        try:
+            for attempt in range(last_try + 1):
+                self.attempt = attempt
+                failure = self._attempt_step(step_fn, batch, size, guard)
+                if failure is None:
+                    guard.finish()
+                    return self._result
+                info, reached = failure
+                if attempt < last_try:
+                    self.retries_total += 1
+                    self.recover(info, attempt + 1)
+        finally:
+            self.attempt, self._result = 0, None
+        guard.finish()  # the failed attempt is undone; gradients of earlier micro-batches stay
+        blocks = "every block" if len(info.plan) == self.num_blocks else f"{len(info.plan)} of {self.num_blocks} blocks"
+        message = oom_message(size, last_try, blocks, self.budget_bytes, info.predicted_peak_bytes, reached)
+        raise PlanOutOfMemoryError(message, self.budget_bytes, info.predicted_peak_bytes, reached)
+
+    def _attempt_step(self, step_fn, batch, size, guard: StepGuard):
+        """One attempt: None when it succeeded (result in ``self._result``), else the failed
+        step's ``(StepInfo, reached bytes)`` with the attempt undone."""
+        try:
+            with self.step(batch, size):
+                self._result = step_fn(batch)
+            return None
+        except torch.OutOfMemoryError as error:
+            if isinstance(error, PlanOutOfMemoryError):
+                raise
+            reached = reached_bytes(error, self.meter)
+        # Outside the except block: the error's traceback, which pins the failed step's
+        # activations, is gone before anything is allocated again.
+        guard.undo()
+        return self.last, reached
+
+    def size_key(self, size: tuple) -> tuple:
+        """The key recovery remembers a size by (Mimose: its plan-cache key)."""
+        return tuple(size)
+
+    def recover(self, info: StepInfo, failures: int) -> None:
+        """Make the next attempt of a step that ran out of memory ``failures`` times need less
+        memory. The default checkpoints every block for that size from now on; planners with a
+        finer remedy (Mimose: a larger margin for that size) try it first."""
+        self.full_sizes.add(self.size_key(info.input_size))
+
     def make_step_info(self, size: tuple) -> StepInfo:
         return StepInfo(step=self.steps, input_size=size, plan=tuple(self.decide(size)), planning_ms=0.0)
 
@@ -147,7 +219,8 @@ class Planner:
     def stats(self) -> dict:
         """Counters for reports; subclasses add their own."""
         return {"planner": self.name, "steps": self.steps, "num_blocks": self.num_blocks,
-                "planning_ms_total": self.total_planning_ms}
+                "planning_ms_total": self.total_planning_ms, "retries": self.retries_total,
+                "full_sizes": len(self.full_sizes)}
 
     def state_dict(self) -> dict:
         return {"name": self.name, "steps": self.steps}
@@ -166,6 +239,7 @@ class NoCheckpointing(Planner):
     """Checkpoint nothing: the speed limit, and out of memory on large batches."""
 
     name = "none"
+    adapts = False
 
     def decide(self, input_size):
         return ()
@@ -175,6 +249,7 @@ class FullCheckpointing(Planner):
     """Checkpoint every block, as ``gradient_checkpointing_enable()`` does."""
 
     name = "full"
+    adapts = False
 
     def decide(self, input_size):
         return tuple(range(self.num_blocks))

@@ -155,6 +155,7 @@ class ShuttlingCollector:
         self.probe.__enter__()
         self.marks: list = []
         self.calls = [0] * len(self.blocks)
+        self.order: list = []  # block indices in the order the forward entered them
         self.dropped: dict = {}
         self.fwd_ms = np.full(len(self.blocks), np.nan)
         self.saved = np.full(len(self.blocks), np.nan)
@@ -174,6 +175,8 @@ class ShuttlingCollector:
                              self.parents[index], self.children[index],
                              calls=self.calls[index], in_checkpoint=inside_checkpoint())
         self.calls[index] += 1
+        if index not in self.order:
+            self.order.append(index)
         if reason is not None:
             self.dropped[index] = reason
             if inside_checkpoint():
@@ -190,11 +193,34 @@ class ShuttlingCollector:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
         self.mark(("enter", index))
         rng = _rng_state(device)
+        usable = self._measure(index, forward, args, kwargs, device)
+        _set_rng_state(rng, device)
+        self.collector_ms += (time.perf_counter() - start) * 1e3
+        out = run_checkpointed(forward, args, kwargs, self.clock)
+        self.mark(("ckpt", index))
+        if not usable:
+            self.dropped.setdefault(index, "no_grad_output")
+        self._hook_backward(index, args, out)
+        return out
+
+    def _measure(self, index, forward, args, kwargs, device) -> bool:
+        """The measuring run: the block plainly, its outputs then dropped. Returns whether it
+        produced an output that needs a gradient.
+
+        Running a block plainly needs more memory than checkpointing it, so the measuring run
+        may not fit a budget that full checkpointing holds: then the block is left unmeasured
+        at this size (``no_room``) and the step goes on checkpointed, never worse than ``full``.
+        """
         self.counter.reset()
         self._sync(device)
         begin = time.perf_counter()
-        with self.counter:
-            out = forward(*args, **kwargs)
+        try:
+            with self.counter:
+                out = forward(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            self.dropped[index] = "no_room"
+            self.mark(("no_room", index))
+            return False
         self._sync(device)
         self.fwd_ms[index] = (time.perf_counter() - begin) * 1e3
         self.saved[index] = self.counter.bytes
@@ -202,24 +228,17 @@ class ShuttlingCollector:
         self.mark(("plain", index))
         del out
         self.mark(("dropped", index))
-        _set_rng_state(rng, device)
-        self.collector_ms += (time.perf_counter() - start) * 1e3
-        out = run_checkpointed(forward, args, kwargs, self.clock)
-        self.mark(("ckpt", index))
-        if not usable:
-            self.dropped[index] = "no_grad_output"
-        self._hook_backward(index, args, out)
-        return out
+        return usable
 
     def _hook_backward(self, index: int, args, out) -> None:
-        """Mark the start of this block's backward (its output's gradient) and, for the first
-        block, the end of it (its input's gradient)."""
+        """Mark the start of this block's backward (its output's gradient) and, for the block
+        the forward ran first, the end of it (its input's gradient)."""
         output = _first_grad_tensor(out)
         if output is None:
             self.dropped[index] = "no_grad_output"
             return
         output.register_hook(self._backward_hook(("bwd", index)))
-        if index == 0:
+        if self.order[:1] == [index]:  # the first block run: its input's gradient ends backward
             first = _first_grad_tensor(args)
             if first is not None:
                 first.register_hook(self._backward_hook(("bwd_end",)))
@@ -236,8 +255,8 @@ class ShuttlingCollector:
         return hook
 
     def end(self):
-        """Close the step; returns ``(block_matrix, step_vector)`` for the estimator, or None
-        when no block could be measured."""
+        """Close the step; returns ``(blocks, step, shape)`` for the estimator (see
+        ``build_sample``), or None when no block could be measured."""
         self.mark(("end",))
         self.active = False
         probe, self.probe = self.probe, None
@@ -276,56 +295,89 @@ class Trace:
         return values if len(values) else None
 
 
+@dataclass
+class StepShape:
+    """How a sheltered step ran its blocks: ``order`` the block indices in forward order, and
+    whether backward ran them in exactly the reverse of it (``backward_reversed``). Only then is
+    a block's backward known to see just the blocks before it still holding their activations;
+    otherwise its backward is measured and predicted above everything the forward held
+    (an upper bound)."""
+
+    order: tuple
+    backward_reversed: bool
+
+
 def build_sample(marks: list, trace: Trace, num_blocks: int, saved, fwd_ms, dropped: dict):
     """Per-block and step quantities (``{quantity: [array | None per block]}``, ``{quantity:
-    array | None}``) from one step's marks ``(label, op index, live bytes)``. Dropped blocks
-    and stretches a missing mark leaves unattributable are None."""
+    array | None}``) and the step's ``StepShape`` from one step's marks ``(label, op index,
+    live bytes)``. Dropped blocks and stretches a missing mark leaves unattributable are None;
+    the shape is None when not every block ran."""
     at = {label: (index, live) for label, index, live in marks}
     blocks = {q: [None] * num_blocks for q in BLOCK_QUANTITIES}
     step = {q: None for q in STEP_QUANTITIES}
-    last = at.get(("ckpt", num_blocks - 1))
-    if ("enter", 0) not in at or last is None:
-        return blocks, step
-    entry = [at.get(("enter", i), (None, np.nan))[1] for i in range(num_blocks)] + [last[1]]
-    step["pre_bytes"] = np.array([entry[0]])
-    step["pre_peak_bytes"] = trace.ops(0, at[("enter", 0)][0], 0.0)
-    for i in range(num_blocks):
+    order = []
+    for label, _, _ in marks:
+        if label[0] == "enter" and label[1] not in order:
+            order.append(label[1])
+    if len(order) != num_blocks or ("ckpt", order[-1]) not in at:
+        return blocks, step, None
+    entry = {i: at[("enter", i)][1] for i in order}
+    after = dict(zip(order, [entry[i] for i in order[1:]] + [at[("ckpt", order[-1])][1]]))
+    step["pre_bytes"] = np.array([entry[order[0]]])
+    step["pre_peak_bytes"] = trace.ops(0, at[("enter", order[0])][0], 0.0)
+    for position, i in enumerate(order):
+        following = order[position + 1] if position + 1 < num_blocks else None
         if i not in dropped:
-            _block_forward(blocks, i, at, entry, trace, saved, fwd_ms)
-    _block_backward(blocks, step, at, entry, marks, trace, num_blocks, dropped)
-    return blocks, step
+            _block_forward(blocks, i, following, at, entry[i], after[i], trace, saved, fwd_ms)
+    shape = StepShape(tuple(order), _backward_order(marks) == order[::-1])
+    _block_backward(blocks, step, at, entry, marks, trace, shape, dropped)
+    return blocks, step, shape
 
 
-def _block_forward(blocks: dict, i: int, at: dict, entry: list, trace: Trace, saved, fwd_ms) -> None:
+def _backward_order(marks: list) -> list:
+    return [label[1] for label, _, _ in marks if label[0] == "bwd"]
+
+
+def _block_forward(blocks: dict, i: int, following, at: dict, entry: float, after: float,
+                   trace: Trace, saved, fwd_ms) -> None:
     enter, plain, dropped, ckpt = (at.get((kind, i)) for kind in ("enter", "plain", "dropped", "ckpt"))
-    if None in (enter, plain, dropped, ckpt) or np.isnan(entry[i + 1]) or dropped[1] != enter[1]:
-        return  # the measuring run's outputs outlived it, or a mark is missing
-    ckpt_bytes = entry[i + 1] - enter[1]
+    if None in (enter, plain, dropped, ckpt):
+        return  # a mark is missing
+    # Bytes still live once the measuring run's outputs are dropped (autocast's cast copies of
+    # the weights, kept until the forward ends) count as the block's in both runs: the plain
+    # run minus the checkpointed run is what checkpointing frees, whatever stayed behind.
+    ckpt_bytes = after - entry
     blocks["saved_bytes"][i] = np.array([saved[i]])
     blocks["fwd_ms"][i] = np.array([fwd_ms[i]])
     blocks["ckpt_bytes"][i] = np.array([ckpt_bytes])
     blocks["plain_bytes"][i] = np.array([ckpt_bytes + plain[1] - ckpt[1]])
-    blocks["fwd_peak_bytes"][i] = trace.ops(enter[0], plain[0], enter[1])
-    blocks["ckpt_fwd_peak_bytes"][i] = trace.ops(dropped[0], ckpt[0], enter[1])
-    following = at.get(("enter", i + 1))
-    if following is not None:
-        blocks["gap_peak_bytes"][i + 1] = trace.ops(ckpt[0], following[0], following[1])
+    blocks["fwd_peak_bytes"][i] = trace.ops(enter[0], plain[0], entry)
+    blocks["ckpt_fwd_peak_bytes"][i] = trace.ops(dropped[0], ckpt[0], entry)
+    if following is not None and ("enter", following) in at:
+        blocks["gap_peak_bytes"][following] = trace.ops(ckpt[0], *at[("enter", following)])
 
 
-def _block_backward(blocks: dict, step: dict, at: dict, entry: list, marks: list, trace: Trace,
-                    num_blocks: int, dropped: dict) -> None:
-    order = [label for label, _, _ in marks if label[0] == "bwd"]
-    if order != [("bwd", i) for i in reversed(range(num_blocks))]:
-        return  # backward did not run block by block in reverse: nothing attributable
-    step["head_peak_bytes"] = trace.ops(at[("ckpt", num_blocks - 1)][0], at[("bwd", num_blocks - 1)][0],
-                                        entry[num_blocks])
-    for i in range(num_blocks):
+def _block_backward(blocks: dict, step: dict, at: dict, entry: dict, marks: list, trace: Trace,
+                    shape: StepShape, dropped: dict) -> None:
+    """Backward stretches: from a block's output gradient to the next backward mark. Each is
+    measured above what the forward held at the block's entry when backward runs in reverse,
+    else above everything the forward held; the tail likewise (absolute, or above the top)."""
+    last = shape.order[-1]
+    top = at[("ckpt", last)][1]
+    if ("bwd", last) not in at:
+        return  # backward never reached the last block's output: nothing attributable
+    first_bwd = min(at[("bwd", i)][0] for i in shape.order if ("bwd", i) in at)
+    step["head_peak_bytes"] = trace.ops(at[("ckpt", last)][0], first_bwd, top)
+    for i in shape.order:
+        if ("bwd", i) not in at:
+            continue
         start = at[("bwd", i)][0]
         stop = next(index for label, index, _ in marks if index >= start and label != ("bwd", i)
                     and label[0] in ("bwd", "bwd_end", "end"))
-        if i not in dropped and not np.isnan(entry[i]):
-            blocks["bwd_peak_bytes"][i] = trace.ops(start, stop, entry[i], recompute=False)
-            blocks["recompute_peak_bytes"][i] = trace.ops(start, stop, entry[i], recompute=True)
+        if i not in dropped:
+            reference = entry[i] if shape.backward_reversed else top
+            blocks["bwd_peak_bytes"][i] = trace.ops(start, stop, reference, recompute=False)
+            blocks["recompute_peak_bytes"][i] = trace.ops(start, stop, reference, recompute=True)
     end = at.get(("bwd_end",))
     if end is not None:
-        step["tail_peak_bytes"] = trace.ops(end[0], len(trace.live), 0.0)
+        step["tail_peak_bytes"] = trace.ops(end[0], len(trace.live), 0.0 if shape.backward_reversed else top)

@@ -14,7 +14,7 @@ model holds; forward time is fitted on ``B·L², B·L, 1``.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,8 +33,10 @@ STEP_QUANTITIES = ("pre_bytes", "pre_peak_bytes", "head_peak_bytes", "tail_peak_
 the peak from the last block's output to the start of its backward (head, loss, head
 backward) above the live bytes then, and the peak after the first block's backward."""
 _RANK_RTOL = 1e-9
+REACH = 64  # how far beyond the largest size measured a prediction may reach
 _MAX_SAMPLES = 60  # the most recent samples fitted (a bit per sample marks which are missing)
 NO_EVENT = -1e30
+
 
 
 def features(size) -> np.ndarray:
@@ -72,8 +74,8 @@ def probe_sizes(sizes: list) -> np.ndarray:
     """Features of a grid spanning the sizes seen and extrapolating far (64x) beyond them."""
     batches = [s[0] for s in sizes]
     lengths = [float(math.prod(s[1:])) for s in sizes]
-    grid_b = sorted({1, min(batches), max(batches), 64 * max(batches)})
-    grid_l = np.geomspace(1.0, 64 * max(lengths), 10)
+    grid_b = sorted({1, min(batches), max(batches), REACH * max(batches)})
+    grid_l = np.geomspace(1.0, REACH * max(lengths), 10)
     return np.stack([features((b, length)) for b in grid_b for length in grid_l])
 
 
@@ -95,6 +97,11 @@ class Prediction:
     size: tuple
     blocks: dict
     step: dict
+    order: tuple | None = None
+    """Block indices in forward order; None: index order."""
+    backward_reversed: bool = True
+    """Whether backward runs the blocks in the reverse of ``order`` (else the backward events
+    sit above everything the forward held: an upper bound)."""
 
     @property
     def savings(self) -> np.ndarray:
@@ -106,13 +113,19 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
     """The step's memory events above the start-of-step bytes, for one plan (a bool mask over
     blocks) or for many at once (masks of shape ``(plans, blocks)``: events on the last axis).
 
-    Forward: each block adds its plain or checkpointed bytes; its forward peaks above what the
-    blocks before it hold. Backward, block by block in reverse, peaks at what the blocks
-    before it hold plus its own backward peak (the same whether it was checkpointed: the
-    recompute brings its activations back; the recompute's own peak counts when it is
-    checkpointed). Parameter gradients are in the fitted values.
+    Forward, in the blocks' forward order: each block adds its plain or checkpointed bytes; its
+    forward peaks above what the blocks before it hold. Backward, block by block in reverse,
+    peaks at what the blocks before it hold plus its own backward peak (the same whether it was
+    checkpointed: the recompute brings its activations back; the recompute's own peak counts
+    when it is checkpointed). When backward does not run in reverse forward order, every
+    backward event and the tail sit above everything the forward held instead. Parameter
+    gradients are in the fitted values.
     """
     b, s = pred.blocks, pred.step
+    if pred.order is not None:
+        order = list(pred.order)
+        b = {q: v[order] for q, v in b.items()}
+        plan_mask = plan_mask[..., order]
     held = np.where(plan_mask, b["ckpt_bytes"], b["plain_bytes"])
     one = np.ones(held.shape[:-1] + (1,))
     entry = s["pre_bytes"] + np.concatenate((0.0 * one, np.cumsum(held, axis=-1)), axis=-1)
@@ -120,9 +133,108 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
     fwd = at + np.maximum(b["gap_peak_bytes"],
                           np.where(plan_mask, b["ckpt_fwd_peak_bytes"], b["fwd_peak_bytes"]))
     own = np.maximum(b["bwd_peak_bytes"], np.where(plan_mask, b["recompute_peak_bytes"], NO_EVENT))
-    bwd = at + own
-    head = entry[..., -1:] + s["head_peak_bytes"]
-    return np.concatenate((s["pre_peak_bytes"] * one, fwd, head, bwd, s["tail_peak_bytes"] * one), axis=-1)
+    top = entry[..., -1:]
+    bwd = (at if pred.backward_reversed else top) + own
+    tail = s["tail_peak_bytes"] + (0.0 if pred.backward_reversed else top)
+    return np.concatenate((s["pre_peak_bytes"] * one, fwd, top + s["head_peak_bytes"], bwd, tail * one),
+                          axis=-1)
+
+
+_SPAN_RTOL = 1e-7
+_TIMELINE = ("plain_bytes", "ckpt_bytes", "bwd_peak_bytes")
+_HELD = ("plain_bytes", "ckpt_bytes", "pre_bytes")
+_STEP_PARTS = {"pre_bytes": "the bytes before the first block", "pre_peak_bytes": "the embeddings' peak",
+               "head_peak_bytes": "the head's peak (backward never reached the last block)",
+               "tail_peak_bytes": "the peak after the blocks' backward"}
+
+
+def _basis(design: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Orthonormal rows spanning the scaled design's rows."""
+    _, singular, vt = np.linalg.svd(design / scale, full_matrices=False)
+    rank = int((singular > _RANK_RTOL * singular[0]).sum()) if len(singular) else 0
+    return vt[:rank]
+
+
+@dataclass
+class Trust:
+    """When Mimose trusts a prediction (docs/MIMOSE.md states the rule for users); built by
+    ``Estimator.fit``, ``reason(size)`` says why a prediction is not trusted, or None.
+
+    A prediction at an input size is trusted when all of these hold:
+
+    1. **The samples determine it.** Memory is fitted as a linear function of the size's features
+       (``estimator.FEATURES``). A least-squares fit is exact at a new size, whatever the true
+       coefficients of those features, exactly when the new size's feature vector is a linear
+       combination of the measured sizes' vectors (it lies in their row span). Two distinct lengths
+       at one batch size do not determine the constant term, so a third length is not trusted; one
+       batch size never determines what scales with the batch, so another batch size is not trusted.
+       Each set of samples fitted together (one per pattern of missing measurements) is checked.
+    2. **It is not far outside what was measured**: batch and length at most ``REACH`` times the
+       largest seen (the grid on which the ops that can be a peak were chosen).
+    3. **Every part of the step timeline was measured**: each block's held bytes and backward, and
+       the embeddings, head and tail around them. A part never measured is not guessed.
+    4. **The blocks ran in one order** in every sample (the timeline is built in that order).
+
+    The fit's own misses (``residual_bytes``: how far it is from its samples, when the memory is not
+    quadratic in the size as inferred) are not a reason to distrust a size; they are added to every
+    predicted peak as a margin, so a model that is off is planned conservatively in proportion.
+    """
+
+    scale: np.ndarray = field(default_factory=lambda: np.ones(len(FEATURES)))
+    bases: list = field(default_factory=list)
+    max_batch: float = 0.0
+    max_length: float = 0.0
+    unmeasured: tuple = ()
+    residual_bytes: float = 0.0
+
+    @classmethod
+    def of(cls, estimator, keys: list, segments: np.ndarray, residual: np.ndarray, spans: list) -> "Trust":
+        """The trust of a fit: ``keys`` its (quantity, block) segments, ``segments`` the segment
+        of each fitted column, ``residual`` each column's largest miss on its samples (bytes;
+        0 for times), ``spans`` the designs fitted together."""
+        sizes = estimator.sizes
+        scale = np.abs(np.concatenate(spans)).max(axis=0) if spans else np.ones(len(FEATURES))
+        scale = np.where(scale > 0, scale, 1.0)
+        worst = {key: float(residual[segments == n].max(initial=0.0)) for n, key in enumerate(keys)}
+        held = max((v for (q, _), v in worst.items() if q in _HELD), default=0.0)
+        peak = max((v for (q, _), v in worst.items() if q not in _HELD), default=0.0)
+        # Held bytes add up over the blocks, a peak is one op on top: the worst case of both.
+        residual_bytes = held * (estimator.num_blocks + 1) + peak
+        return cls(scale, [_basis(d, scale) for d in spans], float(max(s[0] for s in sizes)),
+                   float(max(math.prod(s[1:]) for s in sizes)), unmeasured_parts(estimator),
+                   residual_bytes if residual_bytes >= 1.0 else 0.0)
+
+    def reason(self, size) -> str | None:
+        """Why a prediction at ``size`` is not trusted (one line), or None."""
+        if self.unmeasured:
+            return f"never measured: {', '.join(self.unmeasured)}"
+        batch, length = float(size[0]), float(math.prod(size[1:]))
+        if batch > REACH * self.max_batch or length > REACH * self.max_length:
+            return f"input size {tuple(size)} is over {REACH}x the largest measured"
+        vector = features(size) / self.scale
+        for basis in self.bases:
+            rest = vector - basis.T @ (basis @ vector)
+            if np.linalg.norm(rest) > _SPAN_RTOL * np.linalg.norm(vector):
+                return f"input size {tuple(size)} is not determined by the sizes measured"
+        return None
+
+    @property
+    def global_reason(self) -> str | None:
+        """A reason that holds for every size (a part of the timeline never measured)."""
+        return f"never measured: {', '.join(self.unmeasured)}" if self.unmeasured else None
+
+
+def unmeasured_parts(estimator) -> tuple:
+    """The parts of the step timeline no sample measured, in words."""
+    layout = estimator.layout
+    parts = [_STEP_PARTS[q] for q in STEP_QUANTITIES if (q, -1) not in layout]
+    blocks = [i for i in range(estimator.num_blocks) if any((q, i) not in layout for q in _TIMELINE)]
+    if blocks:
+        parts.append(f"block{'s' if len(blocks) > 1 else ''} {', '.join(map(str, blocks))} "
+                     "(dropped by the data filter or no room to measure)")
+    if estimator.shape_changed:
+        parts.append("one order of the blocks (it changed between steps)")
+    return tuple(parts)
 
 
 class Estimator:
@@ -146,6 +258,10 @@ class Estimator:
         self.source: np.ndarray | None = None  # per flat (quantity, block): its segment, or -1
         self.offset: np.ndarray | None = None  # per flat (quantity, block): added to its segment
         self._gather: np.ndarray | None = None
+        self.order: tuple | None = None  # the blocks' forward order (from the first sample)
+        self.backward_reversed = True
+        self.shape_changed = False  # a later sample ran the blocks in another order
+        self.trust = Trust()
 
     @property
     def fitted(self) -> bool:
@@ -155,10 +271,16 @@ class Estimator:
         return ([(q, i) for q in BLOCK_QUANTITIES for i in range(self.num_blocks)]
                 + [(q, -1) for q in STEP_QUANTITIES])
 
-    def add(self, size: tuple, blocks: dict, step: dict) -> None:
+    def add(self, size: tuple, blocks: dict, step: dict, shape=None) -> None:
         """Record one sheltered step's measurements at input size ``size``: ``blocks[q][i]`` and
-        ``step[q]`` are arrays over ops, or None for what the data filter dropped. A stretch
-        whose op count differs from the first one seen (another kernel ran) is left out."""
+        ``step[q]`` are arrays over ops, or None for what the data filter dropped; ``shape`` the
+        step's ``StepShape`` (forward order, whether backward reversed it). A stretch whose op
+        count differs from the first one seen (another kernel ran) is left out."""
+        if shape is not None:
+            if self.order is None:
+                self.order, self.backward_reversed = tuple(shape.order), shape.backward_reversed
+            elif (tuple(shape.order), shape.backward_reversed) != (self.order, self.backward_reversed):
+                self.shape_changed = True
         self.sizes.append(tuple(int(d) for d in size))
         self.samples.append((blocks, step))
         placed = []
@@ -197,11 +319,17 @@ class Estimator:
         present = ~np.isnan(matrix)
         pattern = (present.T.astype(np.int64) @ (1 << np.arange(len(rows), dtype=np.int64))) * 2 + is_time
         coef = np.zeros((len(FEATURES), matrix.shape[1]))
+        residual = np.zeros(matrix.shape[1])
+        spans = []
         for value in np.unique(pattern):
             chosen = pattern == value
             used = [r for r in range(len(rows)) if (value >> (r + 1)) & 1]
-            coef[:, chosen] = least_squares(design[used], matrix[np.ix_(used, chosen)],
-                                            TIME_FEATURES if value & 1 else FEATURES)
+            targets = matrix[np.ix_(used, chosen)]
+            coef[:, chosen] = least_squares(design[used], targets, TIME_FEATURES if value & 1 else FEATURES)
+            if not value & 1:  # bytes: what the promise rests on (times only rank plans)
+                residual[chosen] = np.abs(design[used] @ coef[:, chosen] - targets).max(axis=0)
+                spans.append(design[used])
+        self.trust = Trust.of(self, keys, segments, residual, spans)
         keep = prune_ops(coef, segments, probe_sizes(self.sizes))
         self.coef = coef[:, keep]
         kept = segments[keep]
@@ -260,7 +388,7 @@ class Estimator:
         blocks = flat[:n].reshape(len(BLOCK_QUANTITIES), self.num_blocks)
         blocks[-1] = np.maximum(blocks[-1], 0.0)
         return Prediction(tuple(size), dict(zip(BLOCK_QUANTITIES, blocks)),
-                          dict(zip(STEP_QUANTITIES, flat[n:].tolist())))
+                          dict(zip(STEP_QUANTITIES, flat[n:].tolist())), self.order, self.backward_reversed)
 
     @property
     def gather(self) -> np.ndarray:
@@ -282,6 +410,8 @@ class Estimator:
         return {"num_blocks": self.num_blocks, "features": list(FEATURES),
                 "block_quantities": list(BLOCK_QUANTITIES), "step_quantities": list(STEP_QUANTITIES),
                 "sizes": [list(s) for s in self.sizes],
+                "order": None if self.order is None else list(self.order),
+                "backward_reversed": self.backward_reversed, "shape_changed": self.shape_changed,
                 "layout": [[q, i, offset, ops] for (q, i), (offset, ops) in self.layout.items()],
                 "rows": [plain(row) for row in self.rows], "fitted": fitted}
 
@@ -296,9 +426,10 @@ class Estimator:
         self.samples = []
         self.layout = {(q, i): (offset, ops) for q, i, offset, ops in state["layout"]}
         self.rows = [np.array([np.nan if v is None else v for v in row], dtype=float) for row in state["rows"]]
-        fitted = state.get("fitted")
-        self.coef = None if fitted is None else np.array(fitted["coef"], dtype=float).reshape(len(FEATURES), -1)
-        self.starts = None if fitted is None else np.array(fitted["starts"], dtype=int)
-        self.source = None if fitted is None else np.array(fitted["source"], dtype=int)
-        self.offset = None if fitted is None else np.array(fitted["offset"], dtype=float)
-        self._gather = None
+        order = state.get("order")
+        self.order = None if order is None else tuple(order)
+        self.backward_reversed = state.get("backward_reversed", True)
+        self.shape_changed = state.get("shape_changed", False)
+        self.coef = None
+        if state.get("fitted") is not None:
+            self.fit()  # deterministic: the same coefficients, and the trust that goes with them

@@ -69,7 +69,10 @@ class Mimose(Planner):
         self.sheltered_done = 0
         self.sheltered_attempts = 0
         self.fit_ms = 0.0
+        self.recovery_margins: dict = {}  # cache key -> bytes kept free after it ran out of memory
+        self.untrusted_reasons: dict = {}  # why predictions were not trusted -> steps
         self.counts = {"hits": 0, "misses": 0, "scheduler_ms": 0.0, "unfit_plans": 0,
+                       "untrusted": 0, "measuring": 0,
                        "underpredictions": 0, "max_underprediction_bytes": 0,
                        "sheltered_ms": 0.0, "responsive_ms": 0.0, "responsive_steps": 0}
         self.warnings: list = []
@@ -103,33 +106,69 @@ class Mimose(Planner):
 
     def make_step_info(self, size: tuple) -> StepInfo:
         if self.sheltered:
-            plan = tuple(range(self.num_blocks))
-            return StepInfo(self.steps, size, plan, 0.0, phase="sheltered")
+            return self._measuring_info(size, "sheltered")
         if self.limit_bytes is None:
             return StepInfo(self.steps, size, (), 0.0, phase="responsive")
         key = self.cache_key(size)
-        base = self.meter.current_bytes() if self.meter is not None else 0
+        base = self._start_bytes()
         entry = self.cache.get(key)
         # A cached plan holds while the bytes at the step's start still leave it room.
         hit = entry is not None and (not entry[2] or base + entry[1] <= self.limit_bytes)
         if not hit:
+            reason = self.estimator.trust.reason(key)
+            if reason is not None:
+                return self._untrusted_info(size, reason)
             entry = self._plan_miss(key, base)
         self.counts["hits" if hit else "misses"] += 1
         return StepInfo(self.steps, size, entry[0], 0.0, phase="responsive", cache_hit=hit,
                         predicted_peak_bytes=int(base + entry[1]))
 
+    def _measuring_info(self, size: tuple, phase: str) -> StepInfo:
+        """A step the collector measures (every block checkpointed); a retry after such a step
+        ran out of memory is not measured again, only checkpointed."""
+        plan = tuple(range(self.num_blocks))
+        return StepInfo(self.steps, size, plan, 0.0, phase="recovery" if self.attempt else phase)
+
+    def _untrusted_info(self, size: tuple, reason: str) -> StepInfo:
+        """No trusted prediction at this size: measure it (every block checkpointed meanwhile),
+        and once measuring has been tried ``3 x sheltered_steps`` times, just checkpoint every
+        block. Either way the reason is in ``stats``, never a guess."""
+        self.counts["untrusted"] += 1
+        if self.counts["measuring"] < 3 * self.sheltered_steps:
+            self._note(f"not trusted, measured: {reason}")
+            return self._measuring_info(size, "measuring")
+        self._note(f"not trusted, every block checkpointed: {reason}")
+        return StepInfo(self.steps, size, tuple(range(self.num_blocks)), 0.0, phase="untrusted")
+
+    def _note(self, message: str) -> None:
+        """Count a reason in ``stats``; warn the first time one is seen."""
+        count = self.untrusted_reasons.get(message, 0)
+        self.untrusted_reasons[message] = count + 1
+        if not count and len(self.untrusted_reasons) <= 5:
+            self._warn(f"mimose: {message}")
+
+    def _start_bytes(self) -> int:
+        """Bytes live at the step's start that the fitted timeline does not already hold:
+        parameter gradients are in the timeline (fitted from steps that allocated them), so
+        gradients alive now (accumulation in a loop of the user's) are not counted twice."""
+        if self.meter is None:
+            return 0
+        grads = {p.grad.untyped_storage(): None for p in self.model.parameters() if p.grad is not None}
+        return self.meter.current_bytes() - sum(storage.nbytes() for storage in grads)
+
     def _plan_miss(self, key: tuple, base: int) -> tuple:
         start = time.perf_counter()
         pred = self.estimator.predict(key)
         masks = np.zeros(self.num_blocks, dtype=bool)
+        residual = self.estimator.trust.residual_bytes
 
         def predict_peak(plan):
             masks[:] = False
             masks[list(plan)] = True
-            return base + float(peak_timeline(pred, masks).max()) * (1.0 + self.prediction_margin)
+            return base + float(peak_timeline(pred, masks).max()) * (1.0 + self.prediction_margin) + residual
 
-        plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak,
-                                               self.limit_bytes, self.bucket)
+        limit = self.limit_bytes - self.recovery_margins.get(key, 0)
+        plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak, limit, self.bucket)
         if not fits:
             self.counts["unfit_plans"] += 1
             self._warn(f"input size {key} is predicted not to fit the budget even with every "
@@ -138,6 +177,24 @@ class Mimose(Planner):
         self.cache[key] = entry
         self.counts["scheduler_ms"] += (time.perf_counter() - start) * 1e3
         return entry
+
+    def size_key(self, size: tuple) -> tuple:
+        return self.cache_key(size)
+
+    def recover(self, info: StepInfo, failures: int) -> None:
+        """First failure of a planned step: plan that size again with a margin (the larger of
+        5 % of the budget and the prediction's shortfall, doubled on each further failure);
+        a measuring step is retried unmeasured (``_measuring_info``); then every block."""
+        if failures > 1 or info.phase != "responsive":
+            if info.phase in ("sheltered", "measuring"):
+                return  # the retry runs checkpointed without the measuring runs
+            super().recover(info, failures)
+            return
+        key = self.cache_key(info.input_size)
+        shortfall = (self.meter.peak_bytes() - info.predicted_peak_bytes) if self.meter is not None else 0
+        margin = max(0.05 * self.limit_bytes, shortfall, 2 * self.recovery_margins.get(key, 0))
+        self.recovery_margins[key] = int(margin)
+        self.cache.pop(key, None)
 
     def decide(self, input_size: tuple) -> tuple:
         return self.make_step_info(tuple(input_size)).plan
@@ -149,23 +206,29 @@ class Mimose(Planner):
         with contextlib.ExitStack() as stack:
             if self._own_meter is not None:
                 stack.enter_context(self.meter.step())
-            sheltered = self.sheltered
             with super().step(batch, input_size) as info:
-                if sheltered:
+                measuring = info.phase in ("sheltered", "measuring")
+                if measuring:
                     self.collector.begin()
                 try:
                     yield info
                 except BaseException:
                     self.collector.abort()
                     raise
-                if sheltered:
+                if measuring:
                     self._collect(info)
         elapsed = (time.perf_counter() - start) * 1e3
-        self.counts["sheltered_ms" if sheltered else "responsive_ms"] += elapsed
-        self.counts["responsive_steps"] += 0 if sheltered else 1
+        self.counts["sheltered_ms" if measuring else "responsive_ms"] += elapsed
+        self.counts["responsive_steps"] += 0 if measuring else 1
 
     def _collect(self, info: StepInfo) -> None:
         sample = self.collector.end()
+        if info.phase == "measuring":  # a size the fit did not determine: one more sample, refit
+            self.counts["measuring"] += 1
+            if sample is not None:
+                self.estimator.add(info.input_size, *sample)
+                self._fit()
+            return
         self.sheltered_attempts += 1
         if sample is not None:
             self.estimator.add(info.input_size, *sample)
@@ -178,9 +241,14 @@ class Mimose(Planner):
             self._warn("the collector could not measure any block (checkpointed by the model "
                        "itself?); mimose keeps checkpointing every block")
         if enough:
-            start = time.perf_counter()
-            self.estimator.fit()
-            self.fit_ms = (time.perf_counter() - start) * 1e3
+            self._fit()
+
+    def _fit(self) -> None:
+        """Fit the estimator; plans made from the previous fit are dropped."""
+        start = time.perf_counter()
+        self.estimator.fit()
+        self.cache = {}
+        self.fit_ms += (time.perf_counter() - start) * 1e3
 
     def observe(self, info: StepInfo, peak_bytes) -> None:
         if info.predicted_peak_bytes is None or peak_bytes is None:
@@ -211,7 +279,14 @@ class Mimose(Planner):
                 # Everything the sheltered phase cost beyond ordinary steps: the measuring passes
                 # plus checkpointing every block and the live-bytes probe while collecting.
                 "sheltered_extra_iterations": (
-                    c["sheltered_ms"] / iteration_ms - self.sheltered_done if iteration_ms else None),
+                    c["sheltered_ms"] / iteration_ms - self.sheltered_done - c["measuring"]
+                    if iteration_ms else None),
+                # The trust rule's record (docs/MIMOSE.md): steps whose size the fit did not
+                # determine, how many of them were measured, and why.
+                "untrusted_steps": c["untrusted"], "measuring_steps": c["measuring"],
+                "untrusted_reasons": dict(self.untrusted_reasons),
+                "fit_residual_bytes": self.estimator.trust.residual_bytes,
+                "recovery_margins": {str(k): v for k, v in self.recovery_margins.items()},
                 "warnings": list(self.warnings)}
 
     def state_dict(self) -> dict:

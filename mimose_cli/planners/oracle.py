@@ -31,8 +31,8 @@ _REQUIRED = ("plain_bytes", "ckpt_bytes", "fwd_ms")
 def measured_prediction(size: tuple, sample, num_blocks: int) -> Prediction | None:
     """One collector sample as a ``Prediction`` (each stretch's largest value); None when a
     block could not be measured (the data filter dropped it)."""
-    blocks, step = sample
-    if any(blocks[q][i] is None for q in _REQUIRED for i in range(num_blocks)):
+    blocks, step, shape = sample
+    if shape is None or any(blocks[q][i] is None for q in _REQUIRED for i in range(num_blocks)):
         return None
 
     def value(values, quantity):
@@ -42,7 +42,7 @@ def measured_prediction(size: tuple, sample, num_blocks: int) -> Prediction | No
 
     return Prediction(tuple(size),
                       {q: np.array([value(v, q) for v in blocks[q]]) for q in BLOCK_QUANTITIES},
-                      {q: value(step[q], q) for q in STEP_QUANTITIES})
+                      {q: value(step[q], q) for q in STEP_QUANTITIES}, shape.order, shape.backward_reversed)
 
 
 def plan_peak(pred: Prediction, plan) -> float:

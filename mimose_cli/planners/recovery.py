@@ -1,0 +1,88 @@
+"""Out-of-memory recovery: what makes a failed forward/backward safe to run again.
+
+``Planner.run(step_fn, batch)`` runs a step through ``StepGuard``: a step that runs out of
+memory is undone (its partial gradients dropped, the RNG and the model's buffers put back) and
+retried on the same batch with a plan that needs less memory, so the retry computes exactly what
+the first attempt would have (same dropout masks, same BatchNorm statistics) and no batch is
+skipped, repeated or counted twice in the gradients.
+"""
+
+import torch
+from torch.utils.checkpoint import get_device_states, set_device_states
+from torch.utils._pytree import tree_leaves
+
+from mimose_cli.units import format_bytes
+
+
+class PlanOutOfMemoryError(torch.OutOfMemoryError):
+    """A step that ran out of memory even with every block checkpointed: the run cannot go on
+    at this budget. Carries the three figures (bytes; ``predicted_bytes`` None when the planner
+    made no prediction)."""
+
+    def __init__(self, message: str, budget_bytes, predicted_bytes, reached_bytes):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.predicted_bytes = predicted_bytes
+        self.reached_bytes = reached_bytes
+
+
+def oom_message(size, retries: int, checkpointed: str, budget_bytes, predicted_bytes, reached_bytes) -> str:
+    """The one line that ends a run: what failed, the three figures, and the fix."""
+    predicted = "none" if predicted_bytes is None else format_bytes(predicted_bytes)
+    budget = "unlimited" if budget_bytes is None else format_bytes(budget_bytes)
+    return (f"input size {tuple(size)} ran out of memory after {retries} "
+            f"retr{'y' if retries == 1 else 'ies'}, the last with {checkpointed} checkpointed: budget "
+            f"{budget}, predicted {predicted}, reached {format_bytes(reached_bytes)}; raise the budget "
+            "or lower the batch size or sequence length")
+
+
+def reached_bytes(error: BaseException, meter) -> int:
+    """How much the failed step tried to hold: the simulated device says so in its error; the
+    meter's peak otherwise (a GPU's peak stops at what was granted)."""
+    peak = meter.peak_bytes() if meter is not None else 0
+    return max(peak, getattr(error, "reached_bytes", 0))
+
+
+class StepGuard:
+    """Snapshot before an attempt, undo after a failed one.
+
+    Gradients already accumulated (gradient accumulation) are set aside while the attempt runs
+    and added back once it succeeds: a failed backward may have written into some of them, and
+    that cannot be undone in place. While set aside they stay on the device, so such a step holds
+    one more set of gradients than an in-place accumulation would; the planner sees them in the
+    bytes live at the step's start and plans for them.
+    """
+
+    def __init__(self, model: torch.nn.Module, batch):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.stash = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        self.devices = sorted({t.device for t in tree_leaves(batch)
+                               if isinstance(t, torch.Tensor) and t.device.type != "cpu"}, key=str)
+        self.cpu_rng = torch.get_rng_state()
+        self.device_rng = get_device_states(*[torch.empty(0, device=d) for d in self.devices])
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers() if b.is_floating_point() or b.ndim == 0]
+
+    def undo(self) -> None:
+        """Drop the failed attempt's gradients; put the RNG and the buffers back."""
+        for p in self.params:
+            p.grad = None
+        torch.set_rng_state(self.cpu_rng)
+        set_device_states(*self.device_rng)
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+
+    def finish(self) -> None:
+        """The attempt succeeded: add the gradients set aside back (old + new, as autograd's
+        own accumulation computes it), and forget the snapshot."""
+        with torch.no_grad():
+            for p, old in zip(self.params, self.stash):
+                if old is None:
+                    continue
+                if p.grad is None:
+                    p.grad = old
+                else:
+                    p.grad.add_(old)
+        self.stash, self.buffers = [], []
