@@ -96,7 +96,9 @@ class TrainingConfig:
     max_grad_norm: typing.Optional[float] = 1.0
     """Gradient clipping norm; null disables clipping."""
     precision: str = "fp32"
-    """fp32, bf16 or fp16 autocast (mixed precision applies on CUDA only)."""
+    """fp32, or bf16 / fp16 autocast on the run's device (CUDA, or the CPU's own autocast)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (each planned on its own; batch_size is per micro-batch)."""
     log_every: int = 1
     """Print a plain progress line every N steps when stdout is not a terminal."""
 
@@ -107,8 +109,9 @@ class PlannerConfig:
     """Planner: mimose, none, full, sublinear, dtr, oracle."""
     sheltered_steps: int = 5
     """Mimose: iterations of the sheltered (collecting) phase."""
-    safety_margin: str = "0MB"
-    """Budget headroom kept free for fragmentation (a byte size)."""
+    safety_margin: str = "auto"
+    """Budget headroom kept free for fragmentation (a byte size); auto: 5 % of the budget on
+    CUDA (the caching allocator's rounding and fragmentation), 0 on the simulated device."""
     granularity: int = 1
     """Mimose: plan-cache key rounds the sequence length up to a multiple of this (1: every
     length planned exactly; larger values raise the hit rate but plan at the rounded-up size)."""
@@ -199,6 +202,7 @@ def _check_values(recipe: Recipe, where: str) -> None:
         bad("data.name", recipe.data.name, "a data set name or local file when data.source is hf")
     for key in ("training.batch_size", "training.epochs", "data.num_examples", "data.max_length",
                 "data.num_choices", "data.num_labels", "training.log_every",
+                "training.gradient_accumulation_steps",
                 "planner.granularity"):
         section, name = key.split(".")
         value = getattr(getattr(recipe, section), name)
@@ -212,7 +216,7 @@ def _check_values(recipe: Recipe, where: str) -> None:
     if recipe.training.lr <= 0:
         bad("training.lr", recipe.training.lr, "a positive learning rate")
     for key, value in (("budget", recipe.budget), ("planner.safety_margin", recipe.planner.safety_margin)):
-        if value is None:
+        if value is None or (key == "planner.safety_margin" and value == "auto"):
             continue
         try:
             parse_size(value, allow_zero=(key != "budget"))

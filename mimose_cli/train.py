@@ -20,6 +20,7 @@ from mimose_cli.memory import SavedBytesCounter, build_meter
 from mimose_cli.models import build_model, model_config
 from mimose_cli.planners import build_planner
 from mimose_cli.planners.blocks import block_param_bytes
+from mimose_cli.planners.recovery import PlanOutOfMemoryError
 from mimose_cli.recipe import Recipe
 from mimose_cli.rundir import RunWriter, environment, new_run_dir
 from mimose_cli.units import format_bytes
@@ -62,10 +63,12 @@ def _lr_lambda(warmup: int, total: int):
 
 
 def _autocast(recipe: Recipe, device: torch.device):
-    if recipe.training.precision == "fp32" or device.type != "cuda":
+    """Mixed precision on the run's device: CUDA autocast on a GPU, CPU autocast on the CPU (so
+    bf16 and fp16 runs are planned and tested here exactly as they run there)."""
+    if recipe.training.precision == "fp32":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if recipe.training.precision == "bf16" else torch.float16
-    return torch.autocast("cuda", dtype=dtype)
+    return torch.autocast(device.type, dtype=dtype)
 
 
 @dataclass
@@ -86,13 +89,21 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def forward_backward(self, batch: dict, counter: SavedBytesCounter):
-        """Planner-controlled forward and backward; no optimizer side effects (retry-safe)."""
-        with self.planner.step(batch) as info:
+        """Planner-controlled forward and backward of one micro-batch, retried by the planner
+        when it runs out of memory (``Planner.run``); no optimizer side effects."""
+        accumulation = self.recipe.training.gradient_accumulation_steps
+
+        def step_fn(batch):
+            counter.reset()
             with counter, _autocast(self.recipe, self.device):
                 loss = self.model(**batch).loss
             activation_bytes = counter.bytes
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-        return loss.detach(), info, activation_bytes
+            scaled = loss / accumulation if accumulation > 1 else loss
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            return loss.detach(), activation_bytes
+
+        loss, activation_bytes = self.planner.run(step_fn, batch)
+        return loss, self.planner.last, activation_bytes
 
     def optimizer_step(self) -> None:
         clip = self.recipe.training.max_grad_norm
@@ -112,9 +123,6 @@ class Trainer:
 def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
     """Setup: seed, device, model, optimizer, meter, planner."""
     device = resolve_device(recipe.device)
-    if recipe.training.precision != "fp32" and device.type != "cuda":
-        warnings.warn(f"training.precision={recipe.training.precision} is ignored on the CPU; "
-                      "mixed precision applies on CUDA only", stacklevel=2)
     torch.manual_seed(recipe.seed)
     model = build_model(recipe).to(device)
     model.train()
@@ -129,7 +137,7 @@ def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
     planner = build_planner(
         recipe.planner.name, model, recipe.budget, blocks=recipe.model.blocks,
         safety_margin=recipe.planner.safety_margin, meter=meter, **planner_options(recipe))
-    scaler = torch.amp.GradScaler("cuda") if recipe.training.precision == "fp16" and device.type == "cuda" else None
+    scaler = torch.amp.GradScaler(device.type) if recipe.training.precision == "fp16" else None
     return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler)
 
 
@@ -167,9 +175,10 @@ def model_state_error(trainer: Trainer, state_bytes: int) -> str | None:
 
 
 def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
+    """Optimizer steps in the run (each of ``gradient_accumulation_steps`` micro-batches)."""
     if recipe.training.max_steps is not None:
         return recipe.training.max_steps
-    return recipe.training.epochs * batches_per_epoch
+    return max(1, recipe.training.epochs * batches_per_epoch // recipe.training.gradient_accumulation_steps)
 
 
 def _sync(device):
@@ -177,20 +186,24 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter) -> dict:
-    """One iteration; returns its metrics record. Raises torch.OutOfMemoryError."""
+def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_step: int = 0) -> dict:
+    """One micro-batch's forward and backward, and the optimizer step after the last micro-batch
+    of ``training.gradient_accumulation_steps``; returns its metrics record. Raises
+    torch.OutOfMemoryError (``PlanOutOfMemoryError`` once the planner's retries are spent)."""
     batch = trainer.to_device(batch)
     trainer.meter.track(batch)
     _sync(trainer.device)
     start = time.perf_counter()
+    last_micro = micro_step == trainer.recipe.training.gradient_accumulation_steps - 1
     with trainer.meter.step() as mem:
         loss, info, activation_bytes = trainer.forward_backward(batch, counter)
         planned_peak = trainer.meter.peak_bytes()  # what the planner plans for: before the optimizer
-        trainer.optimizer_step()
+        if last_micro:
+            trainer.optimizer_step()
     _sync(trainer.device)
     iter_ms = (time.perf_counter() - start) * 1e3
-    return {
-        "step": trainer.step, "input_shape": list(batch["input_ids"].shape),
+    record = {
+        "step": trainer.step, "micro_step": micro_step, "input_shape": list(batch["input_ids"].shape),
         "input_size": list(info.input_size), "loss": loss.item(),
         "lr": trainer.scheduler.get_last_lr()[0], "iter_ms": iter_ms,
         "memory/peak_bytes": mem.peak_bytes, "memory/fwd_bwd_peak_bytes": planned_peak,
@@ -198,29 +211,34 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter) -> dic
         "memory/activation_bytes": activation_bytes,
         "plan": list(info.plan), "num_blocks": trainer.planner.num_blocks,
         "planner_ms": info.planning_ms, "phase": info.phase, "cache_hit": info.cache_hit,
-        "predicted_peak_bytes": info.predicted_peak_bytes,
+        "predicted_peak_bytes": info.predicted_peak_bytes, "retries": info.retries,
         "excluded_ms": info.extra.get("excluded_ms", 0.0),
         "recompute_ms": info.extra.get("recompute_ms"), "oom": False,
     }
+    if trainer.device.type == "cuda":
+        record["memory/reserved_peak_bytes"] = mem.reserved_peak_bytes
+    return record
 
 
-def _oom_record(trainer: Trainer, batch: dict, error: Exception) -> dict:
-    """Record a step that ran out of memory, and drop its partial gradients."""
+def _oom_record(trainer: Trainer, batch: dict, error: Exception, micro_step: int = 0) -> dict:
+    """Record a step that ran out of memory for good, and drop its partial gradients."""
     trainer.optimizer.zero_grad(set_to_none=True)
     info = trainer.planner.last
     return {
-        "step": trainer.step, "input_shape": list(batch["input_ids"].shape),
+        "step": trainer.step, "micro_step": micro_step, "input_shape": list(batch["input_ids"].shape),
         "input_size": list(info.input_size) if info else None, "loss": None,
         "iter_ms": 0.0, "memory/peak_bytes": trainer.meter.peak_bytes(),
         "plan": list(info.plan) if info else [], "num_blocks": trainer.planner.num_blocks,
         "phase": info.phase if info else None, "cache_hit": info.cache_hit if info else None,
-        "predicted_peak_bytes": info.predicted_peak_bytes if info else None,
+        "predicted_peak_bytes": getattr(error, "predicted_bytes", info.predicted_peak_bytes if info else None),
+        "reached_bytes": getattr(error, "reached_bytes", None),
+        "retries": getattr(trainer.planner, "max_retries", 0) if isinstance(error, PlanOutOfMemoryError) else 0,
         "oom": True, "error": str(error).splitlines()[0],
     }
 
 
 def _data_batches(recipe: Recipe, dataset, config, total_steps: int, first_loader):
-    """Yield (epoch, batch) until total_steps batches; same seed -> same order."""
+    """Yield (epoch, batch) until total_steps batches (micro-batches); same seed -> same order."""
     produced, epoch = 0, 0
     while produced < total_steps:
         loader = first_loader if epoch == 0 else build_dataloader(recipe, dataset, config, epoch=epoch)
@@ -235,24 +253,29 @@ def _data_batches(recipe: Recipe, dataset, config, total_steps: int, first_loade
 
 
 def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView) -> tuple:
-    """Train until the data ends, a step runs out of memory, or the user interrupts."""
+    """Train until the data ends, a step runs out of memory for good, or the user interrupts.
+    ``batches`` yields micro-batches; every ``gradient_accumulation_steps`` of them make a step."""
     records, status = [], "completed"
     counter = SavedBytesCounter(exclude=trainer.model.parameters())
+    accumulation = trainer.recipe.training.gradient_accumulation_steps
     try:
-        for epoch, batch in batches:
+        for index, (epoch, batch) in enumerate(batches):
+            micro_step = index % accumulation
             try:
-                record = train_step(trainer, batch, counter)
+                record = train_step(trainer, batch, counter, micro_step)
             except torch.OutOfMemoryError as error:
-                record, status = _oom_record(trainer, batch, error), "oom"
+                record, status = _oom_record(trainer, batch, error, micro_step), "oom"
             record["epoch"] = epoch
             records.append(record)
             writer.metric(record)
-            writer.plan({"step": record["step"], "input_size": record["input_size"], "plan": record["plan"]})
+            writer.plan({"step": record["step"], "micro_step": micro_step,
+                         "input_size": record["input_size"], "plan": record["plan"]})
             view.update(record)
-            trainer.step += 1
             if status == "oom":
                 view.message(f"[red]step {record['step']} ran out of memory[/red]: {record['error']}")
                 break
+            if micro_step == accumulation - 1:
+                trainer.step += 1
     except KeyboardInterrupt:
         status = "interrupted"
         view.message("[yellow]interrupted: the run directory holds every step so far[/yellow]")
@@ -285,7 +308,8 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
             else:
                 trainer.planner.prepare(lambda size: make_batch(recipe, config, size),
                                         max_input_size(recipe), state_bytes)
-                records, status = _loop(trainer, _data_batches(recipe, dataset, config, total, first_loader),
+                micro_batches = total * recipe.training.gradient_accumulation_steps
+                records, status = _loop(trainer, _data_batches(recipe, dataset, config, micro_batches, first_loader),
                                         writer, progress)
     finally:
         progress.close()

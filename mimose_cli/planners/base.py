@@ -11,6 +11,10 @@ from mimose_cli.planners.recovery import PlanOutOfMemoryError, StepGuard, oom_me
 from mimose_cli.units import parse_size
 
 TOKEN_KEYS = ("input_ids", "inputs_embeds", "pixel_values")
+# Provisional until measured on a GPU (docs/MIMOSE.md): the caching allocator rounds requests to
+# 512 B and large ones to 2 MiB segments, and reserved - allocated runs to a few per cent in
+# training; 5 % of the budget covers that with room.
+CUDA_SAFETY_FRACTION = 0.05
 
 
 def infer_input_size(batch) -> tuple:
@@ -73,10 +77,11 @@ class Planner:
     fixed by definition: ``none`` running out of memory is its answer, ``full`` has no more to give)."""
     max_retries = 2
 
-    def __init__(self, model, budget=None, *, blocks=None, safety_margin=0, meter=None):
+    def __init__(self, model, budget=None, *, blocks=None, safety_margin="auto", meter=None):
         self.model = model
         self.budget_bytes = None if budget is None else parse_size(budget)
-        self.safety_margin_bytes = parse_size(safety_margin or 0, allow_zero=True)
+        auto = safety_margin in (None, "auto")
+        self._safety_margin = None if auto else parse_size(safety_margin, allow_zero=True)
         self.blocks = blocks if isinstance(blocks, list) else discover_blocks(model, blocks)
         self.num_blocks = len(self.blocks)
         self.meter = meter
@@ -100,6 +105,16 @@ class Planner:
         self._use_cache = getattr(self._config, "use_cache", None)
         if self._use_cache:
             self._config.use_cache = False
+
+    @property
+    def safety_margin_bytes(self) -> int:
+        """The headroom kept free: as given, or by default ``CUDA_SAFETY_FRACTION`` of the budget
+        on a CUDA meter (the caching allocator rounds every block up and fragments; the budget
+        caps what it reserves) and none on the simulated device, which has neither."""
+        if self._safety_margin is not None:
+            return self._safety_margin
+        on_cuda = getattr(self.meter, "kind", "") == "cuda"
+        return int(CUDA_SAFETY_FRACTION * self.budget_bytes) if on_cuda and self.budget_bytes else 0
 
     @property
     def limit_bytes(self):

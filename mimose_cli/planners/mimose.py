@@ -42,7 +42,7 @@ class Mimose(Planner):
 
     name = "mimose"
 
-    def __init__(self, model, budget=None, *, blocks=None, safety_margin=0, meter=None,
+    def __init__(self, model, budget=None, *, blocks=None, safety_margin="auto", meter=None,
                  sheltered_steps: int = 5, granularity: int = 1, bucket: float = 0.10,
                  prediction_margin: float = 0.001):
         if not isinstance(sheltered_steps, int) or sheltered_steps < 1:
