@@ -1,0 +1,189 @@
+"""Mimose holds the budget where people train: mixed precision, few sizes, blocks run out of
+index order, and budgets the sheltered phase's measuring runs do not fit. Each test failed
+before the planner learned when to trust a prediction."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import BertConfig, BertForSequenceClassification
+
+from mimose_cli.memory import build_meter
+from mimose_cli.planners.estimator import Estimator
+from mimose_cli.planners.mimose import Mimose
+
+
+def tiny_bert(layers=3):
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=160, attn_implementation="eager")
+    return BertForSequenceClassification(config).train()
+
+
+def bert_batch(batch_size, length):
+    gen = torch.Generator().manual_seed(length)
+    return {"input_ids": torch.randint(0, 64, (batch_size, length), generator=gen),
+            "labels": torch.randint(0, 2, (batch_size,), generator=gen)}
+
+
+def train(planner, meter, batches, autocast=contextlib.nullcontext):
+    """One planned step per batch; returns [(StepInfo, measured peak)]."""
+    seen = []
+    for data in batches:
+        for p in planner.model.parameters():
+            p.grad = None
+        meter.track(data)
+        with meter.step() as mem:
+            with planner.step(data) as info:
+                with autocast():
+                    loss = planner.model(**data).loss
+                loss.backward()
+        seen.append((info, mem.peak_bytes))
+    return seen
+
+
+def responsive_errors(seen):
+    return [(info.predicted_peak_bytes - peak) / peak for info, peak in seen
+            if info.phase == "responsive" and info.predicted_peak_bytes is not None]
+
+
+@contextlib.contextmanager
+def mimose(model, budget=None, **options):
+    meter = build_meter("simulated", budget)
+    with meter.activate():
+        meter.track(model)
+        planner = Mimose(model, "1GB" if budget is None else budget, meter=meter, **options)
+        try:
+            yield planner, meter
+        finally:
+            planner.close()
+
+
+def test_bf16_autocast_predicts_the_peak_from_above_within_2_percent():
+    shelter = [bert_batch(4, n) for n in (24, 40, 16, 56)]
+    later = [bert_batch(4, n) for n in (100, 8, 72)]
+    with mimose(tiny_bert(), sheltered_steps=4) as (planner, meter):
+        bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+        seen = train(planner, meter, shelter + later, bf16)
+        # autocast's cached casts of the weights outlive a block's measuring run: before, that
+        # voided every sample and the peak was predicted 57 % low.
+        assert planner.estimator.trust.unmeasured == ()
+    errors = responsive_errors(seen)
+    assert len(errors) == 3 and all(0 <= e <= 0.02 for e in errors), errors
+
+
+def test_two_lengths_do_not_determine_a_third_so_it_is_measured_not_guessed():
+    # Lengths padded to multiples of 32: the sheltered phase sees two distinct sizes only.
+    shelter = [bert_batch(4, n) for n in (32, 64, 32, 64)]
+    later = [bert_batch(4, n) for n in (96, 128, 160)]
+    with mimose(tiny_bert(), sheltered_steps=4) as (planner, meter):
+        seen = train(planner, meter, shelter + later)
+        stats = planner.stats
+    assert [info.phase for info, _ in seen[4:]] == ["measuring", "responsive", "responsive"]
+    assert stats["measuring_steps"] == 1 and stats["untrusted_steps"] == 1
+    assert any("not determined" in reason for reason in stats["untrusted_reasons"])
+    assert all(e >= 0 for e in responsive_errors(seen))
+
+
+def _estimator(sizes):
+    """An estimator fitted on samples of one quadratic quantity per block."""
+    est = Estimator(1)
+    blocks = {q: [None] for q in ("saved_bytes", "plain_bytes", "ckpt_bytes", "gap_peak_bytes",
+                                   "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "bwd_peak_bytes",
+                                   "recompute_peak_bytes", "fwd_ms")}
+    for b, n in sizes:
+        sample = {q: [np.array([7.0 * b * n * n + 3.0 * b * n + 11.0])] for q in blocks}
+        step = {q: np.array([5.0 * b * n]) for q in ("pre_bytes", "pre_peak_bytes", "head_peak_bytes",
+                                                     "tail_peak_bytes")}
+        est.add((b, n), sample, step)
+    est.fit()
+    return est
+
+
+def test_trust_rule_needs_the_sizes_to_determine_the_features():
+    fixed_batch = _estimator([(4, 8), (4, 16), (4, 24)])
+    assert fixed_batch.trust.reason((4, 40)) is None  # B·L², B·L, 1 determined: exact
+    assert "not determined" in fixed_batch.trust.reason((8, 40))  # the batch never varied
+    assert "64x" in fixed_batch.trust.reason((4, 24 * 64 + 1))
+    two = _estimator([(4, 8), (4, 16)])
+    assert "not determined" in two.trust.reason((4, 24))
+    assert two.trust.reason((4, 16)) is None  # a size measured is always determined
+
+
+def test_a_part_of_the_timeline_never_measured_is_not_trusted():
+    est = _estimator([(4, 8), (4, 16), (4, 24)])
+    sample = est.samples[0]
+    est2 = Estimator(1)
+    for size, (blocks, step) in zip(est.sizes, est.samples):
+        est2.add(size, blocks, {**step, "head_peak_bytes": None})
+    est2.fit()
+    assert sample is not None and "head" in est2.trust.reason((4, 16))
+
+
+class TwoTowers(nn.Module):
+    """Two stacks of blocks; the forward runs the second tower first (as CLIP runs its vision
+    tower before its text tower), so forward order is not the blocks' index order."""
+
+    def __init__(self, width=64, depth=2):
+        super().__init__()
+        torch.manual_seed(0)
+
+        def tower():
+            return nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                               nn.Linear(4 * width, width)) for _ in range(depth))
+
+        self.text, self.image = tower(), tower()
+        self.embed = nn.Embedding(32, width)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        a, b = x, x.flip(1)
+        for block in self.image:
+            b = block(b) + b
+        for block in self.text:
+            a = block(a) + a
+        return (a * b).pow(2).mean()
+
+
+def test_blocks_run_out_of_index_order_are_predicted_from_above():
+    model = TwoTowers()
+    batches = [{"input_ids": torch.randint(0, 32, (4, n))} for n in (24, 40, 16, 56, 100, 72, 8)]
+    meter = build_meter("simulated", None)
+    with meter.activate():
+        meter.track(model)
+        planner = Mimose(model, "1GB", meter=meter, blocks="*.*", sheltered_steps=4)
+        seen = []
+        for data in batches:
+            model.zero_grad(set_to_none=True)
+            with meter.step() as mem, planner.step(data) as info:
+                model(**data).backward()
+            seen.append((info, mem.peak_bytes))
+        order = planner.estimator.order
+        planner.close()
+    assert order == (2, 3, 0, 1)  # image tower (indices 2, 3) first
+    errors = responsive_errors(seen)
+    assert len(errors) == 3 and all(0 <= e <= 0.02 for e in errors), errors
+
+
+def test_a_measuring_run_that_does_not_fit_leaves_the_block_unmeasured_not_the_step_failed():
+    model = tiny_bert()
+    layer = model.bert.encoder.layer[1]
+    forward = layer.forward
+    calls = []
+
+    def first_call_does_not_fit(*args, **kwargs):
+        # The measuring run is the block's first call in a sheltered step: make it the one
+        # that would go over the budget (running a block plainly needs more than checkpointed).
+        calls.append(1)
+        if len(calls) % 3 == 1:
+            raise torch.OutOfMemoryError("simulated: no room for the plain run")
+        return forward(*args, **kwargs)
+
+    layer.forward = first_call_does_not_fit
+    with mimose(model, sheltered_steps=3) as (planner, meter):
+        seen = train(planner, meter, [bert_batch(4, n) for n in (40, 56, 48, 30)])
+        reason = planner.estimator.trust.reason((4, 30))
+    assert [info.phase for info, _ in seen] == ["sheltered"] * 3 + ["measuring"]
+    assert "block 1 " in reason and "no room" in reason
