@@ -56,7 +56,11 @@ class SavedBytesCounter:
         if id(storage) not in self._excluded_ids and storage not in self._seen:
             self._seen[storage] = True
             self.bytes += storage.nbytes()
-        return tensor
+        # A detached alias, not the tensor: an op that saves its own output would otherwise make
+        # a cycle through autograd's C++ graph (tensor -> grad_fn -> saved tensor) that only
+        # backward breaks; a forward that fails (out of memory) would leave its activations
+        # live for good. The alias keeps the same storage, so the bytes held are the same.
+        return tensor.detach()
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

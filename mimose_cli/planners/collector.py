@@ -117,19 +117,6 @@ def _set_rng_state(state, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-class _MeasuringCounter(SavedBytesCounter):
-    """A SavedBytesCounter whose graph holds detached aliases of the saved tensors.
-
-    Hooks that return the saved tensor itself make a reference cycle whenever an op saves its
-    own output (tensor -> grad_fn -> saved tensor), which only the garbage collector frees;
-    the measuring run's graph is never run backward, so it would stay alive. An alias keeps
-    the same storage alive, so the live bytes are those of a plain forward.
-    """
-
-    def _pack(self, tensor):
-        return super()._pack(tensor).detach()
-
-
 class ShuttlingCollector:
     """Runs each block twice during a sheltered step and turns the timeline into a sample."""
 
@@ -137,7 +124,7 @@ class ShuttlingCollector:
         self.model = model
         self.clock = clock
         self.blocks = blocks
-        self.counter = _MeasuringCounter(exclude=list(model.parameters()))
+        self.counter = SavedBytesCounter(exclude=list(model.parameters()))
         names = [name for name, _ in blocks]
         modules = dict(model.named_modules())
         self.block_names = names

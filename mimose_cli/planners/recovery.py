@@ -7,6 +7,8 @@ the first attempt would have (same dropout masks, same BatchNorm statistics) and
 skipped, repeated or counted twice in the gradients.
 """
 
+import gc
+
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 from torch.utils._pytree import tree_leaves
@@ -65,9 +67,14 @@ class StepGuard:
         self.buffers = [(b, b.detach().clone()) for b in model.buffers() if b.is_floating_point() or b.ndim == 0]
 
     def undo(self) -> None:
-        """Drop the failed attempt's gradients; put the RNG and the buffers back."""
+        """Drop the failed attempt's gradients and tensors; put the RNG and the buffers back."""
         for p in self.params:
             p.grad = None
+        # The failed step's frames, graph and saved tensors sit in reference cycles through the
+        # exception's traceback: collect them now, or the retry starts with them still live.
+        gc.collect()
+        if self.devices and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # and give the allocator's fragments back
         torch.set_rng_state(self.cpu_rng)
         set_device_states(*self.device_rng)
         with torch.no_grad():
