@@ -84,7 +84,9 @@ class Planner:
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
         # training step never reads the cache (Hugging Face turns it off for checkpointing
         # too): off while the planner is attached, for every planner alike so that their
-        # memory compares; close() puts the user's setting back for generate().
+        # memory compares; close() puts the user's setting back for generate(). A sub-model
+        # with a config of its own (T5's decoder) still hands its layers a cache: the router
+        # clears it (blocks.training_kwargs).
         self._config = getattr(model, "config", None)
         self._use_cache = getattr(self._config, "use_cache", None)
         if self._use_cache:

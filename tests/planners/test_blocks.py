@@ -1,0 +1,71 @@
+"""How a block runs under every planner: what it is given, what it may change."""
+
+import pytest
+import torch
+from torch import nn
+
+import mimose_cli
+from mimose_cli.planners import build_planner
+
+PLANNED = ["full", "mimose"]  # mimose: its first step, sheltered (every block runs twice)
+
+
+def planned_step(name, model, batch, seed=3):
+    """One forward+backward of ``model`` on ``batch`` (a dict or a tensor): with no planner when
+    ``name`` is None, else under a fresh planner ``name``. Returns the loss."""
+    planner = None
+    if name == "mimose":
+        planner = mimose_cli.Mimose(model, budget="1GB")
+    elif name is not None:
+        planner = build_planner(name, model)
+    size = None if isinstance(batch, dict) else tuple(batch.shape)
+    torch.manual_seed(seed)
+    try:
+        if planner is None:
+            return _loss(model, batch)
+        with planner.step(batch, input_size=size) as info:
+            loss = _loss(model, batch)
+        assert name != "mimose" or info.phase == "sheltered"
+        return loss
+    finally:
+        if planner is not None:
+            planner.close()
+
+
+def _loss(model, batch):
+    loss = model(**batch).loss if isinstance(batch, dict) else model(batch)
+    loss.backward()
+    return loss.detach()
+
+
+def assert_same_step(name, make_model, batch):
+    """A step under planner ``name`` computes the loss and gradients of a plain step, bit for
+    bit. Returns the two models after their step (plain, planned)."""
+    plain, planned = make_model(), make_model()
+    reference = planned_step(None, plain, batch)
+    loss = planned_step(name, planned, batch)
+    assert torch.equal(loss, reference)
+    for (key, p), q in zip(plain.named_parameters(), planned.parameters()):
+        assert (p.grad is None) == (q.grad is None), key
+        assert p.grad is None or torch.equal(p.grad, q.grad), key
+    return plain, planned
+
+
+def tiny_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=16,
+                      vocab_size=100, decoder_start_token_id=0, pad_token_id=0)
+    return T5ForConditionalGeneration(config).train()  # dropout 0.1 stays on
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_t5_decoder_blocks_run_without_their_cache_and_match_a_plain_step(name):
+    # The decoder keeps its own config (use_cache=True) and hands each block a cache that a
+    # second run or a recompute would append to again.
+    gen = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(1, 100, (2, 9), generator=gen),
+             "attention_mask": torch.tensor([[1] * 9, [1] * 6 + [0] * 3]),
+             "labels": torch.randint(1, 100, (2, 5), generator=gen)}
+    assert_same_step(name, tiny_t5, batch)
