@@ -1,5 +1,6 @@
 """Finding checkpointable blocks and routing their forward through a planner."""
 
+import contextlib
 import fnmatch
 import functools
 import time
@@ -127,6 +128,33 @@ class RecomputeClock:
         return ms
 
 
+@contextlib.contextmanager
+def restored_buffers(module):
+    """Put ``module``'s buffers (BatchNorm statistics) back as they were on exit."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+def _buffers_kept_in_recompute(module: nn.Module, forward):
+    """``forward``, putting ``module``'s buffers back after backward recomputes it, so that a
+    step advances BatchNorm statistics once, in its forward, under every plan. The recompute
+    runs with the statistics its forward advanced, as under torch's checkpoint alone; a BatchNorm
+    in training normalises with the batch's own, so it computes the same values. The snapshot
+    lives only while the block is recomputed."""
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not recomputing():
+            return forward(*args, **kwargs)
+        with restored_buffers(module):
+            return forward(*args, **kwargs)
+    return run
+
+
 def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None):
     """Run ``forward`` under non-reentrant checkpointing with RNG state preserved; a ``clock``
     times its recomputation in backward."""
@@ -163,7 +191,9 @@ class BlockRouter:
     In training, a Hugging Face layer gets the keyword arguments it would get under Hugging
     Face's own checkpointing (``training_kwargs``), whatever the route: a block that appends to a
     key/value cache cannot be run twice (the collector) or recomputed, and a cache the step never
-    reads would make the blocks' memory differ between the runs the planners compare.
+    reads would make the blocks' memory differ between the runs the planners compare. The
+    ``forward`` a route gets leaves the block's buffers as they were when a checkpoint recomputes
+    it (``_buffers_kept_in_recompute``).
     """
 
     def __init__(self, blocks: list, route):
@@ -172,11 +202,12 @@ class BlockRouter:
         for index, (_, module) in enumerate(blocks):
             original = module.forward
             self._originals.append(original)
-            module.forward = functools.partial(self._call, index, module, original, route)
+            forward = _buffers_kept_in_recompute(module, original)
+            module.forward = functools.partial(self._call, index, module, forward, route)
 
     @staticmethod
-    def _call(index, module, original, route, *args, **kwargs):
-        return route(index, original, args, training_kwargs(module, kwargs))
+    def _call(index, module, forward, route, *args, **kwargs):
+        return route(index, forward, args, training_kwargs(module, kwargs))
 
     def remove(self) -> None:
         for _, module in self.blocks:

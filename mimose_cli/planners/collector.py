@@ -14,6 +14,7 @@ backward, and the embeddings/head/tail around them. So it sees what saved-tensor
 the transient peaks, on any device.
 """
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from mimose_cli.memory import SavedBytesCounter
-from mimose_cli.planners.blocks import inside_checkpoint, recomputing, run_checkpointed
+from mimose_cli.planners.blocks import inside_checkpoint, recomputing, restored_buffers, run_checkpointed
 from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES
 
 class _Ref(weakref.ref):
@@ -34,7 +35,7 @@ class _Ref(weakref.ref):
 class LiveProbe(TorchDispatchMode):
     """Live storage bytes after every op (``trace``), whether the op was a checkpoint's
     recompute (``recompute``). Storages passed to ``ignore`` (weights, existing gradients)
-    are never counted."""
+    or first seen ``uncounted()`` are never counted."""
 
     def __init__(self):
         super().__init__()
@@ -42,6 +43,7 @@ class LiveProbe(TorchDispatchMode):
         self.refs: dict = {}
         self.trace: list = []
         self.recompute: list = []
+        self._counting = True
 
     def _free(self, ref) -> None:
         if self.refs.get(ref.key) is ref:
@@ -61,11 +63,24 @@ class LiveProbe(TorchDispatchMode):
             if tensor is not None and tensor.layout is torch.strided:
                 self._add(tensor.untyped_storage(), counted=False)
 
+    @contextlib.contextmanager
+    def uncounted(self):
+        """The collector's own copies, which no planned step makes: storages first seen inside
+        are never counted, and the ops leave no entry in the trace (whose stretches are fitted
+        op by op)."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:
-                self._add(leaf.untyped_storage())
+                self._add(leaf.untyped_storage(), self._counting)
+        if not self._counting:
+            return out
         self.trace.append(self.live)
         self.recompute.append(recomputing())
         return out
@@ -190,17 +205,7 @@ class ShuttlingCollector:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
         self.mark(("enter", index))
         rng = _rng_state(device)
-        self.counter.reset()
-        self._sync(device)
-        begin = time.perf_counter()
-        with self.counter:
-            out = forward(*args, **kwargs)
-        self._sync(device)
-        self.fwd_ms[index] = (time.perf_counter() - begin) * 1e3
-        self.saved[index] = self.counter.bytes
-        usable = _first_grad_tensor(out) is not None
-        self.mark(("plain", index))
-        del out
+        usable = self._measure(index, forward, args, kwargs, device)
         self.mark(("dropped", index))
         _set_rng_state(rng, device)
         self.collector_ms += (time.perf_counter() - start) * 1e3
@@ -210,6 +215,25 @@ class ShuttlingCollector:
             self.dropped[index] = "no_grad_output"
         self._hook_backward(index, args, out)
         return out
+
+    def _measure(self, index, forward, args, kwargs, device) -> bool:
+        """The measuring run: its time, saved bytes and ``plain`` mark. The block's buffers are
+        put back afterwards (BatchNorm statistics advance in the run the step keeps), and its
+        outputs dropped. Returns whether an output needs a gradient (the sample is usable)."""
+        with contextlib.ExitStack() as stack:
+            # The snapshot is the collector's own: counted, it would add to the block's bytes.
+            with self.probe.uncounted():
+                stack.enter_context(restored_buffers(self.blocks[index][1]))
+            self.counter.reset()
+            self._sync(device)
+            begin = time.perf_counter()
+            with self.counter:
+                out = forward(*args, **kwargs)
+            self._sync(device)
+            self.fwd_ms[index] = (time.perf_counter() - begin) * 1e3
+            self.saved[index] = self.counter.bytes
+            self.mark(("plain", index))
+            return _first_grad_tensor(out) is not None
 
     def _hook_backward(self, index: int, args, out) -> None:
         """Mark the start of this block's backward (its output's gradient) and, for the first

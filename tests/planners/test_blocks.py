@@ -69,3 +69,28 @@ def test_t5_decoder_blocks_run_without_their_cache_and_match_a_plain_step(name):
              "attention_mask": torch.tensor([[1] * 9, [1] * 6 + [0] * 3]),
              "labels": torch.randint(1, 100, (2, 5), generator=gen)}
     assert_same_step(name, tiny_t5, batch)
+
+
+class NormStack(nn.Module):
+    """Blocks with BatchNorm: running statistics and ``num_batches_tracked`` are buffers."""
+
+    def __init__(self, width=8, depth=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width),
+                                                    nn.ReLU()) for _ in range(depth)))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.embed(x))).sum()
+
+
+@pytest.mark.parametrize("name", ["none", *PLANNED])
+def test_buffers_advance_once_per_step_as_in_a_plain_step(name):
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    plain, planned = assert_same_step(name, NormStack, x)
+    buffers = dict(planned.named_buffers())
+    assert buffers["blocks.0.1.num_batches_tracked"] == 1
+    for key, value in plain.named_buffers():
+        assert torch.equal(buffers[key], value), key
