@@ -3,8 +3,11 @@
 During the sheltered phase every block runs twice: once plainly to measure it (the bytes
 autograd saves, the live bytes it adds, its forward peak and time), then, after those outputs
 are dropped, checkpointed, which is what the step keeps. Only block outputs stay resident, so
-the sheltered phase fits wherever full checkpointing does, and since the RNG state is
-restored between the two runs the step computes exactly what an unplanned step computes.
+the sheltered phase fits wherever full checkpointing does, plus a copy of one block's
+inputs while it is measured. The measuring run works on that copy and puts the block's buffers
+back, and the RNG state is restored between the two runs, so the step computes exactly what an
+unplanned step computes, even for a block that modifies an input in place or updates BatchNorm
+statistics.
 
 Live bytes come from a private probe (``LiveProbe``, counting storages as the simulated
 device does) active only during sheltered steps. It records the live bytes after every op;
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from mimose_cli.memory import SavedBytesCounter
 from mimose_cli.planners.blocks import inside_checkpoint, recomputing, restored_buffers, run_checkpointed
@@ -132,6 +135,38 @@ def _set_rng_state(state, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
+class _Copy(torch.autograd.Function):
+    """A tensor with ``tensor``'s size, strides and offset on ``storage``, requiring grad as
+    ``tensor`` does: a function's output, not a leaf, so a block may modify it in place."""
+
+    @staticmethod
+    def forward(ctx, tensor, storage):
+        return tensor.new_empty(0).set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _copies(tree):
+    """``tree`` with its tensors on copies of their storages, for the measuring run to modify in
+    place if the block does. A storage is copied once and whole, and each tensor rebuilt on it,
+    so the copies alias as the inputs do and hold the same bytes (an expanded mask stays
+    expanded, a saved view counts its whole storage). Parameters (and other tensor subclasses)
+    stay: the probe and the saved bytes counter leave parameters out by their storage."""
+    storages = {}
+
+    def copy(value):
+        if type(value) is not torch.Tensor or value.layout is not torch.strided:
+            return value
+        storage = value.untyped_storage()
+        if id(storage) not in storages:
+            storages[id(storage)] = (storage, storage.clone())  # the original kept: ids stay unique
+        return _Copy.apply(value, storages[id(storage)][1])
+
+    return tree_map(copy, tree)
+
+
 class _MeasuringCounter(SavedBytesCounter):
     """A SavedBytesCounter whose graph holds detached aliases of the saved tensors.
 
@@ -217,13 +252,18 @@ class ShuttlingCollector:
         return out
 
     def _measure(self, index, forward, args, kwargs, device) -> bool:
-        """The measuring run: its time, saved bytes and ``plain`` mark. The block's buffers are
-        put back afterwards (BatchNorm statistics advance in the run the step keeps), and its
-        outputs dropped. Returns whether an output needs a gradient (the sample is usable)."""
+        """The measuring run: its time, saved bytes and ``plain`` mark. It runs on copies of the
+        inputs and the block's buffers are put back afterwards, so that the run the step keeps
+        sees what a plain step's block sees (an input the block modifies in place, BatchNorm
+        statistics); its outputs are dropped. Returns whether an output needs a gradient (the
+        sample is usable)."""
         with contextlib.ExitStack() as stack:
-            # The snapshot is the collector's own: counted, it would add to the block's bytes.
+            # The copies and the snapshot are the collector's, not the block's: the probe does
+            # not count them, so the block's bytes are still measured from the level at its
+            # entry; a copy has its input's storage size, so a saved input counts as before.
             with self.probe.uncounted():
                 stack.enter_context(restored_buffers(self.blocks[index][1]))
+                args, kwargs = _copies((args, kwargs))
             self.counter.reset()
             self._sync(device)
             begin = time.perf_counter()

@@ -10,14 +10,14 @@ from mimose_cli.planners import build_planner
 PLANNED = ["full", "mimose"]  # mimose: its first step, sheltered (every block runs twice)
 
 
+def make_planner(name, model):
+    return mimose_cli.Mimose(model, budget="1GB") if name == "mimose" else build_planner(name, model)
+
+
 def planned_step(name, model, batch, seed=3):
     """One forward+backward of ``model`` on ``batch`` (a dict or a tensor): with no planner when
     ``name`` is None, else under a fresh planner ``name``. Returns the loss."""
-    planner = None
-    if name == "mimose":
-        planner = mimose_cli.Mimose(model, budget="1GB")
-    elif name is not None:
-        planner = build_planner(name, model)
+    planner = None if name is None else make_planner(name, model)
     size = None if isinstance(batch, dict) else tuple(batch.shape)
     torch.manual_seed(seed)
     try:
@@ -94,3 +94,68 @@ def test_buffers_advance_once_per_step_as_in_a_plain_step(name):
     assert buffers["blocks.0.1.num_batches_tracked"] == 1
     for key, value in plain.named_buffers():
         assert torch.equal(buffers[key], value), key
+
+
+class BumpBlock(nn.Module):
+    """Adds one to its input in place, then a linear layer (which keeps the bumped input)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        x.add_(1.0)
+        return self.linear(x)
+
+
+class BumpStack(nn.Module):
+    def __init__(self, width=8, depth=3, frozen=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(BumpBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+        if frozen:  # only the head trains: no block is recomputed
+            self.embed.requires_grad_(False)
+            self.blocks.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).sum()
+
+
+def forward_then_backward(name, model, x):
+    """``(loss, error message or None)`` of a step under planner ``name``."""
+    planner = make_planner(name, model)
+    loss = None
+    try:
+        with planner.step(input_size=tuple(x.shape)):
+            loss = model(x)
+            loss.backward()
+    except RuntimeError as error:
+        return loss.detach(), str(error)
+    finally:
+        planner.close()
+    return loss.detach(), None
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_frozen_blocks_that_modify_their_input_in_place_match_a_plain_step(name):
+    # The sheltered phase runs each block twice: the run the step keeps must see the input as
+    # the plain step's block does, not modified once already.
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    assert_same_step(name, lambda: BumpStack(frozen=True), x)
+
+
+def test_a_block_recomputed_after_modifying_its_input_fails_under_mimose_as_under_full():
+    # torch's checkpoint recomputes a block from its inputs, which must be unchanged: a block
+    # that modified one in place cannot be checkpointed (autograd's version check says so in
+    # backward). The sheltered step computes the plain forward and fails as full does.
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    runs = {name: forward_then_backward(name, BumpStack(), x) for name in ["none", *PLANNED]}
+    (loss, error), full, sheltered = runs["none"], runs["full"], runs["mimose"]
+    assert error is None and torch.equal(full[0], loss) and torch.equal(sheltered[0], loss)
+    assert "modified by an inplace operation" in full[1] and sheltered[1] == full[1]
+
