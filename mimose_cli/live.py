@@ -39,7 +39,9 @@ def _loss(record) -> str:
 def _phase(record) -> str:
     phase = record.get("phase") or ""
     hit = record.get("cache_hit")
-    return phase + ("" if hit is None else (" hit" if hit else " miss"))
+    retries = record.get("retries")
+    return (phase + ("" if hit is None else (" hit" if hit else " miss"))
+            + (f" retried x{retries}" if retries else ""))
 
 
 def step_table(records, budget_bytes, title: str) -> Table:

@@ -36,6 +36,9 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
         "status": status,
         "steps": len(done),
         "oom_steps": sum(1 for r in records if r.get("oom")),
+        # Out-of-memory recovery: attempts that failed and were retried on the same batch.
+        "retries": sum(r.get("retries") or 0 for r in records),
+        "retried_steps": sum(1 for r in records if r.get("retries")),
         "budget_bytes": budget_bytes,
         "train_time_s": sum(iter_ms) / 1e3,
         "wall_s": wall_s,
@@ -69,7 +72,8 @@ def _fmt(value, kind):
 
 SUMMARY_ROWS = (
     ("status", "status", "str"), ("steps completed", "steps", "str"),
-    ("out-of-memory steps", "oom_steps", "str"), ("budget", "budget_bytes", "bytes"),
+    ("out-of-memory steps", "oom_steps", "str"), ("retried steps / retries", None, "retries"),
+    ("budget", "budget_bytes", "bytes"),
     ("peak memory", "peak_bytes", "bytes"), ("mean peak memory", "mean_peak_bytes", "bytes"),
     ("steps over budget", "over_budget_steps", "str"),
     ("training time", "train_time_s", "seconds"), ("mean iteration", "mean_iter_ms", "ms"),
@@ -86,6 +90,8 @@ def _summary_value(summary, key, kind):
         return f"{_fmt(summary.get('p50_iter_ms'), 'ms')} / {_fmt(summary.get('p95_iter_ms'), 'ms')}"
     if kind == "loss":
         return f"{_fmt(summary.get('loss_first'), 'float')} / {_fmt(summary.get('loss_last'), 'float')}"
+    if kind == "retries":
+        return f"{summary.get('retried_steps', 0)} / {summary.get('retries', 0)}"
     value = summary.get(key)
     if kind == "seconds":
         return "-" if value is None else f"{value:.2f} s"

@@ -61,7 +61,10 @@ def test_a_step_that_never_fits_ends_the_run_with_the_three_figures(reference, q
     last = result.records[-1]
     assert result.summary["status"] == "oom" and len(result.records) == ShrinkingDevice.at
     assert last["oom"] and last["retries"] == 2
-    assert "every block checkpointed" in last["error"] and "budget 40.0 MB" in last["error"]
+    from mimose_cli.units import format_bytes
+
+    assert "every block checkpointed" in last["error"]
+    assert f"budget {format_bytes(ShrinkingDevice.to_bytes)}" in last["error"]  # the device's, not the plan's
     assert "predicted" in last["error"] and "reached" in last["error"]
 
 
@@ -81,7 +84,7 @@ def test_run_keeps_the_gradients_of_earlier_micro_batches_exactly(monkeypatch):
         meter = SimulatedMeter(None)
         with meter.activate():
             meter.track(model)
-            planner = build_planner("sublinear", model, "1GB", meter=meter)
+            planner = build_planner("mimose", model, "1GB", meter=meter, sheltered_steps=1)
             failed = []
 
             def step_fn(x):
@@ -107,10 +110,13 @@ def test_run_keeps_the_gradients_of_earlier_micro_batches_exactly(monkeypatch):
 
 def test_none_does_not_adapt_so_it_fails_at_once():
     model = _tiny_mlp()
-    meter = SimulatedMeter(10_000)
+    meter = SimulatedMeter(None)
     with meter.activate():
         meter.track(model)
+        x = torch.randn(64, 32)
+        meter.budget_bytes = meter.current_bytes() + 10_000
         planner = build_planner("none", model, "1GB", meter=meter)
         with pytest.raises(PlanOutOfMemoryError, match="after 0 retries, the last with 0 of 4 blocks"):
-            planner.run(lambda x: model(x).sum().backward(), torch.randn(64, 32), input_size=(64, 32))
+            planner.run(lambda x: model(x).sum().backward(), x, input_size=(64, 32))
+        assert planner.stats["retries"] == 0
         planner.close()

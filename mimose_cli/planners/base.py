@@ -100,7 +100,9 @@ class Planner:
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
         # training step never reads the cache (Hugging Face turns it off for checkpointing
         # too): off while the planner is attached, for every planner alike so that their
-        # memory compares; close() puts the user's setting back for generate().
+        # memory compares; close() puts the user's setting back for generate(). A sub-model
+        # with a config of its own (T5's decoder) still hands its layers a cache: the router
+        # clears it (blocks.training_kwargs).
         self._config = getattr(model, "config", None)
         self._use_cache = getattr(self._config, "use_cache", None)
         if self._use_cache:
@@ -157,6 +159,7 @@ class Planner:
         self.last = self.make_step_info(size)
         if self.size_key(size) in self.full_sizes:
             self.last.plan, self.last.phase = tuple(range(self.num_blocks)), "recovery"
+            self.last.predicted_peak_bytes = self.predict_peak(size, self.last.plan)
         self.last.retries = self.attempt
         self.recompute_clock.take()  # not this step's: a raised step's partial time, a planner's probe
         self.set_plan(self.last.plan)
@@ -198,8 +201,9 @@ class Planner:
             self.attempt, self._result = 0, None
         guard.finish()  # the failed attempt is undone; gradients of earlier micro-batches stay
         blocks = "every block" if len(info.plan) == self.num_blocks else f"{len(info.plan)} of {self.num_blocks} blocks"
-        message = oom_message(size, last_try, blocks, self.budget_bytes, info.predicted_peak_bytes, reached)
-        raise PlanOutOfMemoryError(message, self.budget_bytes, info.predicted_peak_bytes, reached)
+        device = getattr(self.meter, "budget_bytes", None) or self.budget_bytes  # what the device holds
+        message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached)
+        raise PlanOutOfMemoryError(message, device, info.predicted_peak_bytes, reached)
 
     def _attempt_step(self, step_fn, batch, size, guard: StepGuard):
         """One attempt: None when it succeeded (result in ``self._result``), else the failed
@@ -216,6 +220,10 @@ class Planner:
         # activations, is gone before anything is allocated again.
         guard.undo()
         return self.last, reached
+
+    def predict_peak(self, size: tuple, plan: tuple) -> int | None:
+        """The step peak this planner predicts for ``plan`` at ``size`` (None: it cannot say)."""
+        return None
 
     def size_key(self, size: tuple) -> tuple:
         """The key recovery remembers a size by (Mimose: its plan-cache key)."""

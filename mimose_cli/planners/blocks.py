@@ -1,5 +1,6 @@
 """Finding checkpointable blocks and routing their forward through a planner."""
 
+import contextlib
 import fnmatch
 import functools
 import time
@@ -10,12 +11,18 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 
-def _is_hf_checkpoint_layer(module: nn.Module) -> bool:
+@functools.cache  # asked at every block call: a failed import is not cached by Python
+def _hf_checkpoint_layer_type():
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # older transformers: fall back to the ModuleList rule
-        return False
-    return isinstance(module, GradientCheckpointingLayer)
+        return None
+    return GradientCheckpointingLayer
+
+
+def _is_hf_checkpoint_layer(module: nn.Module) -> bool:
+    layer_type = _hf_checkpoint_layer_type()
+    return layer_type is not None and isinstance(module, layer_type)
 
 
 def _outermost(named: list) -> list:
@@ -121,6 +128,33 @@ class RecomputeClock:
         return ms
 
 
+@contextlib.contextmanager
+def restored_buffers(module):
+    """Put ``module``'s buffers (BatchNorm statistics) back as they were on exit."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+def _buffers_kept_in_recompute(module: nn.Module, forward):
+    """``forward``, putting ``module``'s buffers back after backward recomputes it, so that a
+    step advances BatchNorm statistics once, in its forward, under every plan. The recompute
+    runs with the statistics its forward advanced, as under torch's checkpoint alone; a BatchNorm
+    in training normalises with the batch's own, so it computes the same values. The snapshot
+    lives only while the block is recomputed."""
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not recomputing():
+            return forward(*args, **kwargs)
+        with restored_buffers(module):
+            return forward(*args, **kwargs)
+    return run
+
+
 def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None):
     """Run ``forward`` under non-reentrant checkpointing with RNG state preserved; a ``clock``
     times its recomputation in backward."""
@@ -129,11 +163,37 @@ def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None)
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
+# The keyword arguments Hugging Face's GradientCheckpointingLayer clears when it checkpoints
+# (transformers/modeling_layers.py: ``cache`` in 5.x, ``past_key_value(s)`` in 4.x, ``layer_past``).
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
+
+
+def training_kwargs(module: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` as a ``GradientCheckpointingLayer`` passes them on when it checkpoints in
+    training: ``use_cache`` off and, unless the layer only reads its cache
+    (``_can_checkpoint_with_cache``), no cache. Other blocks' ``kwargs`` are returned as given."""
+    if not (_is_hf_checkpoint_layer(module) and grad_enabled_training(module)):
+        return kwargs
+    kwargs = dict(kwargs)
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        kwargs.update({name: None for name in _CACHE_KWARGS if kwargs.get(name) is not None})
+    return kwargs
+
+
 class BlockRouter:
     """Replaces each block's ``forward`` with ``route(index, forward, args, kwargs)``.
 
     One hook point for every planner: the default route checkpoints the blocks in the plan;
     collectors and DTR substitute their own. ``remove()`` restores the original forwards.
+
+    In training, a Hugging Face layer gets the keyword arguments it would get under Hugging
+    Face's own checkpointing (``training_kwargs``), whatever the route: a block that appends to a
+    key/value cache cannot be run twice (the collector) or recomputed, and a cache the step never
+    reads would make the blocks' memory differ between the runs the planners compare. The
+    ``forward`` a route gets leaves the block's buffers as they were when a checkpoint recomputes
+    it (``_buffers_kept_in_recompute``).
     """
 
     def __init__(self, blocks: list, route):
@@ -142,11 +202,12 @@ class BlockRouter:
         for index, (_, module) in enumerate(blocks):
             original = module.forward
             self._originals.append(original)
-            module.forward = functools.partial(self._call, index, original, route)
+            forward = _buffers_kept_in_recompute(module, original)
+            module.forward = functools.partial(self._call, index, module, forward, route)
 
     @staticmethod
-    def _call(index, original, route, *args, **kwargs):
-        return route(index, original, args, kwargs)
+    def _call(index, module, forward, route, *args, **kwargs):
+        return route(index, forward, args, training_kwargs(module, kwargs))
 
     def remove(self) -> None:
         for _, module in self.blocks:

@@ -3,8 +3,11 @@
 During the sheltered phase every block runs twice: once plainly to measure it (the bytes
 autograd saves, the live bytes it adds, its forward peak and time), then, after those outputs
 are dropped, checkpointed, which is what the step keeps. Only block outputs stay resident, so
-the sheltered phase fits wherever full checkpointing does, and since the RNG state is
-restored between the two runs the step computes exactly what an unplanned step computes.
+the sheltered phase fits wherever full checkpointing does, plus a copy of one block's
+inputs while it is measured. The measuring run works on that copy and puts the block's buffers
+back, and the RNG state is restored between the two runs, so the step computes exactly what an
+unplanned step computes, even for a block that modifies an input in place or updates BatchNorm
+statistics.
 
 Live bytes come from a private probe (``LiveProbe``, counting storages as the simulated
 device does) active only during sheltered steps. It records the live bytes after every op;
@@ -14,6 +17,7 @@ backward, and the embeddings/head/tail around them. So it sees what saved-tensor
 the transient peaks, on any device.
 """
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -21,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from mimose_cli.memory import SavedBytesCounter
-from mimose_cli.planners.blocks import inside_checkpoint, recomputing, run_checkpointed
+from mimose_cli.planners.blocks import inside_checkpoint, recomputing, restored_buffers, run_checkpointed
 from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES
 
 class _Ref(weakref.ref):
@@ -34,7 +38,7 @@ class _Ref(weakref.ref):
 class LiveProbe(TorchDispatchMode):
     """Live storage bytes after every op (``trace``), whether the op was a checkpoint's
     recompute (``recompute``). Storages passed to ``ignore`` (weights, existing gradients)
-    are never counted."""
+    or first seen ``uncounted()`` are never counted."""
 
     def __init__(self):
         super().__init__()
@@ -42,6 +46,7 @@ class LiveProbe(TorchDispatchMode):
         self.refs: dict = {}
         self.trace: list = []
         self.recompute: list = []
+        self._counting = True
 
     def _free(self, ref) -> None:
         if self.refs.get(ref.key) is ref:
@@ -61,11 +66,24 @@ class LiveProbe(TorchDispatchMode):
             if tensor is not None and tensor.layout is torch.strided:
                 self._add(tensor.untyped_storage(), counted=False)
 
+    @contextlib.contextmanager
+    def uncounted(self):
+        """The collector's own copies, which no planned step makes: storages first seen inside
+        are never counted, and the ops leave no entry in the trace (whose stretches are fitted
+        op by op)."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:
-                self._add(leaf.untyped_storage())
+                self._add(leaf.untyped_storage(), self._counting)
+        if not self._counting:
+            return out
         self.trace.append(self.live)
         self.recompute.append(recomputing())
         return out
@@ -115,6 +133,38 @@ def _set_rng_state(state, device: torch.device) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
+
+
+class _Copy(torch.autograd.Function):
+    """A tensor with ``tensor``'s size, strides and offset on ``storage``, requiring grad as
+    ``tensor`` does: a function's output, not a leaf, so a block may modify it in place."""
+
+    @staticmethod
+    def forward(ctx, tensor, storage):
+        return tensor.new_empty(0).set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _copies(tree):
+    """``tree`` with its tensors on copies of their storages, for the measuring run to modify in
+    place if the block does. A storage is copied once and whole, and each tensor rebuilt on it,
+    so the copies alias as the inputs do and hold the same bytes (an expanded mask stays
+    expanded, a saved view counts its whole storage). Parameters (and other tensor subclasses)
+    stay: the probe and the saved bytes counter leave parameters out by their storage."""
+    storages = {}
+
+    def copy(value):
+        if type(value) is not torch.Tensor or value.layout is not torch.strided:
+            return value
+        storage = value.untyped_storage()
+        if id(storage) not in storages:
+            storages[id(storage)] = (storage, storage.clone())  # the original kept: ids stay unique
+        return _Copy.apply(value, storages[id(storage)][1])
+
+    return tree_map(copy, tree)
 
 
 class ShuttlingCollector:
@@ -181,6 +231,7 @@ class ShuttlingCollector:
         self.mark(("enter", index))
         rng = _rng_state(device)
         usable = self._measure(index, forward, args, kwargs, device)
+        self.mark(("dropped", index))
         _set_rng_state(rng, device)
         self.collector_ms += (time.perf_counter() - start) * 1e3
         out = run_checkpointed(forward, args, kwargs, self.clock)
@@ -191,31 +242,36 @@ class ShuttlingCollector:
         return out
 
     def _measure(self, index, forward, args, kwargs, device) -> bool:
-        """The measuring run: the block plainly, its outputs then dropped. Returns whether it
-        produced an output that needs a gradient.
+        """The measuring run: its time, saved bytes and ``plain`` mark. It runs on copies of the
+        inputs and the block's buffers are put back afterwards, so that the run the step keeps
+        sees what a plain step's block sees (an input the block modifies in place, BatchNorm
+        statistics); its outputs are dropped. Returns whether an output needs a gradient (the
+        sample is usable).
 
         Running a block plainly needs more memory than checkpointing it, so the measuring run
         may not fit a budget that full checkpointing holds: then the block is left unmeasured
-        at this size (``no_room``) and the step goes on checkpointed, never worse than ``full``.
-        """
-        self.counter.reset()
-        self._sync(device)
-        begin = time.perf_counter()
-        try:
-            with self.counter:
-                out = forward(*args, **kwargs)
-        except torch.OutOfMemoryError:
-            self.dropped[index] = "no_room"
-            self.mark(("no_room", index))
-            return False
-        self._sync(device)
-        self.fwd_ms[index] = (time.perf_counter() - begin) * 1e3
-        self.saved[index] = self.counter.bytes
-        usable = _first_grad_tensor(out) is not None
-        self.mark(("plain", index))
-        del out
-        self.mark(("dropped", index))
-        return usable
+        at this size (``no_room``, no ``plain`` mark) and the step goes on checkpointed."""
+        with contextlib.ExitStack() as stack:
+            # The copies and the snapshot are the collector's, not the block's: the probe does
+            # not count them, so the block's bytes are still measured from the level at its
+            # entry; a copy has its input's storage size, so a saved input counts as before.
+            with self.probe.uncounted():
+                stack.enter_context(restored_buffers(self.blocks[index][1]))
+                args, kwargs = _copies((args, kwargs))
+            self.counter.reset()
+            self._sync(device)
+            begin = time.perf_counter()
+            try:
+                with self.counter:
+                    out = forward(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                self.dropped[index] = "no_room"
+                return False
+            self._sync(device)
+            self.fwd_ms[index] = (time.perf_counter() - begin) * 1e3
+            self.saved[index] = self.counter.bytes
+            self.mark(("plain", index))
+            return _first_grad_tensor(out) is not None
 
     def _hook_backward(self, index: int, args, out) -> None:
         """Mark the start of this block's backward (its output's gradient) and, for the block

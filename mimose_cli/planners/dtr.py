@@ -38,7 +38,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_leaves, tree_map
 
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.profile import restored_buffers, tensor_storages
+from mimose_cli.planners.blocks import restored_buffers
+from mimose_cli.planners.profile import tensor_storages
 
 _AUTOCAST_DEVICES = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
 
@@ -266,7 +267,8 @@ class DTR(Planner):
         _check_inputs_unchanged(holder)
         refill = _refill_hook(holder)
         start = time.perf_counter()
-        with _replay_state(holder), saved_tensors_hooks(refill, _never_unpacked), torch.enable_grad():
+        module = self.blocks[holder.index][1]
+        with _replay_state(holder, module), saved_tensors_hooks(refill, _never_unpacked), torch.enable_grad():
             args, kwargs = tree_map(_detach, (holder.args, holder.kwargs))
             holder.forward(*args, **kwargs)
         if refill.count != len(holder.handles):
@@ -310,10 +312,10 @@ def _check_inputs_unchanged(holder) -> None:
 
 
 @contextlib.contextmanager
-def _replay_state(holder):
-    """The RNG and autocast state of the block's first run; its buffers restored afterwards."""
+def _replay_state(holder, module):
+    """The RNG and autocast state of the block's first run; the buffers of its ``module``
+    restored afterwards."""
     cpu_state, cuda_states = holder.rng
-    module = getattr(holder.forward, "__self__", None)
     with torch.random.fork_rng(devices=[d for d, _ in cuda_states], device_type="cuda"), \
             restored_buffers(module), contextlib.ExitStack() as stack:
         torch.set_rng_state(cpu_state)

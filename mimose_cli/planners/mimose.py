@@ -159,13 +159,9 @@ class Mimose(Planner):
     def _plan_miss(self, key: tuple, base: int) -> tuple:
         start = time.perf_counter()
         pred = self.estimator.predict(key)
-        masks = np.zeros(self.num_blocks, dtype=bool)
-        residual = self.estimator.trust.residual_bytes
 
         def predict_peak(plan):
-            masks[:] = False
-            masks[list(plan)] = True
-            return base + float(peak_timeline(pred, masks).max()) * (1.0 + self.prediction_margin) + residual
+            return base + self._timeline_peak(pred, plan)
 
         limit = self.limit_bytes - self.recovery_margins.get(key, 0)
         plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak, limit, self.bucket)
@@ -180,6 +176,21 @@ class Mimose(Planner):
 
     def size_key(self, size: tuple) -> tuple:
         return self.cache_key(size)
+
+    def predict_peak(self, size: tuple, plan: tuple) -> int | None:
+        """The trusted prediction for ``plan`` at ``size``, or None (not fitted, not trusted)."""
+        key = self.cache_key(size)
+        if not self.estimator.fitted or self.estimator.trust.reason(key) is not None:
+            return None
+        return int(self._start_bytes() + self._timeline_peak(self.estimator.predict(key), plan))
+
+    def _timeline_peak(self, pred, plan) -> float:
+        """The predicted peak above the step's start for ``plan``, with the prediction margin
+        and the fit's residual (``Trust.residual_bytes``) on top."""
+        masks = np.zeros(self.num_blocks, dtype=bool)
+        masks[list(plan)] = True
+        peak = float(peak_timeline(pred, masks).max())
+        return peak * (1.0 + self.prediction_margin) + self.estimator.trust.residual_bytes
 
     def recover(self, info: StepInfo, failures: int) -> None:
         """First failure of a planned step: plan that size again with a margin (the larger of

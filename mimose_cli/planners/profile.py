@@ -17,6 +17,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 
 from mimose_cli.planners.base import Planner
+from mimose_cli.planners.blocks import restored_buffers
 
 
 @dataclass
@@ -81,18 +82,6 @@ def _sync(batch) -> None:
         if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
             torch.cuda.synchronize(leaf.device)
             return
-
-
-@contextlib.contextmanager
-def restored_buffers(module):
-    """Put ``module``'s buffers (BatchNorm statistics) back as they were on exit."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,161 @@
+"""How a block runs under every planner: what it is given, what it may change."""
+
+import pytest
+import torch
+from torch import nn
+
+import mimose_cli
+from mimose_cli.planners import build_planner
+
+PLANNED = ["full", "mimose"]  # mimose: its first step, sheltered (every block runs twice)
+
+
+def make_planner(name, model):
+    return mimose_cli.Mimose(model, budget="1GB") if name == "mimose" else build_planner(name, model)
+
+
+def planned_step(name, model, batch, seed=3):
+    """One forward+backward of ``model`` on ``batch`` (a dict or a tensor): with no planner when
+    ``name`` is None, else under a fresh planner ``name``. Returns the loss."""
+    planner = None if name is None else make_planner(name, model)
+    size = None if isinstance(batch, dict) else tuple(batch.shape)
+    torch.manual_seed(seed)
+    try:
+        if planner is None:
+            return _loss(model, batch)
+        with planner.step(batch, input_size=size) as info:
+            loss = _loss(model, batch)
+        assert name != "mimose" or info.phase == "sheltered"
+        return loss
+    finally:
+        if planner is not None:
+            planner.close()
+
+
+def _loss(model, batch):
+    loss = model(**batch).loss if isinstance(batch, dict) else model(batch)
+    loss.backward()
+    return loss.detach()
+
+
+def assert_same_step(name, make_model, batch):
+    """A step under planner ``name`` computes the loss and gradients of a plain step, bit for
+    bit. Returns the two models after their step (plain, planned)."""
+    plain, planned = make_model(), make_model()
+    reference = planned_step(None, plain, batch)
+    loss = planned_step(name, planned, batch)
+    assert torch.equal(loss, reference)
+    for (key, p), q in zip(plain.named_parameters(), planned.parameters()):
+        assert (p.grad is None) == (q.grad is None), key
+        assert p.grad is None or torch.equal(p.grad, q.grad), key
+    return plain, planned
+
+
+def tiny_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=16,
+                      vocab_size=100, decoder_start_token_id=0, pad_token_id=0)
+    return T5ForConditionalGeneration(config).train()  # dropout 0.1 stays on
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_t5_decoder_blocks_run_without_their_cache_and_match_a_plain_step(name):
+    # The decoder keeps its own config (use_cache=True) and hands each block a cache that a
+    # second run or a recompute would append to again.
+    gen = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(1, 100, (2, 9), generator=gen),
+             "attention_mask": torch.tensor([[1] * 9, [1] * 6 + [0] * 3]),
+             "labels": torch.randint(1, 100, (2, 5), generator=gen)}
+    assert_same_step(name, tiny_t5, batch)
+
+
+class NormStack(nn.Module):
+    """Blocks with BatchNorm: running statistics and ``num_batches_tracked`` are buffers."""
+
+    def __init__(self, width=8, depth=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width),
+                                                    nn.ReLU()) for _ in range(depth)))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.embed(x))).sum()
+
+
+@pytest.mark.parametrize("name", ["none", *PLANNED])
+def test_buffers_advance_once_per_step_as_in_a_plain_step(name):
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    plain, planned = assert_same_step(name, NormStack, x)
+    buffers = dict(planned.named_buffers())
+    assert buffers["blocks.0.1.num_batches_tracked"] == 1
+    for key, value in plain.named_buffers():
+        assert torch.equal(buffers[key], value), key
+
+
+class BumpBlock(nn.Module):
+    """Adds one to its input in place, then a linear layer (which keeps the bumped input)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        x.add_(1.0)
+        return self.linear(x)
+
+
+class BumpStack(nn.Module):
+    def __init__(self, width=8, depth=3, frozen=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(BumpBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+        if frozen:  # only the head trains: no block is recomputed
+            self.embed.requires_grad_(False)
+            self.blocks.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).sum()
+
+
+def forward_then_backward(name, model, x):
+    """``(loss, error message or None)`` of a step under planner ``name``."""
+    planner = make_planner(name, model)
+    loss = None
+    try:
+        with planner.step(input_size=tuple(x.shape)):
+            loss = model(x)
+            loss.backward()
+    except RuntimeError as error:
+        return loss.detach(), str(error)
+    finally:
+        planner.close()
+    return loss.detach(), None
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_frozen_blocks_that_modify_their_input_in_place_match_a_plain_step(name):
+    # The sheltered phase runs each block twice: the run the step keeps must see the input as
+    # the plain step's block does, not modified once already.
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    assert_same_step(name, lambda: BumpStack(frozen=True), x)
+
+
+def test_a_block_recomputed_after_modifying_its_input_fails_under_mimose_as_under_full():
+    # torch's checkpoint recomputes a block from its inputs, which must be unchanged: a block
+    # that modified one in place cannot be checkpointed (autograd's version check says so in
+    # backward). The sheltered step computes the plain forward and fails as full does.
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    runs = {name: forward_then_backward(name, BumpStack(), x) for name in ["none", *PLANNED]}
+    (loss, error), full, sheltered = runs["none"], runs["full"], runs["mimose"]
+    assert error is None and torch.equal(full[0], loss) and torch.equal(sheltered[0], loss)
+    assert "modified by an inplace operation" in full[1] and sheltered[1] == full[1]
+
