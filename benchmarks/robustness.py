@@ -246,21 +246,13 @@ def make_step_fn(model, spec: ModelSpec, setting: Setting, scaler):
 
 
 def run_step(planner, step_fn, batch) -> tuple:
-    """One planned forward+backward: (loss or None when out of memory, retries, error line).
-
-    ``planner.run`` recovers from out-of-memory by retrying the batch where planners have it;
-    otherwise the step runs under ``planner.step`` and an out-of-memory loses it.
-    """
+    """One planned forward+backward through ``planner.run`` (out-of-memory recovery: the batch
+    is retried): (loss or None when it ran out of memory for good, retries, error line)."""
     try:
-        if hasattr(planner, "run"):
-            outcome = planner.run(step_fn, batch)
-            loss = getattr(outcome, "loss", None)
-            return (None if loss is None else float(loss)), getattr(outcome, "retries", 0), getattr(outcome, "error", None)
-        with planner.step(batch):
-            loss = step_fn(batch)
-        return float(loss), 0, None
+        loss = planner.run(step_fn, batch)
+        return float(loss), planner.last.retries, None
     except torch.OutOfMemoryError as error:
-        return None, 0, one_line(error)
+        return None, planner.max_retries, one_line(error)
 
 
 def optimizer_step(t: Trainer) -> str | None:
@@ -410,7 +402,7 @@ def _fmt(value, spec: str, width: int) -> str:
 
 def untrusted(stats: dict):
     """Mimose's count of predictions it did not trust, under whichever key it reports it."""
-    return next((v for k, v in stats.items() if "untrusted" in k and isinstance(v, (int, float))), None)
+    return stats.get("untrusted_steps")
 
 
 HEADER = (f"{'model':10} {'setting':8} {'bud%':>4} {'budget MB':>9} {'OOM':>4} {'shel':>4} {'opt':>3} "
