@@ -100,8 +100,8 @@ def drop_reason(name: str, checkpointed: set, parents: list, children: list, *,
     running when the block was entered (the block or a parent checkpointed by user code).
     It is also dropped when its memory cannot be attributed cleanly: the block ran more than
     once in the step (``calls``: shared weights, reentrant use). The collector adds two more
-    such cases: the forward produced no tensor that needs a gradient, or the live bytes did
-    not return to their level once the measuring run was dropped (something kept its outputs).
+    such cases: the forward produced no tensor that needs a gradient (``no_grad_output``), or
+    its measuring run did not fit the budget (``no_room``).
     """
     if in_checkpoint or name in checkpointed:
         return "checkpointed"
