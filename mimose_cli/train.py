@@ -195,6 +195,7 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_
     _sync(trainer.device)
     start = time.perf_counter()
     last_micro = micro_step == trainer.recipe.training.gradient_accumulation_steps - 1
+    lr = trainer.scheduler.get_last_lr()[0]  # the rate this step's update uses
     with trainer.meter.step() as mem:
         loss, info, activation_bytes = trainer.forward_backward(batch, counter)
         planned_peak = trainer.meter.peak_bytes()  # what the planner plans for: before the optimizer
@@ -205,7 +206,7 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_
     record = {
         "step": trainer.step, "micro_step": micro_step, "input_shape": list(batch["input_ids"].shape),
         "input_size": list(info.input_size), "loss": loss.item(),
-        "lr": trainer.scheduler.get_last_lr()[0], "iter_ms": iter_ms,
+        "lr": lr, "iter_ms": iter_ms,
         "memory/peak_bytes": mem.peak_bytes, "memory/fwd_bwd_peak_bytes": planned_peak,
         "memory/start_bytes": mem.start_bytes,
         "memory/activation_bytes": activation_bytes,

@@ -12,6 +12,8 @@ from mimose_cli.cli import app
 from mimose_cli.compare import normalise, planner_specs, render_compare
 from mimose_cli.recipe import load_recipe
 
+from conftest import QUICKSTART
+
 # Fake training: time per planner, and which (planner, budget) runs out of memory.
 TIMES = {"mimose": 11.0, "sublinear": 14.0, "dtr": 15.0, "none": 10.0, "oracle": 10.5}
 
@@ -40,7 +42,7 @@ def fake_training(monkeypatch, tmp_path):
 
 def test_compare_command_runs_every_planner_at_every_budget(fake_training, tmp_path):
     out = tmp_path / "cmp"
-    result = CliRunner().invoke(app, ["compare", "recipes/quickstart.yaml", "--budgets", "1MB,2MB",
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--budgets", "1MB,2MB",
                                       "--steps", "5", "--out", str(out), "seed=3"])
     assert result.exit_code == 0, result.output
     names = [c[0] for c in fake_training]
@@ -66,12 +68,12 @@ def test_variants_and_unknown_planners():
 
 
 def test_variant_option_reaches_the_planner(fake_training, tmp_path):
-    result = CliRunner().invoke(app, ["compare", "recipes/quickstart.yaml", "--baselines",
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines",
                                       "sublinear:chen", "--out", str(tmp_path / "c")])
     assert result.exit_code == 0, result.output
     options = {c[0]: c[3] for c in fake_training}
     assert options["sublinear"] == {"variant": "chen"} and options["none"] == {}
-    assert {c[1] for c in fake_training} == {load_recipe("recipes/quickstart.yaml").budget}
+    assert {c[1] for c in fake_training} == {load_recipe(str(QUICKSTART)).budget}
 
 
 def test_no_reference_when_none_and_oracle_fail():
@@ -83,7 +85,7 @@ def test_no_reference_when_none_and_oracle_fail():
 
 def test_render_reads_the_compare_directory(fake_training, tmp_path):
     out = tmp_path / "cmp"
-    CliRunner().invoke(app, ["compare", "recipes/quickstart.yaml", "--budgets", "2MB", "--out", str(out)])
+    CliRunner().invoke(app, ["compare", str(QUICKSTART), "--budgets", "2MB", "--out", str(out)])
     console = Console(record=True, width=160)
     render_compare(out, console)
     text = console.export_text()
@@ -106,7 +108,7 @@ def test_repeats_rotate_the_order_and_report_the_median(monkeypatch, tmp_path):
         return mimose_cli.train.RunResult(run_dir, summary)
 
     monkeypatch.setattr(mimose_cli.train, "run_training", run_training)
-    result = CliRunner().invoke(app, ["compare", "recipes/quickstart.yaml", "--baselines", "",
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines", "",
                                       "--budgets", "1MB", "--repeats", "3", "--out", str(tmp_path / "c")])
     assert result.exit_code == 0, result.output
     assert order == ["mimose", "none", "oracle", "none", "oracle", "mimose", "oracle", "mimose", "none"]
@@ -122,4 +124,4 @@ def test_repeats_rotate_the_order_and_report_the_median(monkeypatch, tmp_path):
 def test_repeats_must_be_positive():
     with pytest.raises(ValueError, match="repeats"):
         from mimose_cli.compare import run_compare
-        run_compare(load_recipe("recipes/quickstart.yaml"), repeats=0)
+        run_compare(load_recipe(str(QUICKSTART)), repeats=0)

@@ -155,3 +155,28 @@ def test_a_budget_below_the_model_state_fails_before_the_first_step(quick_recipe
     summary, records = load_run(run)
     assert records == [] and summary["status"] == "oom" and summary["steps"] == 0
     assert "raise --budget" in summary["error"].lower()
+
+
+def test_gradient_accumulation_plans_every_micro_batch_and_steps_once_per_window(quick_recipe):
+    recipe = quick_recipe("training.gradient_accumulation_steps=2", "training.max_steps=3",
+                          "planner.sheltered_steps=2", "budget=40MB")
+    result = run_training(recipe, view="none")
+    records = result.records
+    assert result.summary["status"] == "completed"
+    assert [(r["step"], r["micro_step"]) for r in records] == [(s, m) for s in range(3) for m in range(2)]
+    # The learning rate a step used moves once per optimizer step, not per micro-batch.
+    assert records[0]["lr"] == records[1]["lr"] != records[2]["lr"] == records[3]["lr"]
+    # Gradients of the first micro-batch are live at the second's start; predictions hold.
+    for r in records:
+        if r["phase"] == "responsive":
+            assert r["predicted_peak_bytes"] >= r["memory/fwd_bwd_peak_bytes"]
+
+
+def test_bf16_runs_under_the_cpus_autocast(quick_recipe):
+    fp32 = run_training(quick_recipe("planner.name=none", "budget=1GB", "training.max_steps=1"), view="none")
+    bf16 = run_training(quick_recipe("planner.name=none", "budget=1GB", "training.max_steps=1",
+                                     "training.precision=bf16"), view="none")
+    assert bf16.summary["status"] == "completed"
+    # Matmul activations saved in bf16 take half the bytes (softmax and losses stay fp32):
+    # autocast is on, not ignored with a warning as it was on the CPU.
+    assert bf16.records[0]["memory/activation_bytes"] < 0.9 * fp32.records[0]["memory/activation_bytes"]
