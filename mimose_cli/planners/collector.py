@@ -187,8 +187,10 @@ class ShuttlingCollector:
     def begin(self) -> None:
         """Start a sheltered step: the probe, the marks, the gradient snapshot."""
         self.probe = LiveProbe()
+        # Gradients already live (accumulation in a loop of the user's) are not ignored: the
+        # probe counts each when backward first writes into it, as if it were allocated then,
+        # so samples with and without them agree (the planner leaves them out of the start bytes).
         self.probe.ignore([*self.model.parameters(), *self.model.buffers()])
-        self.probe.ignore([p.grad for p in self.model.parameters()])
         self.probe.__enter__()
         self.marks: list = []
         self.calls = [0] * len(self.blocks)

@@ -148,13 +148,10 @@ class Mimose(Planner):
             self._warn(f"mimose: {message}")
 
     def _start_bytes(self) -> int:
-        """Bytes live at the step's start that the fitted timeline does not already hold:
-        parameter gradients are in the timeline (fitted from steps that allocated them), so
-        gradients alive now (accumulation in a loop of the user's) are not counted twice."""
-        if self.meter is None:
-            return 0
-        grads = {p.grad.untyped_storage(): None for p in self.model.parameters() if p.grad is not None}
-        return self.meter.current_bytes() - sum(storage.nbytes() for storage in grads)
+        """Bytes live at the step's start. Gradients already live (accumulation in a loop of the
+        user's) count here and again where the fitted timeline allocates them in backward: over-,
+        never under-predicted (``planner.run`` sets them aside, so there it is exact)."""
+        return self.meter.current_bytes() if self.meter is not None else 0
 
     def _plan_miss(self, key: tuple, base: int) -> tuple:
         start = time.perf_counter()

@@ -187,3 +187,20 @@ def test_a_measuring_run_that_does_not_fit_leaves_the_block_unmeasured_not_the_s
         reason = planner.estimator.trust.reason((4, 30))
     assert [info.phase for info, _ in seen] == ["sheltered"] * 3 + ["measuring"]
     assert "block 1 " in reason and "no room" in reason
+
+
+def test_gradients_alive_at_a_steps_start_are_never_under_predicted():
+    """Gradient accumulation in a loop of the user's: every other step starts with gradients
+    live, in the sheltered phase and after it."""
+    batches = [bert_batch(4, n) for n in (24, 40, 16, 56, 32, 48, 100, 8, 72, 64, 90, 20)]
+    with mimose(tiny_bert(), sheltered_steps=6) as (planner, meter):
+        seen = []
+        for k, data in enumerate(batches):
+            if k % 2 == 0:
+                planner.model.zero_grad(set_to_none=True)
+            meter.track(data)
+            with meter.step() as mem, planner.step(data) as info:
+                planner.model(**data).loss.backward()
+            seen.append((info, mem.peak_bytes))
+    errors = responsive_errors(seen)
+    assert len(errors) == 6 and all(0 <= e <= 0.05 for e in errors), errors
