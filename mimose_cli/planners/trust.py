@@ -1,0 +1,104 @@
+"""When Mimose trusts a prediction: ``Trust``, built with every fit (docs/MIMOSE.md)."""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mimose_cli.planners.features import FEATURES, RANK_RTOL, REACH, STEP_QUANTITIES, features
+
+_SPAN_RTOL = 1e-7
+_TIMELINE = ("plain_bytes", "ckpt_bytes", "bwd_peak_bytes")
+_HELD = ("plain_bytes", "ckpt_bytes", "pre_bytes")
+_STEP_PARTS = {"pre_bytes": "the bytes before the first block", "pre_peak_bytes": "the embeddings' peak",
+               "head_peak_bytes": "the head's peak (backward never reached the last block)",
+               "tail_peak_bytes": "the peak after the blocks' backward"}
+
+
+def _basis(design: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Orthonormal rows spanning the scaled design's rows."""
+    _, singular, vt = np.linalg.svd(design / scale, full_matrices=False)
+    rank = int((singular > RANK_RTOL * singular[0]).sum()) if len(singular) else 0
+    return vt[:rank]
+
+
+@dataclass
+class Trust:
+    """When Mimose trusts a prediction (docs/MIMOSE.md states the rule for users); built by
+    ``Estimator.fit``, ``reason(size)`` says why a prediction is not trusted, or None.
+
+    A prediction at an input size is trusted when all of these hold:
+
+    1. **The samples determine it.** Memory is fitted as a linear function of the size's features
+       (``estimator.FEATURES``). A least-squares fit is exact at a new size, whatever the true
+       coefficients of those features, exactly when the new size's feature vector is a linear
+       combination of the measured sizes' vectors (it lies in their row span). Two distinct lengths
+       at one batch size do not determine the constant term, so a third length is not trusted; one
+       batch size never determines what scales with the batch, so another batch size is not trusted.
+       Each set of samples fitted together (one per pattern of missing measurements) is checked.
+    2. **It is not far outside what was measured**: batch and length at most ``REACH`` times the
+       largest seen (the grid on which the ops that can be a peak were chosen).
+    3. **Every part of the step timeline was measured**: each block's held bytes and backward, and
+       the embeddings, head and tail around them. A part never measured is not guessed.
+    4. **The blocks ran in one order** in every sample (the timeline is built in that order).
+
+    The fit's own misses (``residual_bytes``: how far it is from its samples, when the memory is not
+    quadratic in the size as inferred) are not a reason to distrust a size; they are added to every
+    predicted peak as a margin, so a model that is off is planned conservatively in proportion.
+    """
+
+    scale: np.ndarray = field(default_factory=lambda: np.ones(len(FEATURES)))
+    bases: list = field(default_factory=list)
+    max_batch: float = 0.0
+    max_length: float = 0.0
+    unmeasured: tuple = ()
+    residual_bytes: float = 0.0
+
+    @classmethod
+    def of(cls, estimator, keys: list, segments: np.ndarray, residual: np.ndarray, spans: list) -> "Trust":
+        """The trust of a fit: ``keys`` its (quantity, block) segments, ``segments`` the segment
+        of each fitted column, ``residual`` each column's largest miss on its samples (bytes;
+        0 for times), ``spans`` the designs fitted together."""
+        sizes = estimator.sizes
+        scale = np.abs(np.concatenate(spans)).max(axis=0) if spans else np.ones(len(FEATURES))
+        scale = np.where(scale > 0, scale, 1.0)
+        worst = {key: float(residual[segments == n].max(initial=0.0)) for n, key in enumerate(keys)}
+        held = max((v for (q, _), v in worst.items() if q in _HELD), default=0.0)
+        peak = max((v for (q, _), v in worst.items() if q not in _HELD), default=0.0)
+        # Held bytes add up over the blocks, a peak is one op on top: the worst case of both.
+        residual_bytes = held * (estimator.num_blocks + 1) + peak
+        return cls(scale, [_basis(d, scale) for d in spans], float(max(s[0] for s in sizes)),
+                   float(max(math.prod(s[1:]) for s in sizes)), unmeasured_parts(estimator),
+                   residual_bytes if residual_bytes >= 1.0 else 0.0)
+
+    def reason(self, size) -> str | None:
+        """Why a prediction at ``size`` is not trusted (one line), or None."""
+        if self.unmeasured:
+            return f"never measured: {', '.join(self.unmeasured)}"
+        batch, length = float(size[0]), float(math.prod(size[1:]))
+        if batch > REACH * self.max_batch or length > REACH * self.max_length:
+            return f"input size {tuple(size)} is over {REACH}x the largest measured"
+        vector = features(size) / self.scale
+        for basis in self.bases:
+            rest = vector - basis.T @ (basis @ vector)
+            if np.linalg.norm(rest) > _SPAN_RTOL * np.linalg.norm(vector):
+                return f"input size {tuple(size)} is not determined by the sizes measured"
+        return None
+
+    @property
+    def global_reason(self) -> str | None:
+        """A reason that holds for every size (a part of the timeline never measured)."""
+        return f"never measured: {', '.join(self.unmeasured)}" if self.unmeasured else None
+
+
+def unmeasured_parts(estimator) -> tuple:
+    """The parts of the step timeline no sample measured, in words."""
+    layout = estimator.layout
+    parts = [_STEP_PARTS[q] for q in STEP_QUANTITIES if (q, -1) not in layout]
+    blocks = [i for i in range(estimator.num_blocks) if any((q, i) not in layout for q in _TIMELINE)]
+    if blocks:
+        parts.append(f"block{'s' if len(blocks) > 1 else ''} {', '.join(map(str, blocks))} "
+                     "(dropped by the data filter or no room to measure)")
+    if estimator.shape_changed:
+        parts.append("one order of the blocks (it changed between steps)")
+    return tuple(parts)
