@@ -1,6 +1,7 @@
 """The one planner interface every strategy (mimose and the baselines) implements."""
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -17,8 +18,13 @@ TOKEN_KEYS = ("input_ids", "inputs_embeds", "pixel_values")
 CUDA_SAFETY_FRACTION = 0.05
 
 
-def infer_input_size(batch) -> tuple:
-    """The input size a batch is planned for: (B, L) for tokens, (B, H, W) for images.
+DECODER_KEYS = ("decoder_input_ids", "labels")
+
+
+def infer_input_size(batch, encoder_decoder: bool = False) -> tuple:
+    """The input size a batch is planned for: (B, L) for tokens, (B, H, W) for images, and
+    (B, L, D) for an encoder-decoder, D the decoder's length (``decoder_input_ids``, else the
+    ``labels`` it is shifted from).
 
     Leading dimensions are folded into B, so a multiple-choice batch (B, C, L) is (B*C, L):
     that is the batch the encoder blocks actually see.
@@ -39,10 +45,14 @@ def infer_input_size(batch) -> tuple:
         return (shape[0],) + shape[-2:]
     if len(shape) == 1:
         return (1, shape[0])
-    batch_size = 1
-    for dim in shape[:-1]:
-        batch_size *= dim
-    return (batch_size, shape[-1])
+    size = (math.prod(shape[:-1]), shape[-1])
+    if encoder_decoder:
+        decoder = next((batch[k] for k in DECODER_KEYS if isinstance(batch, dict) and batch.get(k) is not None), None)
+        if decoder is None:
+            raise ValueError("an encoder-decoder's batch needs decoder_input_ids or labels to size its "
+                             "decoder, or call planner.step(input_size=(B, L, D))")
+        size += (decoder.shape[-1],)
+    return size
 
 
 @dataclass
@@ -104,6 +114,7 @@ class Planner:
         # with a config of its own (T5's decoder) still hands its layers a cache: the router
         # clears it (blocks.training_kwargs).
         self._config = getattr(model, "config", None)
+        self.encoder_decoder = bool(getattr(self._config, "is_encoder_decoder", False))
         self._use_cache = getattr(self._config, "use_cache", None)
         if self._use_cache:
             self._config.use_cache = False
@@ -154,7 +165,7 @@ class Planner:
     @contextlib.contextmanager
     def step(self, batch=None, input_size=None):
         """Decide and apply the plan for this batch; yields the ``StepInfo``."""
-        size = tuple(input_size) if input_size is not None else infer_input_size(batch)
+        size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
         start = time.perf_counter()
         self.last = self.make_step_info(size)
         if self.size_key(size) in self.full_sizes:
@@ -183,7 +194,7 @@ class Planner:
         too, ``PlanOutOfMemoryError`` says why with the budget, the prediction and what was
         reached. The optimizer is never touched here.
         """
-        size = tuple(input_size) if input_size is not None else infer_input_size(batch)
+        size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
         guard = StepGuard(self.model, batch)
         last_try = self.max_retries if self.adapts else 0
         try:

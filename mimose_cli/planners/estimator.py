@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mimose_cli.planners.features import (BLOCK_QUANTITIES, FEATURES, NO_EVENT, RANK_RTOL, REACH,
-                                          STEP_QUANTITIES, TIME_FEATURES, features)
+from mimose_cli.planners.features import (BLOCK_QUANTITIES, FEATURES, NO_EVENT, RANK_RTOL, STEP_QUANTITIES,
+                                          TIME_FEATURES, TOKENS, FeatureSet, features)
 from mimose_cli.planners.trust import Trust
 
 _MAX_SAMPLES = 60  # the most recent samples fitted (a bit per sample marks which are missing)
@@ -28,11 +28,11 @@ __all__ = ["BLOCK_QUANTITIES", "FEATURES", "NO_EVENT", "STEP_QUANTITIES", "TIME_
            "Prediction", "features", "least_squares", "peak_timeline", "prune_ops", "select_features"]
 
 
-def select_features(design: np.ndarray, candidates: tuple) -> list:
-    """Columns of ``design`` (FEATURES order) taken in order while each raises the rank."""
+def select_features(design: np.ndarray, candidates: tuple, names: tuple = FEATURES) -> list:
+    """Columns of ``design`` (``names`` order) taken in order while each raises the rank."""
     chosen: list = []
     for name in candidates:
-        column = FEATURES.index(name)
+        column = names.index(name)
         trial = design[:, chosen + [column]]
         scaled = trial / np.maximum(np.abs(trial).max(axis=0), 1e-300)
         singular = np.linalg.svd(scaled, compute_uv=False)
@@ -41,24 +41,16 @@ def select_features(design: np.ndarray, candidates: tuple) -> list:
     return chosen
 
 
-def least_squares(design: np.ndarray, targets: np.ndarray, candidates: tuple) -> np.ndarray:
-    """Coefficients (FEATURES x targets) of each target column on the selected features."""
-    coef = np.zeros((len(FEATURES), targets.shape[1]))
-    chosen = select_features(design, candidates)
+def least_squares(design: np.ndarray, targets: np.ndarray, candidates: tuple,
+                  names: tuple = FEATURES) -> np.ndarray:
+    """Coefficients (``names`` x targets) of each target column on the selected features."""
+    coef = np.zeros((len(names), targets.shape[1]))
+    chosen = select_features(design, candidates, names)
     x = design[:, chosen]
     scale = np.abs(x).max(axis=0)
     # One pseudo-inverse of the small design serves every target column (a plain product).
     coef[chosen] = (np.linalg.pinv(x / scale) @ targets) / scale[:, None]
     return coef
-
-
-def probe_sizes(sizes: list) -> np.ndarray:
-    """Features of a grid spanning the sizes seen and extrapolating far (64x) beyond them."""
-    batches = [s[0] for s in sizes]
-    lengths = [float(math.prod(s[1:])) for s in sizes]
-    grid_b = sorted({1, min(batches), max(batches), REACH * max(batches)})
-    grid_l = np.geomspace(1.0, REACH * max(lengths), 10)
-    return np.stack([features((b, length)) for b in grid_b for length in grid_l])
 
 
 def prune_ops(coef: np.ndarray, segments: np.ndarray, grid: np.ndarray) -> np.ndarray:
@@ -134,8 +126,9 @@ class Estimator:
     single quadratic through segment peaks is not (the largest op changes with the size).
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, feature_set: FeatureSet = TOKENS):
         self.num_blocks = num_blocks
+        self.feature_set = feature_set
         self.sizes: list = []
         self.samples: list = []  # this session's (blocks, step) dicts, for inspection
         self.layout: dict = {}  # (quantity, block or -1) -> (offset, ops) in a flat row
@@ -195,7 +188,8 @@ class Estimator:
         matrix = np.full((len(rows), self._width()), np.nan)
         for r, row in enumerate(rows):
             matrix[r, : len(row)] = row
-        design = np.stack([features(size) for size in self.sizes[-_MAX_SAMPLES:]])
+        names = self.feature_set.names
+        design = np.stack([self.feature_set.of(size) for size in self.sizes[-_MAX_SAMPLES:]])
         alias = self._duplicates(matrix)
         keys = sorted((k for k in self.layout if k not in alias), key=lambda k: self.layout[k][0])
         columns = np.concatenate([np.arange(*self._span(k)) for k in keys])
@@ -205,19 +199,20 @@ class Estimator:
         is_time = np.repeat([k[0] == "fwd_ms" for k in keys], lengths)
         present = ~np.isnan(matrix)
         pattern = (present.T.astype(np.int64) @ (1 << np.arange(len(rows), dtype=np.int64))) * 2 + is_time
-        coef = np.zeros((len(FEATURES), matrix.shape[1]))
+        coef = np.zeros((len(names), matrix.shape[1]))
         residual = np.zeros(matrix.shape[1])
         spans = []
         for value in np.unique(pattern):
             chosen = pattern == value
             used = [r for r in range(len(rows)) if (value >> (r + 1)) & 1]
             targets = matrix[np.ix_(used, chosen)]
-            coef[:, chosen] = least_squares(design[used], targets, TIME_FEATURES if value & 1 else FEATURES)
+            candidates = self.feature_set.time_names if value & 1 else names
+            coef[:, chosen] = least_squares(design[used], targets, candidates, names)
             if not value & 1:  # bytes: what the promise rests on (times only rank plans)
                 residual[chosen] = np.abs(design[used] @ coef[:, chosen] - targets).max(axis=0)
                 spans.append(design[used])
         self.trust = Trust.of(self, keys, segments, residual, spans)
-        keep = prune_ops(coef, segments, probe_sizes(self.sizes))
+        keep = prune_ops(coef, segments, self.feature_set.grid(self.sizes))
         self.coef = coef[:, keep]
         kept = segments[keep]
         self.starts = np.flatnonzero(np.r_[True, kept[1:] != kept[:-1]])
@@ -269,7 +264,7 @@ class Estimator:
 
     def predict(self, size) -> Prediction:
         """Every quantity at ``size``; bytes, and ms for time (never below zero)."""
-        values = np.maximum.reduceat(features(size) @ self.coef, self.starts)
+        values = np.maximum.reduceat(self.feature_set.of(size) @ self.coef, self.starts)
         flat = np.concatenate((values, (0.0, NO_EVENT)))[self.gather] + self.offset
         n = self.num_blocks * len(BLOCK_QUANTITIES)
         blocks = flat[:n].reshape(len(BLOCK_QUANTITIES), self.num_blocks)
@@ -294,7 +289,7 @@ class Estimator:
         fitted = None if self.coef is None else {
             "coef": self.coef.tolist(), "starts": self.starts.tolist(), "source": self.source.tolist(),
             "offset": self.offset.tolist()}
-        return {"num_blocks": self.num_blocks, "features": list(FEATURES),
+        return {"num_blocks": self.num_blocks, "features": list(self.feature_set.names),
                 "block_quantities": list(BLOCK_QUANTITIES), "step_quantities": list(STEP_QUANTITIES),
                 "sizes": [list(s) for s in self.sizes],
                 "order": None if self.order is None else list(self.order),
@@ -307,7 +302,7 @@ class Estimator:
             raise ValueError(f"the saved estimator has {state['num_blocks']} blocks, this model "
                              f"{self.num_blocks}; it was fitted for another model")
         if (list(state["block_quantities"]) != list(BLOCK_QUANTITIES)
-                or list(state["features"]) != list(FEATURES)):
+                or list(state["features"]) != list(self.feature_set.names)):
             raise ValueError("the saved estimator was written by an incompatible mimose version")
         self.sizes = [tuple(s) for s in state["sizes"]]
         self.samples = []

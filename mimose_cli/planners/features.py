@@ -1,7 +1,10 @@
 """The input size's regression features and the quantities measured per block and per step:
 the vocabulary the collector, the estimator and its trust rule share."""
 
+import itertools
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -30,3 +33,37 @@ def features(size) -> np.ndarray:
     batch = float(size[0])
     length = float(math.prod(size[1:]))
     return np.array((batch * length * length, batch * length, 1.0, batch, length * length, length))
+
+
+def seq2seq_features(size) -> np.ndarray:
+    """Features of an encoder-decoder's input size ``(B, E, D)`` (encoder and decoder lengths),
+    in ``SEQ2SEQ.names`` order: each stack quadratic in its own length, cross-attention in both."""
+    b, e, d = (float(v) for v in size)
+    return np.array((b * e * e, b * e, b * d * d, b * d, b * e * d, 1.0, b, e * e, e, d * d, d, e * d))
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    """What memory is regressed on for one kind of input size: the feature names (in the order
+    ``of`` returns them), those forward time is fitted on, and the size's length dimensions that
+    the fit's reach is checked on (``lengths(size)``)."""
+
+    names: tuple
+    time_names: tuple
+    of: Callable
+    lengths: Callable
+
+    def grid(self, sizes: list) -> np.ndarray:
+        """Features of a grid spanning the sizes seen and reaching ``REACH`` times beyond them."""
+        batches = [s[0] for s in sizes]
+        grid_b = sorted({1, min(batches), max(batches), REACH * max(batches)})
+        per_dim = [np.geomspace(1.0, REACH * max(dim), 10 if len(self.lengths(sizes[0])) == 1 else 5)
+                   for dim in zip(*(self.lengths(s) for s in sizes))]
+        return np.stack([self.of(point) for point in itertools.product(grid_b, *per_dim)])
+
+
+TOKENS = FeatureSet(FEATURES, TIME_FEATURES, features, lambda size: (math.prod(size[1:]),))
+"""(B, L) for tokens, (B, H, W) for images: one length, the product of the non-batch dims."""
+SEQ2SEQ = FeatureSet(("BE2", "BE", "BD2", "BD", "BED", "1", "B", "E2", "E", "D2", "D", "ED"),
+                     ("BE2", "BE", "BD2", "BD", "BED", "1"), seq2seq_features, lambda size: tuple(size[1:]))
+"""(B, E, D) for encoder-decoders: the encoder's and the decoder's lengths apart."""

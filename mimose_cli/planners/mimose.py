@@ -34,6 +34,7 @@ import torch
 from mimose_cli.planners.base import Planner, StepInfo
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
+from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.scheduler import greedy_plan_checked
 
 
@@ -63,7 +64,7 @@ class Mimose(Planner):
         self._own_meter = None
         if meter is None:
             self._own_meter = self._start_own_meter(model)
-        self.estimator = Estimator(self.num_blocks)
+        self.estimator = Estimator(self.num_blocks, SEQ2SEQ if self.encoder_decoder else TOKENS)
         self.collector = self.measurer = ShuttlingCollector(model, self.blocks, self.recompute_clock)
         self.cache: dict = {}
         self.sheltered_done = 0

@@ -1,11 +1,10 @@
 """When Mimose trusts a prediction: ``Trust``, built with every fit (docs/MIMOSE.md)."""
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from mimose_cli.planners.features import FEATURES, RANK_RTOL, REACH, STEP_QUANTITIES, features
+from mimose_cli.planners.features import RANK_RTOL, REACH, STEP_QUANTITIES, TOKENS, FeatureSet
 
 _SPAN_RTOL = 1e-7
 _TIMELINE = ("plain_bytes", "ckpt_bytes", "bwd_peak_bytes")
@@ -47,10 +46,11 @@ class Trust:
     predicted peak as a margin, so a model that is off is planned conservatively in proportion.
     """
 
-    scale: np.ndarray = field(default_factory=lambda: np.ones(len(FEATURES)))
+    feature_set: FeatureSet = TOKENS
+    scale: np.ndarray = field(default_factory=lambda: np.ones(len(TOKENS.names)))
     bases: list = field(default_factory=list)
     max_batch: float = 0.0
-    max_length: float = 0.0
+    max_lengths: tuple = ()
     unmeasured: tuple = ()
     residual_bytes: float = 0.0
 
@@ -60,25 +60,26 @@ class Trust:
         of each fitted column, ``residual`` each column's largest miss on its samples (bytes;
         0 for times), ``spans`` the designs fitted together."""
         sizes = estimator.sizes
-        scale = np.abs(np.concatenate(spans)).max(axis=0) if spans else np.ones(len(FEATURES))
+        fs = estimator.feature_set
+        scale = np.abs(np.concatenate(spans)).max(axis=0) if spans else np.ones(len(fs.names))
         scale = np.where(scale > 0, scale, 1.0)
         worst = {key: float(residual[segments == n].max(initial=0.0)) for n, key in enumerate(keys)}
         held = max((v for (q, _), v in worst.items() if q in _HELD), default=0.0)
         peak = max((v for (q, _), v in worst.items() if q not in _HELD), default=0.0)
         # Held bytes add up over the blocks, a peak is one op on top: the worst case of both.
         residual_bytes = held * (estimator.num_blocks + 1) + peak
-        return cls(scale, [_basis(d, scale) for d in spans], float(max(s[0] for s in sizes)),
-                   float(max(math.prod(s[1:]) for s in sizes)), unmeasured_parts(estimator),
-                   residual_bytes if residual_bytes >= 1.0 else 0.0)
+        max_lengths = tuple(float(max(dim)) for dim in zip(*(fs.lengths(s) for s in sizes)))
+        return cls(fs, scale, [_basis(d, scale) for d in spans], float(max(s[0] for s in sizes)),
+                   max_lengths, unmeasured_parts(estimator), residual_bytes if residual_bytes >= 1.0 else 0.0)
 
     def reason(self, size) -> str | None:
         """Why a prediction at ``size`` is not trusted (one line), or None."""
         if self.unmeasured:
             return f"never measured: {', '.join(self.unmeasured)}"
-        batch, length = float(size[0]), float(math.prod(size[1:]))
-        if batch > REACH * self.max_batch or length > REACH * self.max_length:
+        lengths = self.feature_set.lengths(size)
+        if size[0] > REACH * self.max_batch or any(n > REACH * m for n, m in zip(lengths, self.max_lengths)):
             return f"input size {tuple(size)} is over {REACH}x the largest measured"
-        vector = features(size) / self.scale
+        vector = self.feature_set.of(size) / self.scale
         for basis in self.bases:
             rest = vector - basis.T @ (basis @ vector)
             if np.linalg.norm(rest) > _SPAN_RTOL * np.linalg.norm(vector):

@@ -204,3 +204,25 @@ def test_gradients_alive_at_a_steps_start_are_never_under_predicted():
             seen.append((info, mem.peak_bytes))
     errors = responsive_errors(seen)
     assert len(errors) == 6 and all(0 <= e <= 0.05 for e in errors), errors
+
+
+def test_an_encoder_decoders_decoder_length_is_part_of_its_input_size():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=16,
+                      vocab_size=100, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+    model = T5ForConditionalGeneration(config).train()
+
+    def t5_batch(encoder, decoder):
+        gen = torch.Generator().manual_seed(encoder * 1000 + decoder)
+        return {"input_ids": torch.randint(0, 100, (4, encoder), generator=gen),
+                "labels": torch.randint(0, 100, (4, decoder), generator=gen)}
+
+    # The target length varies on its own: before, (4, 40) was one size whatever the decoder's.
+    pairs = [(24, 8), (40, 30), (16, 20), (56, 12), (32, 44), (48, 16), (40, 8), (40, 50), (20, 36), (60, 24)]
+    with mimose(model, sheltered_steps=6) as (planner, meter):
+        seen = train(planner, meter, [t5_batch(*p) for p in pairs])
+    assert seen[6][0].input_size == (4, 40, 8)
+    errors = responsive_errors(seen)
+    assert len(errors) >= 3 and all(0 <= e <= 0.02 for e in errors), errors
