@@ -35,6 +35,7 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
     return {
         "status": status,
         "steps": len(done),
+        "optimizer_steps": len({r["step"] for r in done if r.get("micro_step", 0) == 0}),
         "oom_steps": sum(1 for r in records if r.get("oom")),
         # Out-of-memory recovery: attempts that failed and were retried on the same batch.
         "retries": sum(r.get("retries") or 0 for r in records),

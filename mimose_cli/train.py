@@ -164,7 +164,8 @@ def model_state_error(trainer: Trainer, state_bytes: int) -> str | None:
     can. Checkpointing only shrinks activations, so no planner could help."""
     budget = trainer.recipe.budget_bytes
     weights = trainer.meter.current_bytes()
-    grads = block_param_bytes(trainer.model)
+    # With accumulation a micro-batch holds the gradients set aside (``StepGuard``) and its own.
+    grads = block_param_bytes(trainer.model) * (2 if trainer.recipe.training.gradient_accumulation_steps > 1 else 1)
     if budget is None or weights + grads + state_bytes <= budget:
         return None
     return (f"budget {format_bytes(budget)} cannot hold the model's state before any activation: "
@@ -233,7 +234,7 @@ def _oom_record(trainer: Trainer, batch: dict, error: Exception, micro_step: int
         "phase": info.phase if info else None, "cache_hit": info.cache_hit if info else None,
         "predicted_peak_bytes": getattr(error, "predicted_bytes", info.predicted_peak_bytes if info else None),
         "reached_bytes": getattr(error, "reached_bytes", None),
-        "retries": getattr(trainer.planner, "max_retries", 0) if isinstance(error, PlanOutOfMemoryError) else 0,
+        "retries": error.retries if isinstance(error, PlanOutOfMemoryError) else 0,
         "oom": True, "error": str(error).splitlines()[0],
     }
 

@@ -207,18 +207,24 @@ class Planner:
                 info, reached = failure
                 if attempt < last_try:
                     self.retries_total += 1
-                    self.recover(info, attempt + 1)
+                    self.recover(info, attempt + 1, reached)
+        except BaseException:
+            guard.undo()  # any other error (or an interrupt): the gradients as they were before
+            guard.finish()
+            raise
         finally:
             self.attempt, self._result = 0, None
         guard.finish()  # the failed attempt is undone; gradients of earlier micro-batches stay
         blocks = "every block" if len(info.plan) == self.num_blocks else f"{len(info.plan)} of {self.num_blocks} blocks"
         device = getattr(self.meter, "budget_bytes", None) or self.budget_bytes  # what the device holds
         message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached)
-        raise PlanOutOfMemoryError(message, device, info.predicted_peak_bytes, reached)
+        raise PlanOutOfMemoryError(message, device, info.predicted_peak_bytes, reached, last_try)
 
     def _attempt_step(self, step_fn, batch, size, guard: StepGuard):
         """One attempt: None when it succeeded (result in ``self._result``), else the failed
         step's ``(StepInfo, reached bytes)`` with the attempt undone."""
+        if self.meter is not None:
+            self.meter.reset_peak()  # each attempt's peak is its own (the record keeps the last)
         try:
             with self.step(batch, size):
                 self._result = step_fn(batch)
@@ -240,9 +246,9 @@ class Planner:
         """The key recovery remembers a size by (Mimose: its plan-cache key)."""
         return tuple(size)
 
-    def recover(self, info: StepInfo, failures: int) -> None:
-        """Make the next attempt of a step that ran out of memory ``failures`` times need less
-        memory. The default checkpoints every block for that size from now on; planners with a
+    def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> None:
+        """Make the next attempt of a step that ran out of memory ``failures`` times (the last
+        trying to hold ``reached_bytes``) need less memory. The default checkpoints every block for that size from now on; planners with a
         finer remedy (Mimose: a larger margin for that size) try it first."""
         self.full_sizes.add(self.size_key(info.input_size))
 

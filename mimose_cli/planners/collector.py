@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from mimose_cli.memory import SavedBytesCounter
 from mimose_cli.planners.blocks import inside_checkpoint, recomputing, restored_buffers, run_checkpointed
-from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES
+from mimose_cli.planners.features import BLOCK_QUANTITIES, STEP_QUANTITIES
 
 class _Ref(weakref.ref):
     __slots__ = ("key", "nbytes")
@@ -257,13 +257,13 @@ class ShuttlingCollector:
             # The copies and the snapshot are the collector's, not the block's: the probe does
             # not count them, so the block's bytes are still measured from the level at its
             # entry; a copy has its input's storage size, so a saved input counts as before.
-            with self.probe.uncounted():
-                stack.enter_context(restored_buffers(self.blocks[index][1]))
-                args, kwargs = _copies((args, kwargs))
-            self.counter.reset()
-            self._sync(device)
-            begin = time.perf_counter()
             try:
+                with self.probe.uncounted():
+                    stack.enter_context(restored_buffers(self.blocks[index][1]))
+                    args, kwargs = _copies((args, kwargs))
+                self.counter.reset()
+                self._sync(device)
+                begin = time.perf_counter()
                 with self.counter:
                     out = forward(*args, **kwargs)
             except torch.OutOfMemoryError:
@@ -369,7 +369,10 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, saved, fwd_ms, drop
     entry = {i: at[("enter", i)][1] for i in order}
     after = dict(zip(order, [entry[i] for i in order[1:]] + [at[("ckpt", order[-1])][1]]))
     step["pre_bytes"] = np.array([entry[order[0]]])
+    # No op before the first block (the model starts with a block): measured, and no event.
     step["pre_peak_bytes"] = trace.ops(0, at[("enter", order[0])][0], 0.0)
+    if step["pre_peak_bytes"] is None:
+        step["pre_peak_bytes"] = np.array([])
     for position, i in enumerate(order):
         following = order[position + 1] if position + 1 < num_blocks else None
         if i not in dropped:
@@ -412,7 +415,8 @@ def _block_backward(blocks: dict, step: dict, at: dict, entry: dict, marks: list
     if ("bwd", last) not in at:
         return  # backward never reached the last block's output: nothing attributable
     first_bwd = min(at[("bwd", i)][0] for i in shape.order if ("bwd", i) in at)
-    step["head_peak_bytes"] = trace.ops(at[("ckpt", last)][0], first_bwd, top)
+    head = trace.ops(at[("ckpt", last)][0], first_bwd, top)
+    step["head_peak_bytes"] = np.array([]) if head is None else head  # empty: measured, no event
     for i in shape.order:
         if ("bwd", i) not in at:
             continue
@@ -426,3 +430,7 @@ def _block_backward(blocks: dict, step: dict, at: dict, entry: dict, marks: list
     end = at.get(("bwd_end",))
     if end is not None:
         step["tail_peak_bytes"] = trace.ops(end[0], len(trace.live), 0.0 if shape.backward_reversed else top)
+    elif all(("bwd", i) in at for i in shape.order):
+        # The first block's input needs no gradient (the model starts with a block): backward
+        # ends inside the blocks' stretches, and there is no tail to measure.
+        step["tail_peak_bytes"] = np.array([])

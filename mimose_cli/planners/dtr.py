@@ -119,6 +119,7 @@ class DTR(Planner):
     """
 
     name = "dtr"
+    adapts = False  # it evicts on demand already; a plan to retry with would not change its route
 
     def __init__(self, model, budget=None, *, cost_fn=None, **kwargs):
         super().__init__(model, budget, **kwargs)

@@ -141,6 +141,7 @@ class Estimator:
         self.order: tuple | None = None  # the blocks' forward order (from the first sample)
         self.backward_reversed = True
         self.shape_changed = False  # a later sample ran the blocks in another order
+        self.empty: set = set()  # (quantity, block) stretches measured with no op in them
         self.trust = Trust()
 
     @property
@@ -167,6 +168,9 @@ class Estimator:
         for q, i in self._keys():
             values = blocks[q][i] if i >= 0 else step[q]
             if values is None:
+                continue
+            if not len(values):  # a stretch measured with no op in it: no event, not unknown
+                self.empty.add((q, i))
                 continue
             offset, ops = self.layout.setdefault((q, i), (self._width(), len(values)))
             if ops == len(values):
@@ -294,6 +298,7 @@ class Estimator:
                 "sizes": [list(s) for s in self.sizes],
                 "order": None if self.order is None else list(self.order),
                 "backward_reversed": self.backward_reversed, "shape_changed": self.shape_changed,
+                "empty": [list(k) for k in sorted(self.empty)],
                 "layout": [[q, i, offset, ops] for (q, i), (offset, ops) in self.layout.items()],
                 "rows": [plain(row) for row in self.rows], "fitted": fitted}
 
@@ -312,6 +317,7 @@ class Estimator:
         self.order = None if order is None else tuple(order)
         self.backward_reversed = state.get("backward_reversed", True)
         self.shape_changed = state.get("shape_changed", False)
+        self.empty = {tuple(k) for k in state.get("empty", [])}
         self.coef = None
         if state.get("fitted") is not None:
             self.fit()  # deterministic: the same coefficients, and the trust that goes with them

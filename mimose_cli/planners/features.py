@@ -24,7 +24,6 @@ the peak from the last block's output to the start of its backward (head, loss, 
 backward) above the live bytes then, and the peak after the first block's backward."""
 RANK_RTOL = 1e-9  # a singular value below this (relative) adds no rank
 REACH = 64  # how far beyond the largest size measured a prediction may reach
-_MAX_SAMPLES = 60  # the most recent samples fitted (a bit per sample marks which are missing)
 NO_EVENT = -1e30
 
 

@@ -190,17 +190,18 @@ class Mimose(Planner):
         peak = float(peak_timeline(pred, masks).max())
         return peak * (1.0 + self.prediction_margin) + self.estimator.trust.residual_bytes
 
-    def recover(self, info: StepInfo, failures: int) -> None:
+    def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> None:
         """First failure of a planned step: plan that size again with a margin (the larger of
-        5 % of the budget and the prediction's shortfall, doubled on each further failure);
-        a measuring step is retried unmeasured (``_measuring_info``); then every block."""
-        if failures > 1 or info.phase != "responsive":
-            if info.phase in ("sheltered", "measuring"):
-                return  # the retry runs checkpointed without the measuring runs
-            super().recover(info, failures)
+        5 % of the budget and the prediction's shortfall, and twice the margin a failure of
+        this size already left); a measuring step is retried unmeasured (``_measuring_info``);
+        a second failure, or a step with no prediction, checkpoints every block."""
+        if info.phase in ("sheltered", "measuring") and failures == 1:
+            return  # the retry runs checkpointed without the measuring runs
+        if failures > 1 or info.phase != "responsive" or info.predicted_peak_bytes is None:
+            super().recover(info, failures, reached_bytes)
             return
         key = self.cache_key(info.input_size)
-        shortfall = (self.meter.peak_bytes() - info.predicted_peak_bytes) if self.meter is not None else 0
+        shortfall = reached_bytes - info.predicted_peak_bytes
         margin = max(0.05 * self.limit_bytes, shortfall, 2 * self.recovery_margins.get(key, 0))
         self.recovery_margins[key] = int(margin)
         self.cache.pop(key, None)

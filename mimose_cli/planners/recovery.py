@@ -17,15 +17,17 @@ from mimose_cli.units import format_bytes
 
 
 class PlanOutOfMemoryError(torch.OutOfMemoryError):
-    """A step that ran out of memory even with every block checkpointed: the run cannot go on
-    at this budget. Carries the three figures (bytes; ``predicted_bytes`` None when the planner
-    made no prediction)."""
+    """A step that ran out of memory on every attempt the planner could make (the last with
+    every block checkpointed, unless the planner does not adapt): the run cannot go on at this
+    budget. Carries the three figures (bytes; ``predicted_bytes`` None when the planner made no
+    prediction) and how many retries were made."""
 
-    def __init__(self, message: str, budget_bytes, predicted_bytes, reached_bytes):
+    def __init__(self, message: str, budget_bytes, predicted_bytes, reached_bytes, retries: int):
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.predicted_bytes = predicted_bytes
         self.reached_bytes = reached_bytes
+        self.retries = retries
 
 
 def oom_message(size, retries: int, checkpointed: str, budget_bytes, predicted_bytes, reached_bytes) -> str:

@@ -86,16 +86,13 @@ class Trust:
                 return f"input size {tuple(size)} is not determined by the sizes measured"
         return None
 
-    @property
-    def global_reason(self) -> str | None:
-        """A reason that holds for every size (a part of the timeline never measured)."""
-        return f"never measured: {', '.join(self.unmeasured)}" if self.unmeasured else None
 
 
 def unmeasured_parts(estimator) -> tuple:
     """The parts of the step timeline no sample measured, in words."""
     layout = estimator.layout
-    parts = [_STEP_PARTS[q] for q in STEP_QUANTITIES if (q, -1) not in layout]
+    measured = set(layout) | estimator.empty
+    parts = [_STEP_PARTS[q] for q in STEP_QUANTITIES if (q, -1) not in measured]
     blocks = [i for i in range(estimator.num_blocks) if any((q, i) not in layout for q in _TIMELINE)]
     if blocks:
         parts.append(f"block{'s' if len(blocks) > 1 else ''} {', '.join(map(str, blocks))} "

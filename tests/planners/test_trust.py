@@ -226,3 +226,24 @@ def test_an_encoder_decoders_decoder_length_is_part_of_its_input_size():
     assert seen[6][0].input_size == (4, 40, 8)
     errors = responsive_errors(seen)
     assert len(errors) >= 3 and all(0 <= e <= 0.02 for e in errors), errors
+
+
+def test_a_model_that_starts_with_a_block_has_nothing_unmeasured():
+    """No op before the first block and no gradient of its input: those stretches are measured
+    empty, not missing (before, such a model was never trusted and ended up as `full`)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32)) for _ in range(3)])
+    meter = build_meter("simulated", None)
+    with meter.activate():
+        meter.track(model)
+        planner = Mimose(model, "1GB", meter=meter, sheltered_steps=3)
+        phases = []
+        for rows in (16, 48, 32, 64, 80):
+            x = torch.randn(rows, 32)
+            model.zero_grad(set_to_none=True)
+            with planner.step(input_size=(rows, 1)) as info:
+                model(x).pow(2).mean().backward()
+            phases.append(info.phase)
+        unmeasured = planner.estimator.trust.unmeasured
+        planner.close()
+    assert unmeasured == () and phases[3:] == ["responsive", "responsive"]
