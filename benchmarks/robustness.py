@@ -21,8 +21,9 @@ out-of-memory past the budget):
 Lengths are lognormal (mean 64, std 48 tokens) clipped to 16..256, each batch padded to its
 longest example; every planner sees the same batches and the same dropout seed. The step peak
 is measured around forward+backward (the planned region); the AdamW step runs after it, and an
-out-of-memory there is counted too. Figures per cell, with targets: out-of-memory steps (0),
-retries (0; from ``planner.run`` once planners have it), the step-peak prediction error
+out-of-memory there is counted too. Every step runs through ``planner.run`` (out-of-memory
+recovery: a failed step is retried on the same batch). Figures per cell, with targets:
+out-of-memory steps that recovery could not save (0), retries (0), the step-peak prediction error
 (predicted - measured) / measured over responsive steps (most negative and largest magnitude,
 <= 2 %), mean peak / budget where the budget binds (a non-empty plan, >= 90 %), the largest
 absolute loss difference to the ``none`` run before the cell's first out-of-memory step (0.0,

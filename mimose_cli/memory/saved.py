@@ -38,6 +38,11 @@ class SavedBytesCounter:
         self._seen = WeakIdKeyDictionary()
         self.bytes = 0
 
+    def live_bytes(self) -> int:
+        """Bytes of the storages counted that are still alive (held by something other than
+        the graph that saved them, once that graph is gone)."""
+        return sum(storage.nbytes() for storage in list(self._seen.keys()))
+
     def __enter__(self) -> "SavedBytesCounter":
         self._excluded_ids = {id(t.untyped_storage()) for t in self._exclude}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)

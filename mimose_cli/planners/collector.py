@@ -46,6 +46,7 @@ class LiveProbe(TorchDispatchMode):
         self.refs: dict = {}
         self.trace: list = []
         self.recompute: list = []
+        self.autocast: list = []
         self._counting = True
 
     def _free(self, ref) -> None:
@@ -86,6 +87,7 @@ class LiveProbe(TorchDispatchMode):
             return out
         self.trace.append(self.live)
         self.recompute.append(recomputing())
+        self.autocast.append(torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
         return out
 
 
@@ -198,6 +200,7 @@ class ShuttlingCollector:
         self.dropped: dict = {}
         self.fwd_ms = np.full(len(self.blocks), np.nan)
         self.saved = np.full(len(self.blocks), np.nan)
+        self.resident = np.full(len(self.blocks), np.nan)
         self.active = True
 
     def mark(self, label) -> None:
@@ -233,6 +236,10 @@ class ShuttlingCollector:
         self.mark(("enter", index))
         rng = _rng_state(device)
         usable = self._measure(index, forward, args, kwargs, device)
+        # What the measuring run saved that outlives its graph is held by someone else: under
+        # autocast, the cast weights its cache keeps until the forward ends, which a block run
+        # plainly holds until its backward when its ops save them.
+        self.resident[index] = self.counter.live_bytes()
         self.mark(("dropped", index))
         _set_rng_state(rng, device)
         self.collector_ms += (time.perf_counter() - start) * 1e3
@@ -308,8 +315,10 @@ class ShuttlingCollector:
         probe.__exit__(None, None, None)
         if len(self.dropped) == len(self.blocks) or not self.marks:
             return None
-        trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.recompute, dtype=bool))
-        return build_sample(self.marks, trace, len(self.blocks), self.saved, self.fwd_ms,
+        trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.recompute, dtype=bool),
+                      np.array(probe.autocast, dtype=bool))
+        per_block = {"saved_bytes": self.saved, "fwd_ms": self.fwd_ms, "resident_bytes": self.resident}
+        return build_sample(self.marks, trace, len(self.blocks), per_block,
                             self.dropped)
 
     def abort(self) -> None:
@@ -322,7 +331,8 @@ class ShuttlingCollector:
 
 @dataclass
 class Trace:
-    """One sheltered step's live bytes after each op, and which ops were recomputes.
+    """One sheltered step's live bytes after each op, which ops were recomputes, and which ran
+    under autocast.
 
     Parameter gradients allocated in backward stay in the values: the fit takes them as part of
     the step, which holds as long as the loop frees (or keeps) gradients the same way at every
@@ -331,12 +341,18 @@ class Trace:
 
     live: np.ndarray
     recompute: np.ndarray
+    autocast: np.ndarray
 
-    def ops(self, start: int, stop: int, reference: float, recompute=None):
-        """Live bytes of ops ``start..stop-1`` above ``reference``; None when there is no op."""
+    def ops(self, start: int, stop: int, reference: float, recompute=None, autocast=None):
+        """Live bytes of ops ``start..stop-1`` above ``reference``, only the recomputes (or
+        not) and only those under autocast (or not) when asked; None when there is no op."""
         values = self.live[start:stop] - reference
+        keep = np.ones(len(values), dtype=bool)
         if recompute is not None:
-            values = values[self.recompute[start:stop] == recompute]
+            keep &= self.recompute[start:stop] == recompute
+        if autocast is not None:
+            keep &= self.autocast[start:stop] == autocast
+        values = values[keep]
         return values if len(values) else None
 
 
@@ -352,7 +368,7 @@ class StepShape:
     backward_reversed: bool
 
 
-def build_sample(marks: list, trace: Trace, num_blocks: int, saved, fwd_ms, dropped: dict):
+def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dropped: dict):
     """Per-block and step quantities (``{quantity: [array | None per block]}``, ``{quantity:
     array | None}``) and the step's ``StepShape`` from one step's marks ``(label, op index,
     live bytes)``. Dropped blocks and stretches a missing mark leaves unattributable are None;
@@ -376,7 +392,7 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, saved, fwd_ms, drop
     for position, i in enumerate(order):
         following = order[position + 1] if position + 1 < num_blocks else None
         if i not in dropped:
-            _block_forward(blocks, i, following, at, entry[i], after[i], trace, saved, fwd_ms)
+            _block_forward(blocks, i, following, at, entry[i], after[i], trace, per_block)
     shape = StepShape(tuple(order), _backward_order(marks) == order[::-1])
     _block_backward(blocks, step, at, entry, marks, trace, shape, dropped)
     return blocks, step, shape
@@ -387,7 +403,9 @@ def _backward_order(marks: list) -> list:
 
 
 def _block_forward(blocks: dict, i: int, following, at: dict, entry: float, after: float,
-                   trace: Trace, saved, fwd_ms) -> None:
+                   trace: Trace, per_block: dict) -> None:
+    """The block's forward quantities; ``per_block`` holds what the collector measured
+    directly (saved bytes, forward ms, resident bytes), an array over blocks each."""
     enter, plain, dropped, ckpt = (at.get((kind, i)) for kind in ("enter", "plain", "dropped", "ckpt"))
     if None in (enter, plain, dropped, ckpt):
         return  # a mark is missing
@@ -395,8 +413,8 @@ def _block_forward(blocks: dict, i: int, following, at: dict, entry: float, afte
     # the weights, kept until the forward ends) count as the block's in both runs: the plain
     # run minus the checkpointed run is what checkpointing frees, whatever stayed behind.
     ckpt_bytes = after - entry
-    blocks["saved_bytes"][i] = np.array([saved[i]])
-    blocks["fwd_ms"][i] = np.array([fwd_ms[i]])
+    for quantity, values in per_block.items():
+        blocks[quantity][i] = np.array([values[i]])
     blocks["ckpt_bytes"][i] = np.array([ckpt_bytes])
     blocks["plain_bytes"][i] = np.array([ckpt_bytes + plain[1] - ckpt[1]])
     blocks["fwd_peak_bytes"][i] = trace.ops(enter[0], plain[0], entry)
@@ -415,8 +433,11 @@ def _block_backward(blocks: dict, step: dict, at: dict, entry: dict, marks: list
     if ("bwd", last) not in at:
         return  # backward never reached the last block's output: nothing attributable
     first_bwd = min(at[("bwd", i)][0] for i in shape.order if ("bwd", i) in at)
-    head = trace.ops(at[("ckpt", last)][0], first_bwd, top)
-    step["head_peak_bytes"] = np.array([]) if head is None else head  # empty: measured, no event
+    # The head's forward runs under the user's autocast, its backward after it: the casts the
+    # blocks left are freed in between, which the timeline adds back for blocks run plainly.
+    for quantity, autocast in (("head_peak_bytes", True), ("head_bwd_peak_bytes", False)):
+        values = trace.ops(at[("ckpt", last)][0], first_bwd, top, autocast=autocast)
+        step[quantity] = np.array([]) if values is None else values  # empty: measured, no event
     for i in shape.order:
         if ("bwd", i) not in at:
             continue

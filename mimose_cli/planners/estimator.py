@@ -108,10 +108,15 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
                           np.where(plan_mask, b["ckpt_fwd_peak_bytes"], b["fwd_peak_bytes"]))
     own = np.maximum(b["bwd_peak_bytes"], np.where(plan_mask, b["recompute_peak_bytes"], NO_EVENT))
     top = entry[..., -1:]
-    bwd = (at if pred.backward_reversed else top) + own
+    # Samples run every block checkpointed, so what a block's run leaves until the forward ends
+    # (autocast's cached casts) is gone in their backward; a block run plainly may keep it (its
+    # graph saves the casts) until its own backward: added back, for the blocks before (out of
+    # order: all blocks) that are not in the plan. An upper bound: some ops save the fp32 weight.
+    kept = np.concatenate((0.0 * one, np.cumsum(np.where(plan_mask, 0.0, b["resident_bytes"]), axis=-1)), axis=-1)
+    bwd = (at + kept[..., :-1] if pred.backward_reversed else top + kept[..., -1:]) + own
     tail = s["tail_peak_bytes"] + (0.0 if pred.backward_reversed else top)
-    return np.concatenate((s["pre_peak_bytes"] * one, fwd, top + s["head_peak_bytes"], bwd, tail * one),
-                          axis=-1)
+    head = top + np.maximum(s["head_peak_bytes"], s["head_bwd_peak_bytes"] + kept[..., -1:])
+    return np.concatenate((s["pre_peak_bytes"] * one, fwd, head, bwd, tail * one), axis=-1)
 
 
 

@@ -136,17 +136,17 @@ class Mimose(Planner):
         block. Either way the reason is in ``stats``, never a guess."""
         self.counts["untrusted"] += 1
         if self.counts["measuring"] < 3 * self.sheltered_steps:
-            self._note(f"not trusted, measured: {reason}")
+            self._note(f"not trusted, measured: {reason}", size)
             return self._measuring_info(size, "measuring")
-        self._note(f"not trusted, every block checkpointed: {reason}")
+        self._note(f"not trusted, every block checkpointed: {reason}", size)
         return StepInfo(self.steps, size, tuple(range(self.num_blocks)), 0.0, phase="untrusted")
 
-    def _note(self, message: str) -> None:
+    def _note(self, message: str, size: tuple) -> None:
         """Count a reason in ``stats``; warn the first time one is seen."""
         count = self.untrusted_reasons.get(message, 0)
         self.untrusted_reasons[message] = count + 1
-        if not count and len(self.untrusted_reasons) <= 5:
-            self._warn(f"mimose: {message}")
+        if not count:
+            self._warn(f"mimose: input size {tuple(size)} {message}")
 
     def _start_bytes(self) -> int:
         """Bytes live at the step's start. Gradients already live (accumulation in a loop of the

@@ -36,7 +36,7 @@ def measured_prediction(size: tuple, sample, num_blocks: int) -> Prediction | No
         return None
 
     def value(values, quantity):
-        if values is None:
+        if values is None or not len(values):  # unmeasured, or measured with no op in it
             return NO_EVENT if "peak" in quantity else 0.0
         return float(np.max(values))
 

@@ -11,6 +11,7 @@ _TIMELINE = ("plain_bytes", "ckpt_bytes", "bwd_peak_bytes")
 _HELD = ("plain_bytes", "ckpt_bytes", "pre_bytes")
 _STEP_PARTS = {"pre_bytes": "the bytes before the first block", "pre_peak_bytes": "the embeddings' peak",
                "head_peak_bytes": "the head's peak (backward never reached the last block)",
+               "head_bwd_peak_bytes": "the head's backward peak (backward never reached the last block)",
                "tail_peak_bytes": "the peak after the blocks' backward"}
 
 
@@ -34,7 +35,9 @@ class Trust:
        combination of the measured sizes' vectors (it lies in their row span). Two distinct lengths
        at one batch size do not determine the constant term, so a third length is not trusted; one
        batch size never determines what scales with the batch, so another batch size is not trusted.
-       Each set of samples fitted together (one per pattern of missing measurements) is checked.
+       The samples of the main fit are checked (the pattern of measurements that holds the most
+       samples); an op measured in fewer samples (a kernel that changed with the size, so its
+       stretch's op count differed) is fitted on those, a limitation docs/MIMOSE.md states.
     2. **It is not far outside what was measured**: batch and length at most ``REACH`` times the
        largest seen (the grid on which the ops that can be a peak were chosen).
     3. **Every part of the step timeline was measured**: each block's held bytes and backward, and
@@ -69,7 +72,8 @@ class Trust:
         # Held bytes add up over the blocks, a peak is one op on top: the worst case of both.
         residual_bytes = held * (estimator.num_blocks + 1) + peak
         max_lengths = tuple(float(max(dim)) for dim in zip(*(fs.lengths(s) for s in sizes)))
-        return cls(fs, scale, [_basis(d, scale) for d in spans], float(max(s[0] for s in sizes)),
+        main = [d for d in spans if len(d) == max(len(d) for d in spans)]
+        return cls(fs, scale, [_basis(d, scale) for d in main], float(max(s[0] for s in sizes)),
                    max_lengths, unmeasured_parts(estimator), residual_bytes if residual_bytes >= 1.0 else 0.0)
 
     def reason(self, size) -> str | None:
@@ -78,12 +82,12 @@ class Trust:
             return f"never measured: {', '.join(self.unmeasured)}"
         lengths = self.feature_set.lengths(size)
         if size[0] > REACH * self.max_batch or any(n > REACH * m for n, m in zip(lengths, self.max_lengths)):
-            return f"input size {tuple(size)} is over {REACH}x the largest measured"
+            return f"over {REACH}x the largest size measured"
         vector = self.feature_set.of(size) / self.scale
         for basis in self.bases:
             rest = vector - basis.T @ (basis @ vector)
             if np.linalg.norm(rest) > _SPAN_RTOL * np.linalg.norm(vector):
-                return f"input size {tuple(size)} is not determined by the sizes measured"
+                return "not determined by the sizes measured"
         return None
 
 
