@@ -164,14 +164,20 @@ def model_state_error(trainer: Trainer, state_bytes: int) -> str | None:
     can. Checkpointing only shrinks activations, so no planner could help."""
     budget = trainer.recipe.budget_bytes
     weights = trainer.meter.current_bytes()
+    params = block_param_bytes(trainer.model)
     # With accumulation a micro-batch holds the gradients set aside (``StepGuard``) and its own.
-    grads = block_param_bytes(trainer.model) * (2 if trainer.recipe.training.gradient_accumulation_steps > 1 else 1)
-    if budget is None or weights + grads + state_bytes <= budget:
+    grads = params * (2 if trainer.recipe.training.gradient_accumulation_steps > 1 else 1)
+    # The optimizer step runs after the activations are freed, on top of weights, gradients and
+    # state; its scratch (AdamW: about one copy of the parameters, measured on the simulated
+    # device) is what the loop must leave room for, since no plan changes it.
+    scratch = params if state_bytes else 0
+    total = weights + grads + state_bytes + scratch
+    if budget is None or total <= budget:
         return None
     return (f"budget {format_bytes(budget)} cannot hold the model's state before any activation: "
             f"weights {format_bytes(weights)} + gradients {format_bytes(grads)} + "
-            f"{type(trainer.optimizer).__name__} state {format_bytes(state_bytes)} = "
-            f"{format_bytes(weights + grads + state_bytes)}; no checkpointing plan reduces these. Raise "
+            f"{type(trainer.optimizer).__name__} state {format_bytes(state_bytes)} + its step's scratch "
+            f"{format_bytes(scratch)} = {format_bytes(total)}; no checkpointing plan reduces these. Raise "
             "--budget well above that (activations come on top) or use a smaller model")
 
 

@@ -180,3 +180,13 @@ def test_bf16_runs_under_the_cpus_autocast(quick_recipe):
     # Matmul activations saved in bf16 take half the bytes (softmax and losses stay fp32):
     # autocast is on, not ignored with a warning as it was on the CPU.
     assert bf16.records[0]["memory/activation_bytes"] < 0.9 * fp32.records[0]["memory/activation_bytes"]
+
+
+def test_the_optimizer_steps_scratch_is_left_room_for_before_the_first_step(quick_recipe):
+    from mimose_cli.models import build_model
+
+    params = sum(p.numel() * p.element_size() for p in build_model(quick_recipe()).parameters())
+    # Holds weights, gradients and AdamW's two moments, not the scratch of its step on top.
+    result = run_training(quick_recipe(f"budget={int(4.5 * params)}"), view="none")
+    assert result.summary["status"] == "oom" and result.summary["steps"] == 0
+    assert "scratch" in result.summary["error"]
