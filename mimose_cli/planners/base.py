@@ -104,7 +104,6 @@ class Planner:
         self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
         self.attempt = 0  # failed attempts of the step being run (``run``)
         self.retries_total = 0
-        self._result = None
         self.measurer = None  # a collector or profiler that runs the blocks while it is active
         self._router = BlockRouter(self.blocks, self.route)
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
@@ -200,10 +199,10 @@ class Planner:
         try:
             for attempt in range(last_try + 1):
                 self.attempt = attempt
-                failure = self._attempt_step(step_fn, batch, size, guard)
+                result, failure = self._attempt_step(step_fn, batch, size, guard)
                 if failure is None:
                     guard.finish()
-                    return self._result
+                    return result
                 info, reached = failure
                 if attempt < last_try:
                     self.retries_total += 1
@@ -213,7 +212,7 @@ class Planner:
             guard.finish()
             raise
         finally:
-            self.attempt, self._result = 0, None
+            self.attempt = 0
         guard.finish()  # the failed attempt is undone; gradients of earlier micro-batches stay
         blocks = "every block" if len(info.plan) == self.num_blocks else f"{len(info.plan)} of {self.num_blocks} blocks"
         device = getattr(self.meter, "budget_bytes", None) or self.budget_bytes  # what the device holds
@@ -221,14 +220,13 @@ class Planner:
         raise PlanOutOfMemoryError(message, device, info.predicted_peak_bytes, reached, last_try)
 
     def _attempt_step(self, step_fn, batch, size, guard: StepGuard):
-        """One attempt: None when it succeeded (result in ``self._result``), else the failed
-        step's ``(StepInfo, reached bytes)`` with the attempt undone."""
+        """One attempt: ``(step_fn's result, None)`` when it succeeded, else ``(None, (the failed
+        step's StepInfo, the bytes it reached))`` with the attempt undone."""
         if self.meter is not None:
             self.meter.reset_peak()  # each attempt's peak is its own (the record keeps the last)
         try:
             with self.step(batch, size):
-                self._result = step_fn(batch)
-            return None
+                return step_fn(batch), None
         except torch.OutOfMemoryError as error:
             if isinstance(error, PlanOutOfMemoryError):
                 raise
@@ -236,7 +234,7 @@ class Planner:
         # Outside the except block: the error's traceback, which pins the failed step's
         # activations, is gone before anything is allocated again.
         guard.undo()
-        return self.last, reached
+        return None, (self.last, reached)
 
     def predict_peak(self, size: tuple, plan: tuple) -> int | None:
         """The step peak this planner predicts for ``plan`` at ``size`` (None: it cannot say)."""
@@ -248,8 +246,9 @@ class Planner:
 
     def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> None:
         """Make the next attempt of a step that ran out of memory ``failures`` times (the last
-        trying to hold ``reached_bytes``) need less memory. The default checkpoints every block for that size from now on; planners with a
-        finer remedy (Mimose: a larger margin for that size) try it first."""
+        trying to hold ``reached_bytes``) need less memory. The default checkpoints every block
+        for that size from now on; planners with a finer remedy (Mimose: a larger margin for that
+        size) try it first."""
         self.full_sizes.add(self.size_key(info.input_size))
 
     def make_step_info(self, size: tuple) -> StepInfo:

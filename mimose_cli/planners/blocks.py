@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 
 @functools.cache  # asked at every block call: a failed import is not cached by Python
@@ -128,16 +128,43 @@ class RecomputeClock:
         return ms
 
 
+def buffer_snapshot(module: nn.Module | None, only=None) -> list:
+    """``(buffer, copy)`` for ``module``'s buffers (those ``only(buffer)`` accepts), for
+    ``restore_buffers``."""
+    if module is None:
+        return []
+    return [(b, b.detach().clone()) for b in module.buffers() if only is None or only(b)]
+
+
+def restore_buffers(snapshot: list) -> None:
+    """Put the buffers of a ``buffer_snapshot`` back as they were."""
+    with torch.no_grad():
+        for buffer, saved in snapshot:
+            buffer.copy_(saved)
+
+
 @contextlib.contextmanager
 def restored_buffers(module):
     """Put ``module``'s buffers (BatchNorm statistics) back as they were on exit."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
+    snapshot = buffer_snapshot(module)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+        restore_buffers(snapshot)
+
+
+class RngState:
+    """The CPU generator's state and that of each CUDA device given, to be put back with
+    ``restore()`` (torch.utils.checkpoint's own device-state helpers)."""
+
+    def __init__(self, devices=()):
+        cuda = [torch.empty(0, device=d) for d in devices if torch.device(d).type == "cuda"]
+        self.cpu = torch.get_rng_state()
+        self.devices = get_device_states(*cuda)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        set_device_states(*self.devices)
 
 
 def _buffers_kept_in_recompute(module: nn.Module, forward):

@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from mimose_cli.memory import SavedBytesCounter
-from mimose_cli.planners.blocks import inside_checkpoint, recomputing, restored_buffers, run_checkpointed
+from mimose_cli.planners.blocks import (RngState, inside_checkpoint, recomputing, restored_buffers,
+                                        run_checkpointed)
 from mimose_cli.planners.features import BLOCK_QUANTITIES, STEP_QUANTITIES
 
 class _Ref(weakref.ref):
@@ -126,17 +127,6 @@ def _first_grad_tensor(value):
     return None
 
 
-def _rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
 class _Copy(torch.autograd.Function):
     """A tensor with ``tensor``'s size, strides and offset on ``storage``, requiring grad as
     ``tensor`` does: a function's output, not a leaf, so a block may modify it in place."""
@@ -191,7 +181,7 @@ class ShuttlingCollector:
         self.probe = LiveProbe()
         # Gradients already live (accumulation in a loop of the user's) are not ignored: the
         # probe counts each when backward first writes into it, as if it were allocated then,
-        # so samples with and without them agree (the planner leaves them out of the start bytes).
+        # so samples with and without them agree.
         self.probe.ignore([*self.model.parameters(), *self.model.buffers()])
         self.probe.__enter__()
         self.marks: list = []
@@ -234,14 +224,14 @@ class ShuttlingCollector:
         start = time.perf_counter()
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
         self.mark(("enter", index))
-        rng = _rng_state(device)
+        rng = RngState([device])
         usable = self._measure(index, forward, args, kwargs, device)
         # What the measuring run saved that outlives its graph is held by someone else: under
         # autocast, the cast weights its cache keeps until the forward ends, which a block run
         # plainly holds until its backward when its ops save them.
         self.resident[index] = self.counter.live_bytes()
         self.mark(("dropped", index))
-        _set_rng_state(rng, device)
+        rng.restore()
         self.collector_ms += (time.perf_counter() - start) * 1e3
         out = run_checkpointed(forward, args, kwargs, self.clock)
         self.mark(("ckpt", index))

@@ -13,7 +13,6 @@ Memory bytes are exact integers, quadratic in the shape, so the fit is exact whe
 model holds; forward time is fitted on ``B·L², B·L, 1``.
 """
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,8 +116,6 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
     tail = s["tail_peak_bytes"] + (0.0 if pred.backward_reversed else top)
     head = top + np.maximum(s["head_peak_bytes"], s["head_bwd_peak_bytes"] + kept[..., -1:])
     return np.concatenate((s["pre_peak_bytes"] * one, fwd, head, bwd, tail * one), axis=-1)
-
-
 
 
 class Estimator:

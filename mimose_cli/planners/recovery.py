@@ -10,9 +10,9 @@ skipped, repeated or counted twice in the gradients.
 import gc
 
 import torch
-from torch.utils.checkpoint import get_device_states, set_device_states
 from torch.utils._pytree import tree_leaves
 
+from mimose_cli.planners.blocks import RngState, buffer_snapshot, restore_buffers
 from mimose_cli.units import format_bytes
 
 
@@ -64,9 +64,8 @@ class StepGuard:
             p.grad = None
         self.devices = sorted({t.device for t in tree_leaves(batch)
                                if isinstance(t, torch.Tensor) and t.device.type != "cpu"}, key=str)
-        self.cpu_rng = torch.get_rng_state()
-        self.device_rng = get_device_states(*[torch.empty(0, device=d) for d in self.devices])
-        self.buffers = [(b, b.detach().clone()) for b in model.buffers() if b.is_floating_point() or b.ndim == 0]
+        self.rng = RngState(self.devices)
+        self.buffers = buffer_snapshot(model, only=lambda b: b.is_floating_point() or b.ndim == 0)
 
     def undo(self) -> None:
         """Drop the failed attempt's gradients and tensors; put the RNG and the buffers back."""
@@ -77,11 +76,8 @@ class StepGuard:
         gc.collect()
         if self.devices and torch.cuda.is_available():
             torch.cuda.empty_cache()  # and give the allocator's fragments back
-        torch.set_rng_state(self.cpu_rng)
-        set_device_states(*self.device_rng)
-        with torch.no_grad():
-            for buffer, saved in self.buffers:
-                buffer.copy_(saved)
+        self.rng.restore()
+        restore_buffers(self.buffers)
 
     def finish(self) -> None:
         """The attempt succeeded: add the gradients set aside back (old + new, as autograd's

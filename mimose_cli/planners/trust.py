@@ -90,7 +90,6 @@ class Trust:
         return None
 
 
-
 def unmeasured_parts(estimator) -> tuple:
     """The parts of the step timeline no sample measured, in words."""
     layout = estimator.layout
