@@ -64,12 +64,12 @@ def measure(num_blocks: int, repeat: int) -> dict:
 
     def miss():
         planner.cache.clear()
-        planner.make_step_info(size)
+        planner.decide(size)
 
     miss_us = median_us(miss, repeat)
-    planner.make_step_info(size)
-    hit_us = median_us(lambda: planner.make_step_info(size), repeat)
-    plan = planner.make_step_info(size).plan
+    planner.decide(size)
+    hit_us = median_us(lambda: planner.decide(size), repeat)
+    plan = planner.decide(size).plan
     planner.close()
     return {"num_blocks": num_blocks, "fit_us": fit_us, "predict_us": predict_us, "miss_us": miss_us,
             "hit_us": hit_us, "plan_length": len(plan),

@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
-from mimose_cli.memory import SavedBytesCounter, build_meter
+from mimose_cli.memory import SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.models import build_model, model_config
 from mimose_cli.planners import build_planner
-from mimose_cli.planners.blocks import block_param_bytes
 from mimose_cli.planners.recovery import PlanOutOfMemoryError
 from mimose_cli.recipe import Recipe
 from mimose_cli.rundir import RunWriter, environment, new_run_dir
@@ -164,7 +163,7 @@ def model_state_error(trainer: Trainer, state_bytes: int) -> str | None:
     can. Checkpointing only shrinks activations, so no planner could help."""
     budget = trainer.recipe.budget_bytes
     weights = trainer.meter.current_bytes()
-    params = block_param_bytes(trainer.model)
+    params = param_bytes(trainer.model)
     # With accumulation a micro-batch holds the gradients set aside (``StepGuard``) and its own.
     grads = params * (2 if trainer.recipe.training.gradient_accumulation_steps > 1 else 1)
     # The optimizer step runs after the activations are freed, on top of weights, gradients and
@@ -188,18 +187,13 @@ def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
     return max(1, recipe.training.epochs * batches_per_epoch // recipe.training.gradient_accumulation_steps)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_step: int = 0) -> dict:
     """One micro-batch's forward and backward, and the optimizer step after the last micro-batch
     of ``training.gradient_accumulation_steps``; returns its metrics record. Raises
     torch.OutOfMemoryError (``PlanOutOfMemoryError`` once the planner's retries are spent)."""
     batch = trainer.to_device(batch)
     trainer.meter.track(batch)
-    _sync(trainer.device)
+    synchronize(trainer.device)
     start = time.perf_counter()
     last_micro = micro_step == trainer.recipe.training.gradient_accumulation_steps - 1
     lr = trainer.scheduler.get_last_lr()[0]  # the rate this step's update uses
@@ -208,7 +202,7 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_
         planned_peak = trainer.meter.peak_bytes()  # what the planner plans for: before the optimizer
         if last_micro:
             trainer.optimizer_step()
-    _sync(trainer.device)
+    synchronize(trainer.device)
     iter_ms = (time.perf_counter() - start) * 1e3
     record = {
         "step": trainer.step, "micro_step": micro_step, "input_shape": list(batch["input_ids"].shape),
@@ -220,8 +214,8 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_
         "plan": list(info.plan), "num_blocks": trainer.planner.num_blocks,
         "planner_ms": info.planning_ms, "phase": info.phase, "cache_hit": info.cache_hit,
         "predicted_peak_bytes": info.predicted_peak_bytes, "retries": info.retries,
-        "excluded_ms": info.extra.get("excluded_ms", 0.0),
-        "recompute_ms": info.extra.get("recompute_ms"), "oom": False,
+        "excluded_ms": info.excluded_ms,
+        "recompute_ms": info.recompute_ms, "oom": False,
     }
     if trainer.device.type == "cuda":
         record["memory/reserved_peak_bytes"] = mem.reserved_peak_bytes
@@ -337,6 +331,6 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
 
 
 def _save_planner_state(planner, writer: RunWriter) -> None:
-    """estimator.json: a learning planner's fitted estimator and plan cache."""
-    if hasattr(planner, "save"):
-        planner.save(writer.path / "estimator.json")
+    """The planner's state worth keeping (Mimose: estimator.json, its fit and plan cache)."""
+    if planner.state_file is not None:
+        planner.save(writer.path / planner.state_file)

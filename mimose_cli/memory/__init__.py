@@ -1,4 +1,12 @@
-"""Memory meters: where memory figures come from (the CUDA allocator, or a simulated device).
+"""Every memory figure mimose uses comes from this package.
+
+- ``meter``: the ``Meter`` interface and a step's ``StepMemory``; ``cuda`` (the caching
+  allocator's figures) and ``simulated`` (an exact count of live storages with a budget).
+- ``ledger``: ``StorageLedger``, the weak-reference count of live storages the simulated device
+  and the collector's per-op probe (``probe.LiveProbe``) share.
+- ``saved``: what autograd saves for backward (``SavedBytesCounter``), unique storage bytes,
+  parameter bytes.
+- ``profiler``: a block's saved bytes and forward time in one forward pass (``BlockProfiler``).
 
 Usage::
 
@@ -10,98 +18,13 @@ Usage::
         mem.peak_bytes                     # peak since the step started
 """
 
-import contextlib
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class StepMemory:
-    """Memory figures of one training iteration, in bytes."""
-
-    start_bytes: int = 0
-    """Live bytes when the step began."""
-    peak_bytes: int = 0
-    """Highest live bytes between the start and the end of the step."""
-    end_bytes: int = 0
-    """Live bytes when the step ended."""
-    activation_bytes: int = 0
-    """Bytes held for backward; filled by the training loop from a SavedBytesCounter."""
-    reserved_peak_bytes: int = 0
-    """Peak bytes reserved by the CUDA caching allocator (0 on the simulated device)."""
-
-
-class Meter:
-    """The interface every meter implements; ``step()`` is shared."""
-
-    kind: str = ""
-    budget_bytes: int | None = None
-
-    def activate(self):
-        """Context manager that turns the meter (and its budget) on for the whole run."""
-        raise NotImplementedError
-
-    def track(self, *objects) -> None:
-        """Count storages that exist already: modules, optimizers, tensors, dicts/lists of them."""
-        raise NotImplementedError
-
-    def current_bytes(self) -> int:
-        """Bytes live now."""
-        raise NotImplementedError
-
-    def peak_bytes(self) -> int:
-        """Highest live bytes since the last ``reset_peak()``."""
-        raise NotImplementedError
-
-    def reset_peak(self) -> None:
-        """Start a new peak window at the current live bytes."""
-        raise NotImplementedError
-
-    supports_pressure_handler: bool = False
-    """Whether ``set_pressure_handler`` works: the meter can ask for memory to be freed before
-    it reports out-of-memory (what DTR's on-demand eviction needs)."""
-
-    def set_pressure_handler(self, handler) -> None:
-        """Call ``handler(need_bytes)`` when an allocation would exceed the budget, before failing.
-
-        ``need_bytes`` is how many bytes must be freed to fit; the handler frees what it can
-        (drops references) and returns; the allocation fails only if it still does not fit.
-        Meters without an allocator hook (CUDA: the caching allocator offers none to Python)
-        raise NotImplementedError, so callers must check ``supports_pressure_handler`` and fall
-        back to freeing memory ahead of time.
-        """
-        raise NotImplementedError(
-            f"the {self.kind or type(self).__name__} meter cannot call a handler before an "
-            "allocation fails; free memory ahead of time instead")
-
-    def clear_pressure_handler(self) -> None:
-        """Remove the handler set by ``set_pressure_handler``; out-of-memory fails at once again."""
-
-    @contextlib.contextmanager
-    def step(self):
-        """Measure one training iteration; yields a StepMemory filled in on exit.
-
-        The figures are filled in even when the step raises (e.g. out of memory), so a
-        loop that retries the batch can still log what the failed attempt used.
-        """
-        mem = StepMemory(start_bytes=self.current_bytes())
-        self.reset_peak()
-        try:
-            yield mem
-        finally:
-            mem.peak_bytes = self.peak_bytes()
-            mem.end_bytes = self.current_bytes()
-            self._finish_step(mem)
-
-    def _finish_step(self, mem: StepMemory) -> None:
-        """Hook for meter-specific figures."""
-
-
-# Imported after Meter and StepMemory exist: the implementations subclass them.
-from mimose_cli.memory.cuda import CudaMeter  # noqa: E402
-from mimose_cli.memory.saved import SavedBytesCounter  # noqa: E402
-from mimose_cli.memory.simulated import SimulatedMeter  # noqa: E402
+from mimose_cli.memory.cuda import CudaMeter
+from mimose_cli.memory.ledger import StorageLedger
+from mimose_cli.memory.meter import Meter, StepMemory, synchronize
+from mimose_cli.memory.saved import SavedBytesCounter, param_bytes, storage_bytes, storage_ids
+from mimose_cli.memory.simulated import SimulatedMeter
 
 METER_KINDS = ("auto", "simulated", "cuda")
 
@@ -127,4 +50,5 @@ def build_meter(kind: str = "auto", budget_bytes: int | None = None, device=None
     return CudaMeter(budget_bytes, device)
 
 
-__all__ = ["Meter", "StepMemory", "SavedBytesCounter", "SimulatedMeter", "CudaMeter", "build_meter"]
+__all__ = ["Meter", "StepMemory", "StorageLedger", "SavedBytesCounter", "SimulatedMeter", "CudaMeter",
+           "build_meter", "param_bytes", "storage_bytes", "storage_ids", "synchronize"]

@@ -4,10 +4,10 @@ import contextlib
 
 import torch
 
-from mimose_cli import memory
+from mimose_cli.memory.meter import Meter, StepMemory
 
 
-class CudaMeter(memory.Meter):
+class CudaMeter(Meter):
     """Reads ``torch.cuda.memory_allocated`` and friends for one device.
 
     The budget is enforced by the allocator itself through
@@ -55,5 +55,5 @@ class CudaMeter(memory.Meter):
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _finish_step(self, mem: "memory.StepMemory") -> None:
+    def _finish_step(self, mem: StepMemory) -> None:
         mem.reserved_peak_bytes = torch.cuda.max_memory_reserved(self.device)

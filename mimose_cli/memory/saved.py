@@ -3,6 +3,31 @@
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mimose_cli.torch_private import tree_leaves
+
+
+def storage_ids(tree) -> set:
+    """``id`` of the untyped storage of every tensor in a (nested) structure: the key this
+    package counts storages by (alive storages have distinct ids)."""
+    return {id(t.untyped_storage()) for t in tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided}
+
+
+def storage_bytes(tensors, exclude_ids=frozenset()) -> int:
+    """Bytes of the unique storages of ``tensors``, those in ``exclude_ids`` left out: what
+    dropping these tensors frees when nothing else holds them."""
+    seen = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if id(storage) not in exclude_ids:
+            seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s trainable parameters (their gradients take as much)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
 
 class SavedBytesCounter:
     """Counts the unique storage bytes autograd saves for backward inside ``with counter:``.
@@ -25,9 +50,14 @@ class SavedBytesCounter:
     works the same on every device and is cheap: one dictionary look-up per saved tensor.
     """
 
-    def __init__(self, exclude=()):
+    def __init__(self, exclude=(), keep: bool = True):
         # Kept as tensors, not storage ids: ids are read on __enter__, after any .to(device).
         self._exclude = list(exclude)
+        # keep=False: a forward that is never backwarded (the profiler's): autograd is handed
+        # nothing, and the counter holds what was saved until ``reset()`` so that the memory
+        # behaves as a block's does until it ends.
+        self._keep = keep
+        self._held: list = []
         self._excluded_ids: set[int] = set()
         self._seen = WeakIdKeyDictionary()
         self._hooks = None
@@ -36,6 +66,7 @@ class SavedBytesCounter:
     def reset(self) -> None:
         """Forget what was counted, to count the next step or block from zero."""
         self._seen = WeakIdKeyDictionary()
+        self._held = []
         self.bytes = 0
 
     def live_bytes(self) -> int:
@@ -44,8 +75,8 @@ class SavedBytesCounter:
         return sum(storage.nbytes() for storage in list(self._seen.keys()))
 
     def __enter__(self) -> "SavedBytesCounter":
-        self._excluded_ids = {id(t.untyped_storage()) for t in self._exclude}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._excluded_ids = storage_ids(self._exclude)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack if self._keep else _never_unpacked)
         self._hooks.__enter__()
         return self
 
@@ -61,6 +92,9 @@ class SavedBytesCounter:
         if id(storage) not in self._excluded_ids and storage not in self._seen:
             self._seen[storage] = True
             self.bytes += storage.nbytes()
+        if not self._keep:
+            self._held.append(tensor)
+            return None
         # A detached alias, not the tensor: an op that saves its own output would otherwise make
         # a cycle through autograd's C++ graph (tensor -> grad_fn -> saved tensor) that only
         # backward breaks; a forward that fails (out of memory) would leave its activations
@@ -70,3 +104,7 @@ class SavedBytesCounter:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _never_unpacked(_):
+    raise RuntimeError("a forward counted with keep=False is never backwarded")

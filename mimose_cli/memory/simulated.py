@@ -24,59 +24,28 @@ storage resize, what it allocates is counted and checked with the rest once it r
 """
 
 import contextlib
-import weakref
 
 import torch
-from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from mimose_cli import memory
+from mimose_cli.memory.ledger import StorageLedger
+from mimose_cli.memory.meter import Meter
+from mimose_cli.torch_private import TorchDispatchMode, get_untyped_storages
 from mimose_cli.units import format_bytes
 
 _TENSOR = torch.Tensor
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-class _StorageRef(weakref.ref):
-    """A weak reference to a storage that remembers its dictionary key and counted bytes."""
-
-    __slots__ = ("key", "nbytes")
-
-
-class _Ledger:
-    """Live and peak bytes of the storages seen so far; the budget check lives here."""
+class _Ledger(StorageLedger):
+    """The shared storage count (``StorageLedger``) with a peak, a budget and the pressure
+    handler; the budget check lives here."""
 
     def __init__(self, budget_bytes: int | None):
+        super().__init__()
         self.budget_bytes = budget_bytes
-        self.live = 0
         self.peak = 0
-        # id(storage) -> _StorageRef. An id is only reused after its storage died, and the
-        # weakref callback removes the entry during that death, so keys never go stale.
-        self.refs: dict[int, _StorageRef] = {}
         self.pressure_handler = None
         self._relieving = False
-
-    def add(self, storage) -> int:
-        """Count ``storage`` if new, or a change in its size; returns the bytes added."""
-        ref = self.refs.get(id(storage))
-        if ref is None:
-            ref = _StorageRef(storage, self._free)
-            ref.key = id(storage)
-            ref.nbytes = storage.nbytes()
-            self.refs[ref.key] = ref
-            self.live += ref.nbytes
-            return ref.nbytes
-        nbytes = storage.nbytes()  # resize_/set_ change a known storage's size
-        if nbytes == ref.nbytes:
-            return 0
-        delta, ref.nbytes = nbytes - ref.nbytes, nbytes
-        self.live += delta
-        return max(delta, 0)
-
-    def _free(self, ref: _StorageRef) -> None:
-        if self.refs.get(ref.key) is ref:
-            del self.refs[ref.key]
-            self.live -= ref.nbytes
 
     def commit(self, added: int) -> None:
         """Record a new peak, or raise if the bytes just added broke the budget.
@@ -154,7 +123,7 @@ class _StorageMode(TorchDispatchMode):
         return out
 
 
-class SimulatedMeter(memory.Meter):
+class SimulatedMeter(Meter):
     """An exact simulated device: live storage bytes, their peak, and a hard budget."""
 
     kind = "simulated"

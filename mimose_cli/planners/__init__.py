@@ -1,6 +1,8 @@
 """Planners by name. Each takes ``(model, budget, *, blocks, safety_margin, meter, **options)``."""
 
-from mimose_cli.planners.base import FullCheckpointing, NoCheckpointing, Planner, StepInfo, infer_input_size
+from mimose_cli.planners.base import (Decision, FullCheckpointing, NoCheckpointing, Planner, StepInfo,
+                                     infer_input_size)
+from mimose_cli.planners.blocks import BlockRunner, PlanRunner, discover_blocks
 from mimose_cli.planners.dtr import DTR
 from mimose_cli.planners.mimose import Mimose
 from mimose_cli.planners.oracle import Oracle
@@ -23,4 +25,6 @@ def build_planner(name: str, model, budget=None, **kwargs) -> Planner:
     return PLANNERS[name](model, budget, **kwargs)
 
 
-__all__ = ["PLANNERS", "Mimose", "Planner", "StepInfo", "build_planner", "infer_input_size"]
+__all__ = ["PLANNERS", "BlockRunner", "DTR", "Decision", "FullCheckpointing", "Mimose", "NoCheckpointing",
+           "Oracle", "PlanRunner", "Planner", "StepInfo", "Sublinear", "build_planner", "discover_blocks",
+           "infer_input_size"]

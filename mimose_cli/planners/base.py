@@ -1,13 +1,24 @@
-"""The one planner interface every strategy (mimose and the baselines) implements."""
+"""The one planner contract every strategy (Mimose and the baselines) implements.
+
+A planner is a policy: ``decide(input_size) -> Decision`` says which blocks to checkpoint for a
+batch of that size, from what the planner knows. ``Planner.step`` (never overridden) asks it,
+hands the plan to the step's block runner (``blocks.PlanRunner`` unless the planner brings its
+own: a collector while measuring, DTR's evictions), and afterwards tells the planner what
+happened: ``observe(info, peak_bytes, sample)``. Optional: ``prepare`` (before training: static
+plans), ``recover``/``predict_peak``/``size_key`` (out-of-memory retries, ``Planner.run``),
+``stats`` and ``state_dict``. docs/DESIGN.md has a whole planner in 30 lines.
+"""
 
 import contextlib
+import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from mimose_cli.planners.blocks import BlockRouter, RecomputeClock, discover_blocks, run_checkpointed
+from mimose_cli.planners.blocks import BlockRouter, PlanRunner, RecomputeClock, discover_blocks
 from mimose_cli.planners.recovery import PlanOutOfMemoryError, StepGuard, oom_message, reached_bytes
 from mimose_cli.units import parse_size
 
@@ -56,29 +67,56 @@ def infer_input_size(batch, encoder_decoder: bool = False) -> tuple:
 
 
 @dataclass
+class Decision:
+    """What a policy decides for one input size."""
+
+    plan: tuple
+    """Indices of the blocks to checkpoint."""
+    phase: str = "responsive"
+    """A label for reports (Mimose: sheltered, measuring, responsive, untrusted, recovery)."""
+    cache_hit: bool | None = None
+    """Whether the plan came from a cache (None: the planner has none)."""
+    predicted_peak_bytes: int | None = None
+    """The step peak the planner expects with this plan (None: it cannot say)."""
+    measure: bool = False
+    """Run this step through the planner's ``measurer`` (its runner while measuring) and hand
+    what it measured to ``observe``."""
+    excluded_ms: float = 0.0
+    """Time deciding took that is not the step's (the oracle's measurements)."""
+
+
+@dataclass
 class StepInfo:
-    """What the planner decided for one step; filled in further by the planner after the step."""
+    """One step as the planner ran it: its ``Decision``, and what the step reported back."""
 
     step: int
     input_size: tuple
     plan: tuple
-    planning_ms: float
+    planning_ms: float = 0.0
     phase: str = "responsive"
     cache_hit: bool | None = None
     predicted_peak_bytes: int | None = None
+    measured: bool = False
+    excluded_ms: float = 0.0
     retries: int = 0
     """Attempts of this step that ran out of memory before this one (``Planner.run``)."""
-    extra: dict = field(default_factory=dict)
+    recompute_ms: float | None = None
+    """Time recomputing blocks in backward (None: not measured)."""
+    evictions: int | None = None
+    """Blocks evicted (DTR; None for planners that do not evict)."""
+    recomputations: int | None = None
+    """Evicted blocks recomputed (DTR)."""
+    step_ms: float = 0.0
+    """Wall time inside ``planner.step``, planning included."""
 
 
 class Planner:
-    """Decides, per batch, which blocks to checkpoint and applies that plan.
-
-    Subclasses implement ``decide(input_size) -> plan`` and may override ``route`` (how a
-    block runs) and ``observe`` (what is learned after a step). Usage::
+    """Decides, per batch, which blocks to checkpoint (``decide``) and applies it. Usage::
 
         with planner.step(batch):
             model(**batch).loss.backward()
+
+    or ``planner.run(step_fn, batch)``, which also recovers from running out of memory.
     """
 
     name = "base"
@@ -86,6 +124,11 @@ class Planner:
     """Whether out-of-memory recovery may change this planner's plan (``none`` and ``full`` are
     fixed by definition: ``none`` running out of memory is its answer, ``full`` has no more to give)."""
     max_retries = 2
+    builds_meter = False
+    """Without a ``meter``, build one and turn it on for the planner's life (Mimose measures
+    every step)."""
+    state_file: str | None = None
+    """The file in a run directory ``save`` writes, for planners whose state is worth keeping."""
 
     def __init__(self, model, budget=None, *, blocks=None, safety_margin="auto", meter=None):
         self.model = model
@@ -95,17 +138,23 @@ class Planner:
         self.blocks = blocks if isinstance(blocks, list) else discover_blocks(model, blocks)
         self.num_blocks = len(self.blocks)
         self.meter = meter
-        self.plan: tuple = ()
-        self._plan_set: frozenset = frozenset()
+        self._own_meter = self._start_own_meter() if meter is None and self.builds_meter else None
         self.steps = 0
         self.last: StepInfo | None = None
+        self.batch = None
+        """The batch of the step being decided (None outside ``step`` or when only a size was given)."""
         self.total_planning_ms = 0.0
         self.recompute_clock = RecomputeClock()
         self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
         self.attempt = 0  # failed attempts of the step being run (``run``)
         self.retries_total = 0
-        self.measurer = None  # a collector or profiler that runs the blocks while it is active
-        self._router = BlockRouter(self.blocks, self.route)
+        self.plan_runner = PlanRunner(self.recompute_clock)
+        self.runner = self.plan_runner
+        """Runs the blocks of every step not measured."""
+        self.measurer = None
+        """Runs the blocks while it is ``active``: steps decided with ``measure=True``, and
+        a planner's own measuring passes."""
+        self._router = BlockRouter(self.blocks, self._route)
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
         # training step never reads the cache (Hugging Face turns it off for checkpointing
         # too): off while the planner is attached, for every planner alike so that their
@@ -117,6 +166,25 @@ class Planner:
         self._use_cache = getattr(self._config, "use_cache", None)
         if self._use_cache:
             self._config.use_cache = False
+
+    # -- the policy: what subclasses implement --------------------------------------------------
+
+    def decide(self, input_size: tuple) -> Decision:
+        """The plan for a batch of ``input_size`` (``self.batch`` is the batch when known)."""
+        raise NotImplementedError
+
+    def observe(self, info: StepInfo, peak_bytes: int | None, sample) -> None:
+        """After each step: its ``StepInfo``, the measured peak (None without a meter) and what the
+        measurer measured (None unless the step was decided with ``measure=True``)."""
+
+    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
+        """Called once before training by the loop. ``make_batch(input_size)`` returns a
+        training batch of that size on the device; ``max_input_size`` is the largest size the
+        recipe allows; ``reserve_bytes`` is memory that is not allocated yet but will be for the
+        whole run from the first optimizer step on (the optimizer's state), which a plan made now
+        must leave room for. Static planners (sublinear) plan here; the default does nothing."""
+
+    # -- budget ---------------------------------------------------------------------------------
 
     @property
     def safety_margin_bytes(self) -> int:
@@ -135,52 +203,73 @@ class Planner:
             return None
         return self.budget_bytes - self.safety_margin_bytes
 
-    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
-        """Called once before training by the loop. ``make_batch(input_size)`` returns a
-        training batch of that size on the device; ``max_input_size`` is the largest size the
-        recipe allows; ``reserve_bytes`` is memory that is not allocated yet but will be for the
-        whole run from the first optimizer step on (the optimizer's state), which a plan made now
-        must leave room for. Static planners (sublinear) plan here; the default does nothing."""
+    # -- applying a plan ------------------------------------------------------------------------
 
-    def decide(self, input_size: tuple) -> tuple:
-        raise NotImplementedError
-
-    def route(self, index, forward, args, kwargs):
-        """Run block ``index``: through ``measurer`` while it measures, else checkpointed when it
-        is in the current plan."""
-        if self.measurer is not None and self.measurer.active:
-            return self.measurer.route(index, forward, args, kwargs)
-        if index in self._plan_set and torch.is_grad_enabled():
-            return run_checkpointed(forward, args, kwargs, self.recompute_clock)
-        return forward(*args, **kwargs)
-
-    def observe(self, info: StepInfo, peak_bytes: int | None) -> None:
-        """Called after each step with the measured peak (None when there is no meter)."""
+    @property
+    def plan(self) -> tuple:
+        """The plan in force (the last step's, or ``set_plan``'s)."""
+        return self.plan_runner.plan
 
     def set_plan(self, plan) -> None:
-        self.plan = tuple(sorted(plan))
-        self._plan_set = frozenset(self.plan)
+        """Checkpoint ``plan`` until the next step decides again (probes, experiments)."""
+        self.plan_runner.use(plan)
+
+    def _route(self, index, forward, args, kwargs):
+        runner = self.measurer if self.measurer is not None and self.measurer.active else self.runner
+        return runner.run(index, forward, args, kwargs)
+
+    def _start_own_meter(self):
+        from mimose_cli.memory import build_meter
+
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        self.meter = build_meter("auto", self.budget_bytes, device)
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.meter.activate())
+        self.meter.track(self.model)
+        return stack
+
+    def _decide(self, size: tuple) -> StepInfo:
+        """The policy's decision as this step's ``StepInfo``; a size that ran out of memory twice
+        checkpoints every block (``recover``)."""
+        start = time.perf_counter()
+        decision = self.decide(size)
+        if self.size_key(size) in self.full_sizes:
+            plan = tuple(range(self.num_blocks))
+            decision = Decision(plan, "recovery", predicted_peak_bytes=self.predict_peak(size, plan))
+        planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
+        return StepInfo(step=self.steps, input_size=size, plan=tuple(sorted(decision.plan)),
+                        planning_ms=planning_ms, phase=decision.phase, cache_hit=decision.cache_hit,
+                        predicted_peak_bytes=decision.predicted_peak_bytes,
+                        measured=decision.measure and self.measurer is not None,
+                        excluded_ms=decision.excluded_ms, retries=self.attempt)
 
     @contextlib.contextmanager
     def step(self, batch=None, input_size=None):
         """Decide and apply the plan for this batch; yields the ``StepInfo``."""
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
         start = time.perf_counter()
-        self.last = self.make_step_info(size)
-        if self.size_key(size) in self.full_sizes:
-            self.last.plan, self.last.phase = tuple(range(self.num_blocks)), "recovery"
-            self.last.predicted_peak_bytes = self.predict_peak(size, self.last.plan)
-        self.last.retries = self.attempt
-        self.recompute_clock.take()  # not this step's: a raised step's partial time, a planner's probe
-        self.set_plan(self.last.plan)
-        self.last.planning_ms = (time.perf_counter() - start) * 1e3
-        self.total_planning_ms += self.last.planning_ms
-        yield self.last
-        recompute_ms = self.recompute_clock.take()
-        self.last.extra.setdefault("recompute_ms", recompute_ms)  # DTR times its own
-        peak = self.meter.peak_bytes() if self.meter is not None else None
-        self.observe(self.last, peak)
-        self.steps += 1
+        with self.meter.step() if self._own_meter is not None else contextlib.nullcontext():
+            self.batch = batch
+            try:
+                self.last = info = self._decide(size)
+            finally:
+                self.batch = None
+            self.total_planning_ms += info.planning_ms
+            self.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
+            runner = self.measurer if info.measured else self.runner
+            runner.begin(info)
+            try:
+                yield info
+            except BaseException:
+                runner.abort()
+                raise
+            sample = runner.end(info)
+            recompute_ms = self.recompute_clock.take()
+            if info.recompute_ms is None:  # a runner that recomputes itself (DTR) timed its own
+                info.recompute_ms = recompute_ms
+            info.step_ms = (time.perf_counter() - start) * 1e3
+            self.observe(info, self.meter.peak_bytes() if self.meter is not None else None, sample)
+            self.steps += 1
 
     def run(self, step_fn, batch=None, input_size=None):
         """Run ``step_fn(batch)`` (forward and backward) under this planner, recovering from
@@ -251,9 +340,6 @@ class Planner:
         size) try it first."""
         self.full_sizes.add(self.size_key(info.input_size))
 
-    def make_step_info(self, size: tuple) -> StepInfo:
-        return StepInfo(step=self.steps, input_size=size, plan=tuple(self.decide(size)), planning_ms=0.0)
-
     @property
     def stats(self) -> dict:
         """Counters for reports; subclasses add their own."""
@@ -267,11 +353,24 @@ class Planner:
     def load_state_dict(self, state: dict) -> None:
         self.steps = state.get("steps", 0)
 
+    def save(self, path) -> None:
+        """Write ``state_dict()`` as JSON (a run keeps it as ``state_file``)."""
+        Path(path).write_text(json.dumps(self.state_dict(), allow_nan=False))
+
+    def load(self, path) -> "Planner":
+        """Read what ``save`` wrote; returns self."""
+        self.load_state_dict(json.loads(Path(path).read_text()))
+        return self
+
     def close(self) -> None:
-        """Restore the blocks' original forwards and the model's ``use_cache``."""
+        """Restore the blocks' original forwards and the model's ``use_cache``; turn off a meter
+        the planner built."""
         self._router.remove()
         if self._use_cache:
             self._config.use_cache = self._use_cache
+        if self._own_meter is not None:
+            self._own_meter.close()
+            self._own_meter = None
 
 
 class NoCheckpointing(Planner):
@@ -281,7 +380,7 @@ class NoCheckpointing(Planner):
     adapts = False
 
     def decide(self, input_size):
-        return ()
+        return Decision(())
 
 
 class FullCheckpointing(Planner):
@@ -291,4 +390,4 @@ class FullCheckpointing(Planner):
     adapts = False
 
     def decide(self, input_size):
-        return tuple(range(self.num_blocks))
+        return Decision(tuple(range(self.num_blocks)))

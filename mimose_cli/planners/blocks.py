@@ -1,4 +1,9 @@
-"""Finding checkpointable blocks and routing their forward through a planner."""
+"""The applier: finding checkpointable blocks, and the one place that runs them differently.
+
+``BlockRouter`` replaces each block's ``forward``; every call goes to the step's ``BlockRunner``.
+``PlanRunner`` (every planner's default) checkpoints the blocks in the plan; a planner that
+measures (Mimose's collector, Sublinear's profiler) or evicts (DTR) supplies its own runner.
+"""
 
 import contextlib
 import fnmatch
@@ -7,8 +12,9 @@ import time
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
+
+from mimose_cli.torch_private import top_saved_tensors_hook_name, tree_leaves
 
 
 @functools.cache  # asked at every block call: a failed import is not cached by Python
@@ -74,11 +80,8 @@ _CHECKPOINT_HOOKS = ("_checkpoint_hook", "_recomputation_hook")
 
 def inside_checkpoint(markers=_CHECKPOINT_HOOKS) -> bool:
     """True while a ``torch.utils.checkpoint`` region (forward or recompute) is running."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if not hooks:
-        return False
-    name = getattr(hooks[0], "__qualname__", "")
-    return any(marker in name for marker in markers)
+    name = top_saved_tensors_hook_name()
+    return bool(name) and any(marker in name for marker in markers)
 
 
 def recomputing() -> bool:
@@ -158,7 +161,8 @@ class RngState:
     ``restore()`` (torch.utils.checkpoint's own device-state helpers)."""
 
     def __init__(self, devices=()):
-        cuda = [torch.empty(0, device=d) for d in devices if torch.device(d).type == "cuda"]
+        self.device_list = list(devices)
+        cuda = [torch.empty(0, device=d) for d in self.device_list if torch.device(d).type == "cuda"]
         self.cpu = torch.get_rng_state()
         self.devices = get_device_states(*cuda)
 
@@ -199,7 +203,7 @@ def training_kwargs(module: nn.Module, kwargs: dict) -> dict:
     """``kwargs`` as a ``GradientCheckpointingLayer`` passes them on when it checkpoints in
     training: ``use_cache`` off and, unless the layer only reads its cache
     (``_can_checkpoint_with_cache``), no cache. Other blocks' ``kwargs`` are returned as given."""
-    if not (_is_hf_checkpoint_layer(module) and grad_enabled_training(module)):
+    if not (_is_hf_checkpoint_layer(module) and module.training and torch.is_grad_enabled()):
         return kwargs
     kwargs = dict(kwargs)
     if kwargs.get("use_cache"):
@@ -209,27 +213,69 @@ def training_kwargs(module: nn.Module, kwargs: dict) -> dict:
     return kwargs
 
 
+class BlockRunner:
+    """Runs every block call of a step (``run``), between ``begin(info)`` and ``end(info)`` (or
+    ``abort()`` when the step raised). ``end`` returns what the runner measured (a collector's
+    sample) or None, and may fill in the step's ``StepInfo`` (DTR: what it evicted)."""
+
+    active = False
+
+    def begin(self, info) -> None:
+        self.active = True
+
+    def run(self, index: int, forward, args, kwargs):
+        raise NotImplementedError
+
+    def end(self, info):
+        self.active = False
+        return None
+
+    def abort(self) -> None:
+        self.active = False
+
+
+class PlanRunner(BlockRunner):
+    """Checkpoints the blocks of the current plan (``use``), in training; runs the others as they
+    are. The plan stays in force between steps (evaluation under ``no_grad`` is never
+    checkpointed). A ``clock`` times recomputation in backward."""
+
+    def __init__(self, clock: RecomputeClock | None = None):
+        self.clock = clock
+        self.plan: tuple = ()
+        self._plan_set: frozenset = frozenset()
+
+    def use(self, plan) -> None:
+        self.plan = tuple(sorted(plan))
+        self._plan_set = frozenset(self.plan)
+
+    def begin(self, info) -> None:
+        super().begin(info)
+        self.use(info.plan)
+
+    def run(self, index, forward, args, kwargs):
+        if index in self._plan_set and torch.is_grad_enabled():
+            return run_checkpointed(forward, args, kwargs, self.clock)
+        return forward(*args, **kwargs)
+
+
 class BlockRouter:
     """Replaces each block's ``forward`` with ``route(index, forward, args, kwargs)``.
 
-    One hook point for every planner: the default route checkpoints the blocks in the plan;
-    collectors and DTR substitute their own. ``remove()`` restores the original forwards.
+    The one hook point for every planner (``Planner._route`` hands each call to the step's
+    runner). ``remove()`` restores the original forwards.
 
     In training, a Hugging Face layer gets the keyword arguments it would get under Hugging
-    Face's own checkpointing (``training_kwargs``), whatever the route: a block that appends to a
+    Face's own checkpointing (``training_kwargs``), whatever the runner: a block that appends to a
     key/value cache cannot be run twice (the collector) or recomputed, and a cache the step never
     reads would make the blocks' memory differ between the runs the planners compare. The
-    ``forward`` a route gets leaves the block's buffers as they were when a checkpoint recomputes
+    ``forward`` a runner gets leaves the block's buffers as they were when a checkpoint recomputes
     it (``_buffers_kept_in_recompute``).
     """
 
     def __init__(self, blocks: list, route):
         self.blocks = blocks
-        self._originals = []
         for index, (_, module) in enumerate(blocks):
-            original = module.forward
-            self._originals.append(original)
-            forward = _buffers_kept_in_recompute(module, original)
+            forward = _buffers_kept_in_recompute(module, module.forward)
             module.forward = functools.partial(self._call, index, module, forward, route)
 
     @staticmethod
@@ -240,13 +286,3 @@ class BlockRouter:
         for _, module in self.blocks:
             if "forward" in module.__dict__:
                 del module.forward
-        self._originals = []
-
-
-def block_param_bytes(module: nn.Module) -> int:
-    """Bytes of the trainable parameters of a block (its gradients have the same size)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-
-
-def grad_enabled_training(module: nn.Module) -> bool:
-    return module.training and torch.is_grad_enabled()

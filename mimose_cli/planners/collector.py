@@ -9,8 +9,8 @@ back, and the RNG state is restored between the two runs, so the step computes e
 unplanned step computes, even for a block that modifies an input in place or updates BatchNorm
 statistics.
 
-Live bytes come from a private probe (``LiveProbe``, counting storages as the simulated
-device does) active only during sheltered steps. It records the live bytes after every op;
+Live bytes come from a probe (``memory.probe.LiveProbe``, counting storages on the simulated
+device's ledger) active only during measured steps. It records the live bytes after every op;
 marks at block entries and at the gradient of every block output cut that trace into the
 stretches the estimator fits: each block's forward (plain and checkpointed), its recompute and
 backward, and the embeddings/head/tail around them. So it sees what saved-tensor hooks cannot:
@@ -19,78 +19,17 @@ the transient peaks, on any device.
 
 import contextlib
 import time
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
-from mimose_cli.memory import SavedBytesCounter
-from mimose_cli.planners.blocks import (RngState, inside_checkpoint, recomputing, restored_buffers,
+from mimose_cli.memory import SavedBytesCounter, synchronize
+from mimose_cli.memory.probe import LiveProbe
+from mimose_cli.planners.blocks import (BlockRunner, RngState, inside_checkpoint, recomputing, restored_buffers,
                                         run_checkpointed)
 from mimose_cli.planners.features import BLOCK_QUANTITIES, STEP_QUANTITIES
-
-class _Ref(weakref.ref):
-    __slots__ = ("key", "nbytes")
-
-
-class LiveProbe(TorchDispatchMode):
-    """Live storage bytes after every op (``trace``), whether the op was a checkpoint's
-    recompute (``recompute``). Storages passed to ``ignore`` (weights, existing gradients)
-    or first seen ``uncounted()`` are never counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0
-        self.refs: dict = {}
-        self.trace: list = []
-        self.recompute: list = []
-        self.autocast: list = []
-        self._counting = True
-
-    def _free(self, ref) -> None:
-        if self.refs.get(ref.key) is ref:
-            del self.refs[ref.key]
-            self.live -= ref.nbytes
-
-    def _add(self, storage, counted: bool = True) -> None:
-        if id(storage) in self.refs:
-            return
-        ref = _Ref(storage, self._free)
-        ref.key, ref.nbytes = id(storage), storage.nbytes() if counted else 0
-        self.refs[ref.key] = ref
-        self.live += ref.nbytes
-
-    def ignore(self, tensors) -> None:
-        for tensor in tensors:
-            if tensor is not None and tensor.layout is torch.strided:
-                self._add(tensor.untyped_storage(), counted=False)
-
-    @contextlib.contextmanager
-    def uncounted(self):
-        """The collector's own copies, which no planned step makes: storages first seen inside
-        are never counted, and the ops leave no entry in the trace (whose stretches are fitted
-        op by op)."""
-        self._counting = False
-        try:
-            yield
-        finally:
-            self._counting = True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:
-                self._add(leaf.untyped_storage(), self._counting)
-        if not self._counting:
-            return out
-        self.trace.append(self.live)
-        self.recompute.append(recomputing())
-        self.autocast.append(torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
-        return out
-
+from mimose_cli.torch_private import tree_map
 
 def drop_reason(name: str, checkpointed: set, parents: list, children: list, *,
                 calls: int = 0, in_checkpoint: bool = False) -> str | None:
@@ -159,8 +98,9 @@ def _copies(tree):
     return tree_map(copy, tree)
 
 
-class ShuttlingCollector:
-    """Runs each block twice during a sheltered step and turns the timeline into a sample."""
+class ShuttlingCollector(BlockRunner):
+    """The runner of a measured step: runs each block twice and turns the step's timeline into a
+    sample (``end``)."""
 
     def __init__(self, model, blocks: list, clock=None):
         self.model = model
@@ -176,9 +116,9 @@ class ShuttlingCollector:
         self.collector_ms = 0.0
         self.active = False
 
-    def begin(self) -> None:
-        """Start a sheltered step: the probe, the marks, the gradient snapshot."""
-        self.probe = LiveProbe()
+    def begin(self, info=None) -> None:
+        """Start a measured step: the probe, the marks."""
+        self.probe = LiveProbe(flag=recomputing)
         # Gradients already live (accumulation in a loop of the user's) are not ignored: the
         # probe counts each when backward first writes into it, as if it were allocated then,
         # so samples with and without them agree.
@@ -199,8 +139,8 @@ class ShuttlingCollector:
     def _checkpointed_modules(self) -> set:
         return {n for n, m in self.modules.items() if getattr(m, "gradient_checkpointing", False) is True}
 
-    def route(self, index: int, forward, args, kwargs):
-        """The sheltered-phase route: measure, drop, restore RNG, run checkpointed."""
+    def run(self, index: int, forward, args, kwargs):
+        """Measure, drop, restore RNG, run checkpointed."""
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         reason = drop_reason(self.block_names[index], self._checkpointed_modules(),
@@ -259,14 +199,14 @@ class ShuttlingCollector:
                     stack.enter_context(restored_buffers(self.blocks[index][1]))
                     args, kwargs = _copies((args, kwargs))
                 self.counter.reset()
-                self._sync(device)
+                synchronize(device)
                 begin = time.perf_counter()
                 with self.counter:
                     out = forward(*args, **kwargs)
             except torch.OutOfMemoryError:
                 self.dropped[index] = "no_room"
                 return False
-            self._sync(device)
+            synchronize(device)
             self.fwd_ms[index] = (time.perf_counter() - begin) * 1e3
             self.saved[index] = self.counter.bytes
             self.mark(("plain", index))
@@ -285,18 +225,13 @@ class ShuttlingCollector:
             if first is not None:
                 first.register_hook(self._backward_hook(("bwd_end",)))
 
-    @staticmethod
-    def _sync(device) -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def _backward_hook(self, label):
         def hook(grad):
             if self.active:
                 self.mark(label)
         return hook
 
-    def end(self):
+    def end(self, info=None):
         """Close the step; returns ``(blocks, step, shape)`` for the estimator (see
         ``build_sample``), or None when no block could be measured."""
         self.mark(("end",))
@@ -305,7 +240,7 @@ class ShuttlingCollector:
         probe.__exit__(None, None, None)
         if len(self.dropped) == len(self.blocks) or not self.marks:
             return None
-        trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.recompute, dtype=bool),
+        trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.flags, dtype=bool),
                       np.array(probe.autocast, dtype=bool))
         per_block = {"saved_bytes": self.saved, "fwd_ms": self.fwd_ms, "resident_bytes": self.resident}
         return build_sample(self.marks, trace, len(self.blocks), per_block,

@@ -35,11 +35,11 @@ import weakref
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._pytree import tree_leaves, tree_map
 
-from mimose_cli.planners.base import Planner
-from mimose_cli.planners.blocks import restored_buffers
-from mimose_cli.planners.profile import tensor_storages
+from mimose_cli.memory import storage_bytes, storage_ids
+from mimose_cli.planners.base import Decision, Planner
+from mimose_cli.planners.blocks import BlockRunner, RngState, restored_buffers
+from mimose_cli.torch_private import tensor_version, tree_leaves, tree_map
 
 _AUTOCAST_DEVICES = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
 
@@ -62,10 +62,9 @@ class _Holder:
         self.forward = forward
         self.args, self.kwargs = args, kwargs
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        self.input_versions = [(t, t._version) for t in inputs]
-        self.exclude = exclude_storages | tensor_storages((args, kwargs))
-        cuda = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
-        self.rng = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda])
+        self.input_versions = [(t, tensor_version(t)) for t in inputs]
+        self.exclude = exclude_storages | storage_ids((args, kwargs))
+        self.rng = RngState(sorted({t.device for t in inputs if t.is_cuda}, key=str))
         self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                          for d in _AUTOCAST_DEVICES]
         self.tensors = weakref.WeakKeyDictionary()  # live handle -> tensor; empty when evicted
@@ -79,13 +78,7 @@ class _Holder:
 
     def held_bytes(self) -> int:
         """Bytes eviction would free: unique storages held, parameters and inputs excluded."""
-        seen = {}
-        for tensor in list(self.tensors.values()):
-            storage = tensor.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in self.exclude:
-                seen[ptr] = storage.nbytes()
-        return sum(seen.values())
+        return storage_bytes(list(self.tensors.values()), self.exclude)
 
     def add_handle(self, handle) -> None:
         self.handles.append(weakref.ref(handle, self._handle_died))
@@ -114,7 +107,9 @@ class _Holder:
 class DTR(Planner):
     """Dynamic tensor rematerialization over blocks; gradients equal those of ``none``.
 
-    ``cost_fn(holder) -> float`` replaces the measured forward ms as the eviction cost
+    The policy decides nothing ahead of time (``Decision(())``); its runner (``Rematerializer``)
+    evicts and recomputes while the step runs, and reports the blocks it evicted as the step's
+    plan. ``cost_fn(holder) -> float`` replaces the measured forward ms as the eviction cost
     (deterministic costs for tests and experiments).
     """
 
@@ -123,6 +118,23 @@ class DTR(Planner):
 
     def __init__(self, model, budget=None, *, cost_fn=None, **kwargs):
         super().__init__(model, budget, **kwargs)
+        self.runner = Rematerializer(self, cost_fn)
+
+    def decide(self, input_size):
+        return Decision(())
+
+    @property
+    def stats(self) -> dict:
+        return {**super().stats, **self.runner.totals}
+
+
+class Rematerializer(BlockRunner):
+    """DTR's runner: every block's saved tensors held evictably, evicted under pressure by DTR's
+    heuristic, recomputed when backward needs them. Reads the ``planner``'s budget, meter and
+    blocks."""
+
+    def __init__(self, planner: Planner, cost_fn=None):
+        self.planner = planner
         self.cost_fn = cost_fn
         self._params = set()
         self._holders: list = []
@@ -134,46 +146,51 @@ class DTR(Planner):
         self.events: list = []  # ("evict" | "recompute", block index) in order, this step
         self.totals = {"evictions": 0, "recomputations": 0, "recompute_ms": 0.0}
 
-    def decide(self, input_size):
-        return ()
+    @property
+    def meter(self):
+        return self.planner.meter
 
-    @contextlib.contextmanager
-    def step(self, batch=None, input_size=None):
-        self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+    @property
+    def limit_bytes(self):
+        return self.planner.limit_bytes
+
+    def begin(self, info) -> None:
+        super().begin(info)
+        self._params = storage_ids(list(self.planner.model.parameters()))
         self._holders, self.events, self._reserve_bytes = [], [], 0
         self._step_recompute_ms = 0.0
         self._on_demand = (self._holders_enabled() and self.meter is not None
                            and self.meter.supports_pressure_handler)
         if self._on_demand:
             self.meter.set_pressure_handler(self._relieve)
-        try:
-            with super().step(batch, input_size) as info:
-                yield info
-                self._record(info)
-        finally:
-            if self._on_demand:
-                self.meter.clear_pressure_handler()
-            for holder in self._holders:
-                holder.release()
-            self._holders, self._in_use, self._on_demand = [], None, False
 
-    def _record(self, info) -> None:
-        evicted = {index for kind, index in self.events if kind == "evict"}
-        info.plan = tuple(sorted(evicted))
-        info.extra.update(
-            evictions=sum(1 for kind, _ in self.events if kind == "evict"),
-            recomputations=sum(1 for kind, _ in self.events if kind == "recompute"),
-            recompute_ms=self._step_recompute_ms)
-        self.totals["evictions"] += info.extra["evictions"]
-        self.totals["recomputations"] += info.extra["recomputations"]
+    def end(self, info):
+        """The blocks evicted become the step's plan; evictions and recomputations are counted."""
+        info.plan = tuple(sorted({index for kind, index in self.events if kind == "evict"}))
+        info.evictions = sum(1 for kind, _ in self.events if kind == "evict")
+        info.recomputations = sum(1 for kind, _ in self.events if kind == "recompute")
+        info.recompute_ms = self._step_recompute_ms
+        self.totals["evictions"] += info.evictions
+        self.totals["recomputations"] += info.recomputations
         self.totals["recompute_ms"] += self._step_recompute_ms
+        self.abort()
+        return None
+
+    def abort(self) -> None:
+        """End the step: no more pressure handler, every block's held tensors dropped."""
+        super().abort()
+        if self._on_demand:
+            self.meter.clear_pressure_handler()
+        for holder in self._holders:
+            holder.release()
+        self._holders, self._in_use, self._on_demand = [], None, False
 
     def _tick(self, holder) -> None:
         self._now = next(self._clock)
         holder.last_access = self._now
 
-    def route(self, index, forward, args, kwargs):
-        if not torch.is_grad_enabled() or not self._holders_enabled():
+    def run(self, index, forward, args, kwargs):
+        if not self.active or not torch.is_grad_enabled() or not self._holders_enabled():
             return forward(*args, **kwargs)
         previous = next((h.bytes for h in reversed(self._holders) if h.complete), 0)
         self._make_room(self._ahead(previous), protect=None)  # the next block is likely as large
@@ -186,7 +203,7 @@ class DTR(Planner):
             holder.meta.append((tensor.shape, tensor.dtype))
             holder.tensors[handle] = tensor
             storage = tensor.untyped_storage()
-            if storage.data_ptr() not in holder.exclude:
+            if id(storage) not in holder.exclude:
                 self._reserve_bytes = max(self._reserve_bytes, storage.nbytes())
             self._tick(holder)
             self._make_room(self._ahead(self._reserve_bytes), protect=holder)
@@ -201,7 +218,7 @@ class DTR(Planner):
         return out
 
     def _holders_enabled(self) -> bool:
-        return self.budget_bytes is not None
+        return self.planner.budget_bytes is not None
 
     def _ahead(self, need_bytes: int) -> int:
         """Room to make ahead of time: none when the meter evicts on demand (only the margin)."""
@@ -268,7 +285,7 @@ class DTR(Planner):
         _check_inputs_unchanged(holder)
         refill = _refill_hook(holder)
         start = time.perf_counter()
-        module = self.blocks[holder.index][1]
+        module = self.planner.blocks[holder.index][1]
         with _replay_state(holder, module), saved_tensors_hooks(refill, _never_unpacked), torch.enable_grad():
             args, kwargs = tree_map(_detach, (holder.args, holder.kwargs))
             holder.forward(*args, **kwargs)
@@ -278,12 +295,6 @@ class DTR(Planner):
         elapsed = (time.perf_counter() - start) * 1e3
         self._step_recompute_ms += elapsed
         self.events.append(("recompute", holder.index))
-
-    @property
-    def stats(self) -> dict:
-        stats = super().stats
-        stats.update(self.totals)
-        return stats
 
 
 def _refill_hook(holder):
@@ -314,17 +325,17 @@ def _check_inputs_unchanged(holder) -> None:
 
 @contextlib.contextmanager
 def _replay_state(holder, module):
-    """The RNG and autocast state of the block's first run; the buffers of its ``module``
-    restored afterwards."""
-    cpu_state, cuda_states = holder.rng
-    with torch.random.fork_rng(devices=[d for d, _ in cuda_states], device_type="cuda"), \
-            restored_buffers(module), contextlib.ExitStack() as stack:
-        torch.set_rng_state(cpu_state)
-        for device, state in cuda_states:
-            torch.cuda.set_rng_state(state, device)
-        for device_type, enabled, dtype in holder.autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-        yield
+    """The RNG and autocast state of the block's first run; the RNG as it was and the buffers of
+    its ``module`` restored afterwards."""
+    resume = RngState(holder.rng.device_list)
+    try:
+        with restored_buffers(module), contextlib.ExitStack() as stack:
+            holder.rng.restore()
+            for device_type, enabled, dtype in holder.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            yield
+    finally:
+        resume.restore()
 
 
 def _detach(value):

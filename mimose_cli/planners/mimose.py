@@ -22,26 +22,34 @@ over the budget raises ``torch.OutOfMemoryError``) and measures each ``step()`` 
 turned off by ``close()``.
 """
 
-import contextlib
-import json
 import time
 import warnings
-from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
-import torch
 
-from mimose_cli.planners.base import Planner, StepInfo
+from mimose_cli.planners.base import Decision, Planner, StepInfo
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.scheduler import greedy_plan_checked
 
 
+class CachedPlan(NamedTuple):
+    """A plan-cache entry: the plan, its predicted peak above the step's start, and whether that
+    fits the budget."""
+
+    plan: tuple
+    peak_bytes: float
+    fits: bool
+
+
 class Mimose(Planner):
     """Input-aware checkpointing: the paper's collector, estimator, scheduler and plan cache."""
 
     name = "mimose"
+    builds_meter = True
+    state_file = "estimator.json"
 
     def __init__(self, model, budget=None, *, blocks=None, safety_margin="auto", meter=None,
                  sheltered_steps: int = 5, granularity: int = 1, bucket: float = 0.10,
@@ -61,11 +69,8 @@ class Mimose(Planner):
         # Predictions are exact to ~100 bytes on the simulated device (the sheltered steps are
         # measured checkpointed, the planned ones are not): a relative margin absorbs that.
         self.prediction_margin = prediction_margin
-        self._own_meter = None
-        if meter is None:
-            self._own_meter = self._start_own_meter(model)
         self.estimator = Estimator(self.num_blocks, SEQ2SEQ if self.encoder_decoder else TOKENS)
-        self.collector = self.measurer = ShuttlingCollector(model, self.blocks, self.recompute_clock)
+        self.measurer = ShuttlingCollector(model, self.blocks, self.recompute_clock)
         self.cache: dict = {}
         self.sheltered_done = 0
         self.sheltered_attempts = 0
@@ -79,16 +84,6 @@ class Mimose(Planner):
         self.warnings: list = []
         if self.budget_bytes is None:
             self._warn("mimose without a budget checkpoints nothing; it only fits its estimator")
-
-    def _start_own_meter(self, model):
-        from mimose_cli.memory import build_meter
-
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.meter = build_meter("auto", self.budget_bytes, device)
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.meter.activate())
-        self.meter.track(model)
-        return stack
 
     def _warn(self, message: str) -> None:
         if message not in self.warnings:
@@ -105,41 +100,44 @@ class Mimose(Planner):
         g = self.granularity
         return (size[0],) + tuple(-(-d // g) * g for d in size[1:])
 
-    def make_step_info(self, size: tuple) -> StepInfo:
+    def decide(self, size: tuple) -> Decision:
+        """Sheltered: measure. Responsive: the cached plan for this size, else a new plan from the
+        estimator when the rule in docs/MIMOSE.md trusts its prediction, else measure."""
         if self.sheltered:
-            return self._measuring_info(size, "sheltered")
+            return self._measuring(size, "sheltered")
         if self.limit_bytes is None:
-            return StepInfo(self.steps, size, (), 0.0, phase="responsive")
+            return Decision(())
         key = self.cache_key(size)
         base = self._start_bytes()
         entry = self.cache.get(key)
         # A cached plan holds while the bytes at the step's start still leave it room.
-        hit = entry is not None and (not entry[2] or base + entry[1] <= self.limit_bytes)
+        hit = entry is not None and (not entry.fits or base + entry.peak_bytes <= self.limit_bytes)
         if not hit:
             reason = self.estimator.trust.reason(key)
             if reason is not None:
-                return self._untrusted_info(size, reason)
+                return self._untrusted(size, reason)
             entry = self._plan_miss(key, base)
         self.counts["hits" if hit else "misses"] += 1
-        return StepInfo(self.steps, size, entry[0], 0.0, phase="responsive", cache_hit=hit,
-                        predicted_peak_bytes=int(base + entry[1]))
+        return Decision(entry.plan, cache_hit=hit, predicted_peak_bytes=int(base + entry.peak_bytes))
 
-    def _measuring_info(self, size: tuple, phase: str) -> StepInfo:
+    def _measuring(self, size: tuple, phase: str) -> Decision:
         """A step the collector measures (every block checkpointed); a retry after such a step
         ran out of memory is not measured again, only checkpointed."""
         plan = tuple(range(self.num_blocks))
-        return StepInfo(self.steps, size, plan, 0.0, phase="recovery" if self.attempt else phase)
+        if self.attempt:
+            return Decision(plan, "recovery")
+        return Decision(plan, phase, measure=True)
 
-    def _untrusted_info(self, size: tuple, reason: str) -> StepInfo:
+    def _untrusted(self, size: tuple, reason: str) -> Decision:
         """No trusted prediction at this size: measure it (every block checkpointed meanwhile),
         and once measuring has been tried ``3 x sheltered_steps`` times, just checkpoint every
         block. Either way the reason is in ``stats``, never a guess."""
         self.counts["untrusted"] += 1
         if self.counts["measuring"] < 3 * self.sheltered_steps:
             self._note(f"not trusted, measured: {reason}", size)
-            return self._measuring_info(size, "measuring")
+            return self._measuring(size, "measuring")
         self._note(f"not trusted, every block checkpointed: {reason}", size)
-        return StepInfo(self.steps, size, tuple(range(self.num_blocks)), 0.0, phase="untrusted")
+        return Decision(tuple(range(self.num_blocks)), "untrusted")
 
     def _note(self, message: str, size: tuple) -> None:
         """Count a reason in ``stats``; warn the first time one is seen."""
@@ -167,7 +165,7 @@ class Mimose(Planner):
             self.counts["unfit_plans"] += 1
             self._warn(f"input size {key} is predicted not to fit the budget even with every "
                        "block checkpointed; the step may run out of memory")
-        entry = (plan, peak - base, fits)
+        entry = CachedPlan(plan, peak - base, fits)
         self.cache[key] = entry
         self.counts["scheduler_ms"] += (time.perf_counter() - start) * 1e3
         return entry
@@ -193,7 +191,7 @@ class Mimose(Planner):
     def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> None:
         """First failure of a planned step: plan that size again with a margin (the larger of
         5 % of the budget and the prediction's shortfall, and twice the margin a failure of
-        this size already left); a measuring step is retried unmeasured (``_measuring_info``);
+        this size already left); a measuring step is retried unmeasured (``_measuring``);
         a second failure, or a step with no prediction, checkpoints every block."""
         if info.phase in ("sheltered", "measuring") and failures == 1:
             return  # the retry runs checkpointed without the measuring runs
@@ -206,33 +204,20 @@ class Mimose(Planner):
         self.recovery_margins[key] = int(margin)
         self.cache.pop(key, None)
 
-    def decide(self, input_size: tuple) -> tuple:
-        return self.make_step_info(tuple(input_size)).plan
+    def observe(self, info: StepInfo, peak_bytes, sample) -> None:
+        """Learn from a measured step's sample; count a planned step's under-prediction."""
+        self.counts["sheltered_ms" if info.measured else "responsive_ms"] += info.step_ms
+        self.counts["responsive_steps"] += 0 if info.measured else 1
+        if info.measured:
+            self._collect(info, sample)
+        if info.predicted_peak_bytes is None or peak_bytes is None:
+            return
+        under = peak_bytes - info.predicted_peak_bytes
+        if under > 0:
+            self.counts["underpredictions"] += 1
+            self.counts["max_underprediction_bytes"] = max(self.counts["max_underprediction_bytes"], under)
 
-    @contextlib.contextmanager
-    def step(self, batch=None, input_size=None):
-        """Plan and apply this batch's checkpointing; yields the ``StepInfo``."""
-        start = time.perf_counter()
-        with contextlib.ExitStack() as stack:
-            if self._own_meter is not None:
-                stack.enter_context(self.meter.step())
-            with super().step(batch, input_size) as info:
-                measuring = info.phase in ("sheltered", "measuring")
-                if measuring:
-                    self.collector.begin()
-                try:
-                    yield info
-                except BaseException:
-                    self.collector.abort()
-                    raise
-                if measuring:
-                    self._collect(info)
-        elapsed = (time.perf_counter() - start) * 1e3
-        self.counts["sheltered_ms" if measuring else "responsive_ms"] += elapsed
-        self.counts["responsive_steps"] += 0 if measuring else 1
-
-    def _collect(self, info: StepInfo) -> None:
-        sample = self.collector.end()
+    def _collect(self, info: StepInfo, sample) -> None:
         if info.phase == "measuring":  # a size the fit did not determine: one more sample, refit
             self.counts["measuring"] += 1
             if sample is not None:
@@ -260,22 +245,14 @@ class Mimose(Planner):
         self.cache = {}
         self.fit_ms += (time.perf_counter() - start) * 1e3
 
-    def observe(self, info: StepInfo, peak_bytes) -> None:
-        if info.predicted_peak_bytes is None or peak_bytes is None:
-            return
-        under = peak_bytes - info.predicted_peak_bytes
-        if under > 0:
-            self.counts["underpredictions"] += 1
-            self.counts["max_underprediction_bytes"] = max(self.counts["max_underprediction_bytes"], under)
-
     @property
     def stats(self) -> dict:
         c = self.counts
         lookups = c["hits"] + c["misses"]
         iteration_ms = c["responsive_ms"] / c["responsive_steps"] if c["responsive_steps"] else None
-        overhead_ms = self.collector.collector_ms + self.fit_ms + self.total_planning_ms
+        overhead_ms = self.measurer.collector_ms + self.fit_ms + self.total_planning_ms
         return {**super().stats, "phase": "sheltered" if self.sheltered else "responsive",
-                "sheltered_iterations": self.sheltered_done, "collector_ms": self.collector.collector_ms,
+                "sheltered_iterations": self.sheltered_done, "collector_ms": self.measurer.collector_ms,
                 "sheltered_ms": c["sheltered_ms"], "estimator_fit_ms": self.fit_ms,
                 "scheduler_ms_mean": c["scheduler_ms"] / c["misses"] if c["misses"] else 0.0,
                 "misses": c["misses"], "hits": c["hits"],
@@ -302,7 +279,7 @@ class Mimose(Planner):
     def state_dict(self) -> dict:
         return {**super().state_dict(), "num_blocks": self.num_blocks, "granularity": self.granularity,
                 "sheltered_done": self.sheltered_done, "estimator": self.estimator.state_dict(),
-                "cache": [[list(k), list(v[0]), v[1], v[2]] for k, v in self.cache.items()]}
+                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits] for k, v in self.cache.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the fitted estimator and plan cache; a fitted one skips the sheltered phase.
@@ -313,21 +290,5 @@ class Mimose(Planner):
         self.sheltered_done = state.get("sheltered_done", 0)
         self.cache = {}
         if state.get("granularity") == self.granularity:
-            self.cache = {tuple(k): (tuple(p), float(peak), bool(fits))
+            self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits))
                           for k, p, peak, fits in state.get("cache", [])}
-
-    def save(self, path) -> None:
-        """Write the fitted estimator and plan cache as JSON (the run's ``estimator.json``)."""
-        Path(path).write_text(json.dumps(self.state_dict(), allow_nan=False))
-
-    def load(self, path) -> "Mimose":
-        """Read what ``save`` wrote; returns self."""
-        self.load_state_dict(json.loads(Path(path).read_text()))
-        return self
-
-    def close(self) -> None:
-        super().close()
-        if self._own_meter is not None:
-            self._own_meter.close()
-            self._own_meter = None
-

@@ -9,20 +9,20 @@ the plan with the least recompute time (Σ measured forward ms) whose peak, on t
 at the step's start, fits the budget: an exact search over every plan up to ``EXACT_MAX_BLOCKS``
 blocks; beyond, a knapsack DP on the blocks' savings, topped up block by block until the
 timeline fits. Measuring and searching are excluded from the step's time
-(``StepInfo.extra["excluded_ms"]``); measurements are kept per input size.
+(``Decision.excluded_ms``); measurements are kept per input size.
 """
 
-import contextlib
 import time
 import warnings
 
 import numpy as np
 
-from mimose_cli.planners.base import Planner, StepInfo
+from mimose_cli.planners.base import Decision, Planner, StepInfo
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import (NO_EVENT, BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction,
                                            peak_timeline)
-from mimose_cli.planners.profile import BlockProfile, probe_step, to_model_device
+from mimose_cli.planners.probe import probe_step, to_model_device
+from mimose_cli.planners.sublinear import BlockProfile
 
 EXACT_MAX_BLOCKS = 16
 _REQUIRED = ("plain_bytes", "ckpt_bytes", "fwd_ms")
@@ -151,10 +151,9 @@ class Oracle(Planner):
 
     def __init__(self, model, budget=None, **kwargs):
         super().__init__(model, budget, **kwargs)
-        self.collector = self.measurer = ShuttlingCollector(model, self.blocks)
+        self.measurer = ShuttlingCollector(model, self.blocks)
         self.measured: dict = {}  # input size -> Prediction, or None when it could not be measured
         self._make_batch = None
-        self._batch = None
         self.excluded_ms_total = 0.0
         self.margin_bytes = 0
 
@@ -162,37 +161,29 @@ class Oracle(Planner):
         # the oracle plans each step against the bytes live at its start: nothing to reserve
         self._make_batch = make_batch
 
-    @contextlib.contextmanager
-    def step(self, batch=None, input_size=None):
-        self._batch = batch
-        try:
-            with super().step(batch, input_size) as info:
-                yield info
-        finally:
-            self._batch = None
-
     def measure(self, size: tuple) -> Prediction | None:
         """One side-effect-free collector step at ``size`` on this step's batch (or one made at
         that size): RNG forked, buffers and gradients restored, the meter's peak reset."""
-        batch = self._batch
+        batch = self.batch
         if batch is None:
             if self._make_batch is None:
                 raise RuntimeError("oracle measures every input size: pass the batch to "
                                    "planner.step(batch) or call planner.prepare(make_batch, ...)")
             batch = to_model_device(self.model, self._make_batch(size))
-        self.collector.begin()
+        self.measurer.begin()
         ran = False
         try:
             ran = probe_step(self, batch) is not None
         finally:
-            sample = self.collector.end() if ran else self.collector.abort()  # abort keeps nothing
+            sample = self.measurer.end() if ran else self.measurer.abort()  # abort keeps nothing
         pred = None if sample is None else measured_prediction(size, sample, self.num_blocks)
         if pred is None:
             warnings.warn(f"oracle: input size {size} could not be measured (out of memory, or a "
                           "block the collector cannot attribute); checkpointing every block", stacklevel=4)
         return pred
 
-    def make_step_info(self, size: tuple) -> StepInfo:
+    def decide(self, size: tuple) -> Decision:
+        """The least-recompute plan that fits, from this size's measurements (taken now if new)."""
         start = time.perf_counter()
         hit = size in self.measured
         if not hit:
@@ -207,15 +198,9 @@ class Oracle(Planner):
             predicted = int(base + plan_peak(pred, plan))
         excluded_ms = (time.perf_counter() - start) * 1e3
         self.excluded_ms_total += excluded_ms
-        recompute = None if pred is None else float(pred.blocks["fwd_ms"][list(plan)].sum())
-        return StepInfo(step=self.steps, input_size=size, plan=plan, planning_ms=0.0,
-                        cache_hit=hit, predicted_peak_bytes=predicted,
-                        extra={"excluded_ms": excluded_ms, "predicted_recompute_ms": recompute})
+        return Decision(plan, cache_hit=hit, predicted_peak_bytes=predicted, excluded_ms=excluded_ms)
 
-    def decide(self, input_size: tuple) -> tuple:
-        return self.make_step_info(tuple(input_size)).plan
-
-    def observe(self, info: StepInfo, peak_bytes) -> None:
+    def observe(self, info: StepInfo, peak_bytes, sample) -> None:
         """Keep the largest measured overshoot of the measured timeline as a margin (none was
         seen on the simulated device; on a GPU the allocator's rounding can add some)."""
         if peak_bytes is not None and info.predicted_peak_bytes is not None:

@@ -16,12 +16,76 @@ the same layers and holds no more memory than checkpointing the segment whole.
 import math
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 
-from mimose_cli.planners.profile import BlockProfile, ProfilingPlanner, measure_fixed_bytes, to_model_device
+from mimose_cli.memory.profiler import BlockProfiler
+from mimose_cli.planners.base import Decision, Planner
+from mimose_cli.planners.probe import model_device, probe_step, run_model, side_effect_free, to_model_device
+from mimose_cli.planners.scheduler import greedy_plan_checked
 
 VARIANTS = ("greedy", "sqrt", "chen")
+
+
+@dataclass
+class BlockProfile:
+    """Measured per-block activation bytes and forward ms at one input size.
+
+    ``fixed_bytes`` is everything at the step's peak that no plan changes (weights, optimizer state,
+    gradients, activations outside the blocks, backward transients); 0 when no meter is attached,
+    in which case the budget applies to the blocks' activations alone.
+    """
+
+    input_size: tuple
+    act_bytes: list
+    fwd_ms: list
+    fixed_bytes: int = 0
+
+    def peak_bytes(self, plan) -> int:
+        """Modelled peak of a step with ``plan`` checkpointed: the larger of the activations kept
+        at the end of forward and, for each checkpointed block, the kept activations before it
+        plus its own, which backward recomputes once the later blocks are freed."""
+        plan = set(plan)
+        kept = [0 if i in plan else b for i, b in enumerate(self.act_bytes)]
+        peak, before = sum(kept), 0
+        for i, size in enumerate(self.act_bytes):
+            if i in plan:
+                peak = max(peak, before + size)
+            before += kept[i]
+        return self.fixed_bytes + peak
+
+    def recompute_ms(self, plan) -> float:
+        return sum(self.fwd_ms[i] for i in plan)
+
+
+def probe_plan(num_blocks: int) -> tuple:
+    """The plan a calibration step runs: every block but the last. Recomputing the last block
+    frees nothing (backward needs it at once), and leaving it plain puts a real backward of a
+    block at the peak, which a checkpointed one hides (recomputation stops early and frees what
+    backward has used)."""
+    return tuple(range(num_blocks - 1))
+
+
+def measure_fixed_bytes(planner, batch, act_bytes) -> int:
+    """Run one side-effect-free step with ``probe_plan`` and return its measured peak less the
+    modelled activations of that plan: the part of the peak no plan changes.
+
+    Needs the planner's meter; returns 0 without one. The probe (``probe_step``) does not count
+    as the step's peak.
+    """
+    if planner.meter is None:
+        return 0
+    plan = probe_plan(planner.num_blocks)
+    saved_plan = planner.plan
+    planner.set_plan(plan)
+    try:
+        peak = probe_step(planner, batch)
+    finally:
+        planner.set_plan(saved_plan)
+    if peak is None:  # nothing fits: make every plan but "all" look infeasible
+        return planner.limit_bytes or 0
+    return peak - BlockProfile((), act_bytes, [0.0] * len(act_bytes)).peak_bytes(plan)
 
 
 def sqrt_plan(num_blocks: int) -> tuple:
@@ -77,21 +141,20 @@ def chen_plan(profile: BlockProfile, limit_bytes) -> tuple:
 def greedy_at(profile: BlockProfile, limit_bytes) -> tuple:
     """The Mimose greedy scheduler evaluated on measured sizes, re-checked against the modelled
     peak exactly as Mimose re-checks its predictions (``greedy_plan_checked``)."""
-    from mimose_cli.planners.scheduler import greedy_plan_checked
-
     if limit_bytes is None:
         return ()
     plan, _, _ = greedy_plan_checked(profile.act_bytes, profile.peak_bytes, limit_bytes)
     return plan
 
 
-class Sublinear(ProfilingPlanner):
+class Sublinear(Planner):
     """A static plan for the largest input, applied to every batch."""
 
     name = "sublinear"
 
     def __init__(self, model, budget=None, *, variant: str = "greedy", **kwargs):
         super().__init__(model, budget, **kwargs)
+        self.measurer = BlockProfiler(model, self.num_blocks)
         if variant not in VARIANTS:
             raise ValueError(f"planner.options.variant={variant!r} is invalid; expected one of "
                              f"{' | '.join(VARIANTS)}")
@@ -115,7 +178,9 @@ class Sublinear(ProfilingPlanner):
     def _plan_at(self, make_batch, size: tuple) -> tuple:
         batch = to_model_device(self.model, make_batch(size))
         try:
-            act_bytes, fwd_ms = self.profiler.measure(batch)
+            with side_effect_free(self.model, batch), torch.enable_grad():
+                act_bytes, fwd_ms = self.measurer.measure(lambda: run_model(self.model, batch),
+                                                          model_device(self.model))
         except torch.OutOfMemoryError:
             warnings.warn(f"sublinear: measuring one block at the largest input {size} ran out of "
                           "memory; checkpointing every block", stacklevel=3)
@@ -133,11 +198,11 @@ class Sublinear(ProfilingPlanner):
                           "long may run out of memory", stacklevel=3)
         return plan
 
-    def decide(self, input_size: tuple) -> tuple:
+    def decide(self, input_size: tuple) -> Decision:
         if self.static_plan is None:
             raise RuntimeError("sublinear plans once for the largest input: call "
                                "planner.prepare(make_batch, max_input_size) before the first step")
-        return self.static_plan
+        return Decision(self.static_plan)
 
     @property
     def stats(self) -> dict:

@@ -44,22 +44,22 @@ def test_evictions_step_by_step():
     # Backward needs them in reverse order and recomputes 3, 2, 1, 0.
     x = torch.randn(BATCH, 8)
     planner, info = dtr_step(stack((16, 32, 64, 32, 16)), 2560, x, cost_fn=lambda h: 1.0)
-    assert planner.events == [("evict", 0), ("evict", 1), ("evict", 2), ("evict", 3),
+    assert planner.runner.events == [("evict", 0), ("evict", 1), ("evict", 2), ("evict", 3),
                               ("recompute", 3), ("recompute", 2), ("recompute", 1), ("recompute", 0)]
-    assert info.plan == (0, 1, 2, 3) and info.extra["recomputations"] == 4
+    assert info.plan == (0, 1, 2, 3) and info.recomputations == 4
 
 
 def test_cost_outweighs_staleness():
     x = torch.randn(BATCH, 8)
     cheap, _ = dtr_step(stack((32,) * 4), 4096, x, cost_fn=lambda h: 1.0)
-    assert cheap.events[0] == ("evict", 0)  # equal cost and size: the stalest
+    assert cheap.runner.events[0] == ("evict", 0)  # equal cost and size: the stalest
     costly, _ = dtr_step(stack((32,) * 4), 4096, x, cost_fn=lambda h: 100.0 if h.index == 0 else 1.0)
-    assert costly.events[0] == ("evict", 1)
+    assert costly.runner.events[0] == ("evict", 1)
 
 
 def test_no_eviction_without_pressure():
     planner, info = dtr_step(stack((16,) * 3), 10**6, torch.randn(BATCH, 8))
-    assert planner.events == [] and info.plan == ()
+    assert planner.runner.events == [] and info.plan == ()
 
 
 def _tiny_bert():
@@ -87,7 +87,7 @@ def _bert_grads(name, budget):
 def test_gradients_equal_none_exactly_with_dropout():
     reference, _ = _bert_grads("none", None)
     grads, info = _bert_grads("dtr", 40_000)  # about one layer's activations: evicts on every layer
-    assert info.extra["evictions"] >= 2 and info.extra["recomputations"] >= 2
+    assert info.evictions >= 2 and info.recomputations >= 2
     assert all(torch.equal(a, b) for a, b in zip(reference, grads))
 
 
@@ -140,7 +140,7 @@ def test_batchnorm_statistics_are_not_updated_twice():
             build_planner(name, model, None)
         with planner.step(torch.randn(BATCH, 8)):
             model(torch.randn(BATCH, 8)).sum().backward()
-        return [b.clone() for b in model.buffers()], getattr(planner, "events", [])
+        return [b.clone() for b in model.buffers()], (planner.runner.events if name == "dtr" else [])
 
     reference, _ = stats("none")
     buffers, events = stats("dtr")
@@ -199,8 +199,8 @@ def test_on_demand_eviction_makes_room_for_the_head():
     with pytest.raises(torch.OutOfMemoryError):
         _run_with_head("dtr", budget, on_demand=False)
     peak, info, grads = _run_with_head("dtr", budget)
-    assert peak <= budget and info.extra["evictions"] > 0
-    assert info.extra["recomputations"] == info.extra["evictions"]
+    assert peak <= budget and info.evictions > 0
+    assert info.recomputations == info.evictions
     assert all(torch.equal(a, b) for a, b in zip(reference, grads))
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from mimose_cli.memory import build_meter
-from mimose_cli.planners import build_planner
+from mimose_cli.planners import Decision, build_planner
 from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction
 from mimose_cli.planners.oracle import exact_search, knapsack_plan, knapsack_search, min_cost_cover, plan_peak
-from mimose_cli.planners.profile import BlockProfile
+from mimose_cli.planners.sublinear import BlockProfile
 from tests.planners.test_mimose import batch, tiny_bert
 
 
@@ -103,7 +103,7 @@ def _peaks(model, data, plans):
     with meter.activate():
         meter.track(model)
         for plan in plans:
-            planner.decide = lambda size, plan=plan: plan
+            planner.decide = lambda size, plan=plan: Decision(plan)
             peaks.append(_step(planner, meter, data)[1])
     planner.close()
     return peaks
@@ -123,7 +123,7 @@ def test_oracle_plans_the_fewest_blocks_that_fit_and_predicts_the_peak():
     oracle.close()
     assert 0 < len(info.plan) < 4 and peak <= budget
     assert abs(peak - info.predicted_peak_bytes) <= 1e-3 * peak
-    assert again.cache_hit and again.plan == info.plan and info.extra["excluded_ms"] > 0
+    assert again.cache_hit and again.plan == info.plan and info.excluded_ms > 0
     # least recompute: dropping any block of the plan would not fit (blocks cost about the same)
     lighter = [tuple(i for i in info.plan if i != drop) for drop in info.plan]
     assert all(p > budget for p in _peaks(model, data, lighter))

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from mimose_cli.planners import build_planner
-from mimose_cli.planners.profile import BlockProfile
+from mimose_cli.planners.sublinear import BlockProfile
 from mimose_cli.planners.sublinear import chen_plan, chen_segments, sqrt_plan
 
 WIDTHS = (16, 32, 64, 32, 16)

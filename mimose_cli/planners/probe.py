@@ -1,0 +1,71 @@
+"""Steps a planner runs to measure, which the training run never sees."""
+
+import contextlib
+
+import torch
+
+from mimose_cli.planners.blocks import restored_buffers
+from mimose_cli.torch_private import tree_leaves
+
+
+def run_model(model, batch):
+    """Call ``model`` on a batch the way the training loop does (dict → keyword arguments)."""
+    return model(**batch) if isinstance(batch, dict) else model(batch)
+
+
+def loss_of(output) -> torch.Tensor:
+    """The scalar to backward from a model output: ``.loss`` when there is one, else a sum."""
+    loss = getattr(output, "loss", None)
+    if loss is not None:
+        return loss
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    if hasattr(output, "logits"):
+        output = output.logits
+    return output.float().sum()
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def to_model_device(model, batch):
+    """Move a (dict) batch to the device of the model's parameters."""
+    device = model_device(model)
+    if isinstance(batch, dict):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return batch.to(device)
+
+
+@contextlib.contextmanager
+def side_effect_free(model, batch):
+    """Fork the RNG and restore the model's buffers (BatchNorm statistics) on exit."""
+    devices = sorted({leaf.device.index or 0 for leaf in tree_leaves(batch)
+                      if isinstance(leaf, torch.Tensor) and leaf.is_cuda})
+    with torch.random.fork_rng(devices=devices, device_type="cuda"), restored_buffers(model):
+        yield
+
+
+def probe_step(planner, batch):
+    """One forward and backward on ``batch`` that the training run never sees: RNG forked,
+    buffers restored, the gradients put back as they were (the probe starts from none), the
+    meter's peak reset afterwards. Returns the probe's peak (0 without a meter), or None when it
+    ran out of memory."""
+    meter = planner.meter
+    params = list(planner.model.parameters())
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    if meter is not None:
+        meter.reset_peak()
+    try:
+        with side_effect_free(planner.model, batch), torch.enable_grad():
+            loss_of(run_model(planner.model, batch)).backward()
+        return meter.peak_bytes() if meter is not None else 0
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        if meter is not None:
+            meter.reset_peak()

@@ -1,0 +1,42 @@
+"""Every private PyTorch API mimose uses, in one place.
+
+Private APIs can change in any torch release; ``pyproject.toml`` therefore claims only the torch
+versions the test suite has run on. Each name below says why no public API serves and which
+public one would replace it. Nothing else in the package imports ``torch._*`` or a module whose
+name starts with an underscore.
+"""
+
+import torch
+# The simulated device and the collector's live-bytes probe see every ATen op's outputs. Public
+# replacement: none yet (``torch.overrides.TorchFunctionMode`` sees Python-level calls, not the
+# allocations of decomposed ops); dispatch modes are documented but live in a private module.
+from torch.utils._python_dispatch import TorchDispatchMode
+# Flattening nested batches and block arguments. Public replacement: ``torch.utils.pytree``
+# (announced, not in 2.13), or the ``optree`` package.
+from torch.utils._pytree import tree_leaves, tree_map
+# Storages of a tensor subclass (DTensor, fake tensors) for the simulated device. Public
+# replacement: ``__tensor_flatten__`` on traceable wrapper subclasses, walked by hand.
+from torch.distributed._tools.common_utils import get_untyped_storages
+
+__all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "get_untyped_storages",
+           "top_saved_tensors_hook_name", "tensor_version"]
+
+
+def top_saved_tensors_hook_name() -> str:
+    """The qualified name of the innermost saved-tensor pack hook ("" when none is set).
+
+    ``torch.utils.checkpoint`` has no "am I inside a checkpoint / recomputing?" query; its
+    non-reentrant implementation installs pack hooks named ``_checkpoint_hook`` (forward) and
+    ``_recomputation_hook`` (recompute), and this reads the innermost one. Public replacement:
+    a checkpoint-region query in ``torch.utils.checkpoint`` (none exists), or a
+    ``context_fn`` passed to every checkpoint call that sets our own flag.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return getattr(hooks[0], "__qualname__", "") if hooks else ""
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (autograd's version counter), used by DTR to
+    refuse recomputing a block whose inputs changed. Public replacement: none (autograd checks
+    it internally when a saved tensor is unpacked, with no API to ask ahead of time)."""
+    return tensor._version

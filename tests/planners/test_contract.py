@@ -1,0 +1,83 @@
+"""The planner contract (docs/DESIGN.md): the example planner runs, and every planner fits it."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mimose_cli.memory import build_meter
+from mimose_cli.planners import PLANNERS, Planner, build_planner
+
+DESIGN = Path(__file__).resolve().parents[2] / "docs" / "DESIGN.md"
+
+
+def _example_source() -> str:
+    text = DESIGN.read_text()
+    marker = text.index("<!-- example planner")
+    return re.search(r"```python\n(.*?)```", text[marker:], re.S).group(1)
+
+
+@pytest.fixture
+def example_planner():
+    """The docs' example, executed as written; its registration is undone afterwards."""
+    namespace = {}
+    exec(compile(_example_source(), str(DESIGN), "exec"), namespace)
+    yield namespace["Cautious"]
+    PLANNERS.pop("cautious", None)
+
+
+def test_the_documented_example_is_short():
+    assert len(_example_source().strip().splitlines()) <= 30
+
+
+def _model(width=32, depth=4):
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)))
+
+
+def _step(model, planner, length):
+    x = torch.randn(8, length, 32, requires_grad=True)
+    return planner.run(lambda batch: model(batch).sum().backward(), x, input_size=(8, length))
+
+
+def test_the_example_planner_learns_to_fit_through_the_contract(example_planner):
+    model = _model()
+    meter = build_meter("simulated", None)
+    with meter.activate():
+        meter.track(model)
+        probe = build_planner("none", model, None, meter=meter, blocks="*")  # its peak, unplanned
+        meter.reset_peak()
+        _step(model, probe, 64)
+        none_peak = meter.peak_bytes()
+        probe.close()
+        for p in model.parameters():
+            p.grad = None
+        meter.budget_bytes = int(none_peak * 1.05)
+        planner = build_planner("cautious", model, meter.budget_bytes, meter=meter, blocks="*")
+        plans, peaks = [], []
+        for _ in range(6):
+            meter.reset_peak()
+            _step(model, planner, 64)
+            plans.append(planner.last.plan)
+            peaks.append(meter.peak_bytes())
+            for p in model.parameters():
+                p.grad = None
+        _step(model, planner, 16)  # another length starts from nothing
+        short = planner.last.plan
+        planner.close()
+    limit = planner.limit_bytes
+    assert plans[0] == () and plans[1] == (0,)  # learned from the first step's peak
+    for plan, peak, following in zip(plans, peaks, plans[1:]):
+        grew = peak > 0.9 * limit and len(plan) < planner.num_blocks
+        assert len(following) == len(plan) + grew  # observe saw each step's own peak
+    assert all(peak <= limit for peak in peaks)
+    assert short == () and planner.last.phase == "k=0"
+
+
+@pytest.mark.parametrize("name", sorted(PLANNERS))
+def test_no_planner_overrides_the_step(name):
+    cls = PLANNERS[name]
+    assert cls.step is Planner.step and cls.run is Planner.run
+    assert cls.decide is not Planner.decide
