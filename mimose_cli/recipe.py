@@ -25,6 +25,7 @@ from mimose_cli.units import parse_size
 STRICT = ConfigDict(extra="forbid")
 PRESETS = ("swag", "squad", "qqp")
 SIZE_EXPECTED = "a byte size such as '6GB', '6GiB', '512MB' or '0.5GiB'"
+UNKNOWN_KEY = ("unexpected_keyword_argument", "invalid_key")  # pydantic's names for a key not a field
 
 
 class RecipeError(ValueError):
@@ -204,13 +205,15 @@ def _section_keys(loc: tuple) -> list:
 
 
 def _recipe_error(err: ValidationError, where: str) -> RecipeError:
-    """The first of pydantic's errors as one line naming file, dotted key, value and expectation."""
-    first = err.errors()[0]
+    """One of pydantic's errors as one line naming file, dotted key, value and expectation: an
+    unknown key first (a misspelt key is the likelier cause of the rest), else the first."""
+    errors = err.errors()
+    first = next((e for e in errors if e["type"] in UNKNOWN_KEY), errors[0])
     loc = tuple(str(part) for part in first["loc"])
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, _Invalid):
         key, value, expected = ".".join(loc + (cause.key,)), cause.value, cause.expected
-    elif first["type"] == "unexpected_keyword_argument":
+    elif first["type"] in UNKNOWN_KEY:
         keys = ", ".join(_section_keys(loc[:-1]))
         return RecipeError(f"{where}: unknown key {'.'.join(loc)}; expected one of {keys}")
     else:

@@ -109,6 +109,13 @@ def test_unknown_keys_list_the_valid_ones(tmp_path, key):
     assert "_bytes" not in str(info.value).partition("expected one of")[2]  # parsed, never written
 
 
+def test_a_misspelt_key_is_reported_before_the_values_it_leaves_wrong():
+    with pytest.raises(RecipeError, match=r"unknown key training\.batch_sise"):
+        recipe_from_dict({"training": {"lr": "fast", "batch_sise": 4}}, "r.yaml")
+    with pytest.raises(RecipeError, match="unknown key 1; expected one of task"):
+        recipe_from_dict({1: "x"}, "r.yaml")
+
+
 def test_sizes_are_parsed_once_into_bytes():
     recipe = recipe_from_dict({"budget": "6GiB", "planner": {"safety_margin": "512MB"}})
     assert (recipe.budget, recipe.budget_bytes) == ("6GiB", 6 * 2**30)
