@@ -1,10 +1,9 @@
 """Recipes: typed, strict configuration read from YAML.
 
-Sections are pydantic dataclasses (``extra="forbid"``, strict scalars): annotations, ``Literal``
-choices and ``Field`` bounds are the checks, and pydantic's errors already carry the dotted key and
-the input, so ``_recipe_error`` only puts the first on one line. Stdlib ``__post_init__`` checks
-would have kept our own type coercion; ``__post_init__`` here holds only what annotations cannot
-say (checks across fields, byte sizes parsed once into ``*_bytes``).
+Sections are pydantic dataclasses (``extra="forbid"``, strict scalars) rather than stdlib ones
+checked in ``__post_init__``, which would have kept our own type coercion: annotations, ``Literal``
+choices and ``Field`` bounds are the checks, pydantic's errors carry the dotted key and the input,
+and ``__post_init__`` keeps only checks across fields and byte sizes, parsed once into ``*_bytes``.
 
 Precedence: dataclass defaults < YAML file < ``key=value`` overrides < explicit CLI flags.
 Every mistake raises ``RecipeError`` naming the file, the key, the value and what was expected,
@@ -22,7 +21,7 @@ from pydantic.dataclasses import dataclass
 
 from mimose_cli.units import parse_size
 
-STRICT = ConfigDict(extra="forbid")
+FORBID_UNKNOWN_KEYS = ConfigDict(extra="forbid")
 PRESETS = ("swag", "squad", "qqp")
 SIZE_EXPECTED = "a byte size such as '6GB', '6GiB', '512MB' or '0.5GiB'"
 UNKNOWN_KEY = ("unexpected_keyword_argument", "invalid_key")  # pydantic's names for a key not a field
@@ -57,7 +56,7 @@ def _number_as_text(value):
 SizeText = Annotated[str, BeforeValidator(_number_as_text)]
 
 
-@dataclass(config=STRICT)
+@dataclass(config=FORBID_UNKNOWN_KEYS)
 class ModelConfig:
     type: str = "bert"
     """Hugging Face model type: bert, roberta, xlnet, gpt2, ..."""
@@ -73,7 +72,7 @@ class ModelConfig:
     """Glob over module names selecting the checkpointable blocks, e.g. 'bert.encoder.layer.*'."""
 
 
-@dataclass(config=STRICT)
+@dataclass(config=FORBID_UNKNOWN_KEYS)
 class DataConfig:
     source: Literal["synthetic", "hf"] = "synthetic"
     """'synthetic' (generated, no download) or 'hf' (a Hugging Face data set or local files)."""
@@ -118,7 +117,7 @@ class DataConfig:
             raise _Invalid("name", self.name, "a data set name or local file when data.source is hf")
 
 
-@dataclass(config=STRICT)
+@dataclass(config=FORBID_UNKNOWN_KEYS)
 class TrainingConfig:
     batch_size: StrictInt = Field(16, ge=1)
     """Examples per mini-batch."""
@@ -142,7 +141,7 @@ class TrainingConfig:
     """Print a plain progress line every N steps when stdout is not a terminal."""
 
 
-@dataclass(config=STRICT)
+@dataclass(config=FORBID_UNKNOWN_KEYS)
 class PlannerConfig:
     name: str = "mimose"
     """Planner: mimose, none, full, sublinear, dtr, oracle."""
@@ -168,7 +167,7 @@ class PlannerConfig:
             self.safety_margin_bytes = _size_bytes("safety_margin", self.safety_margin, allow_zero=True)
 
 
-@dataclass(config=STRICT)
+@dataclass(config=FORBID_UNKNOWN_KEYS)
 class Recipe:
     task: Literal["multiple_choice", "question_answering", "sequence_classification", "causal_lm"] = (
         "multiple_choice")
