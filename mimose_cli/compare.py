@@ -5,7 +5,6 @@ A compare directory holds ``compare.json`` and one run directory per (budget, pl
 memory is a result (status "oom"), never a crash of the comparison.
 """
 
-import copy
 import json
 import statistics
 import time
@@ -14,8 +13,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from mimose_cli.recipe import Recipe
-from mimose_cli.units import format_bytes, parse_size
+from mimose_cli.recipe import Recipe, recipe_from_dict, recipe_to_dict
+from mimose_cli.units import format_bytes
 
 ALWAYS = ("mimose", "none", "oracle")
 
@@ -38,19 +37,19 @@ def planner_specs(baselines) -> list:
     return specs
 
 
-def _run_recipe(recipe: Recipe, spec: str, budget: str, steps) -> Recipe:
-    """The recipe for one run: same seed and data, this planner and budget."""
-    run = copy.deepcopy(recipe)
+def _at_budget(recipe: Recipe, budget: str) -> Recipe:
+    """The recipe at one of ``--budgets``, validated (and its size parsed) like ``--budget``."""
+    return recipe_from_dict(recipe_to_dict(recipe), "--budgets", flags={"budget": budget})
+
+
+def _run_recipe(recipe: Recipe, spec: str, steps) -> Recipe:
+    """The recipe for one run: same seed, data and budget, this planner."""
     name, _, variant = spec.partition(":")
-    run.budget = budget
-    if name != recipe.planner.name:
-        run.planner.options = {}
+    options = recipe.planner.options if name == recipe.planner.name else {}
     if variant:
-        run.planner.options = {**run.planner.options, "variant": variant}
-    run.planner.name = name
-    if steps is not None:
-        run.training.max_steps = steps
-    return run
+        options = {**options, "variant": variant}
+    flags = {"planner.name": name, "planner.options": options, "training.max_steps": steps}
+    return recipe_from_dict(recipe_to_dict(recipe), f"compare {spec}", flags=flags)
 
 
 def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
@@ -101,18 +100,18 @@ def normalise(rows: list) -> str | None:
     return reference
 
 
-def _one_run(recipe: Recipe, spec: str, budget: str, steps, compare_dir: Path, view: str) -> dict:
+def _one_run(recipe: Recipe, spec: str, steps, compare_dir: Path, view: str) -> dict:
     import torch
 
     from mimose_cli.train import run_training
 
-    run = _run_recipe(recipe, spec, budget, steps)
-    out_dir = compare_dir / "runs" / budget
+    run = _run_recipe(recipe, spec, steps)
+    out_dir = compare_dir / "runs" / run.budget
     try:
         result = run_training(run, out_dir=out_dir, view=view, recipe_name=spec.replace(":", "-"))
     except torch.OutOfMemoryError as err:  # before the first step (e.g. a planner's prepare)
         summary = {"status": "oom", "steps": 0, "oom_steps": 1, "error": str(err).splitlines()[0],
-                   "budget_bytes": parse_size(budget)}
+                   "budget_bytes": run.budget_bytes}
         return _row(spec, summary, None, compare_dir)
     return _row(spec, result.summary, result.run_dir, compare_dir)
 
@@ -132,8 +131,7 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     budgets = list(budgets or ([recipe.budget] if recipe.budget else []))
     if not budgets:
         raise ValueError("compare needs a budget: set `budget` in the recipe or pass --budgets")
-    for budget in budgets:
-        parse_size(budget)
+    at_budgets = [_at_budget(recipe, budget) for budget in budgets]  # every one checked before any run
     stamp = time.strftime("%Y%m%d-%H%M%S")
     compare_dir = Path(out) if out else Path(recipe.out_dir) / f"compare-{stamp}-{recipe_name}"
     compare_dir.mkdir(parents=True, exist_ok=True)
@@ -141,16 +139,16 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     data = {"recipe": recipe_name, "planners": specs, "steps": steps or recipe.training.max_steps,
             "seed": recipe.seed, "repeats": repeats, "budgets": []}
     total, started, count = len(budgets) * len(specs) * repeats, time.perf_counter(), 0
-    for budget in budgets:
-        entry = {"budget": budget, "budget_bytes": parse_size(budget), "reference": None, "runs": []}
+    for base in at_budgets:
+        entry = {"budget": base.budget, "budget_bytes": base.budget_bytes, "reference": None, "runs": []}
         data["budgets"].append(entry)
         done = {spec: [] for spec in specs}
         for round_ in range(repeats):
             for spec in specs[round_ % len(specs):] + specs[:round_ % len(specs)]:
                 count += 1
-                console.print(f"compare [{count}/{total}, {time.perf_counter() - started:.0f} s]: {spec} at {budget}"
+                console.print(f"compare [{count}/{total}, {time.perf_counter() - started:.0f} s]: {spec} at {base.budget}"
                               + (f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""))
-                done[spec].append(_one_run(recipe, spec, budget, steps, compare_dir, view))
+                done[spec].append(_one_run(base, spec, steps, compare_dir, view))
                 entry["runs"] = [merge_repeats(rows) if repeats > 1 else rows[0]
                                  for rows in done.values() if rows]
                 entry["reference"] = normalise(entry["runs"])

@@ -1,231 +1,223 @@
 """Recipes: typed, strict configuration read from YAML.
 
+Sections are pydantic dataclasses (``extra="forbid"``, strict scalars) rather than stdlib ones
+checked in ``__post_init__``, which would have kept our own type coercion: annotations, ``Literal``
+choices and ``Field`` bounds are the checks, pydantic's errors carry the dotted key and the input,
+and ``__post_init__`` keeps only checks across fields and byte sizes, parsed once into ``*_bytes``.
+
 Precedence: dataclass defaults < YAML file < ``key=value`` overrides < explicit CLI flags.
 Every mistake raises ``RecipeError`` naming the file, the key, the value and what was expected,
 before anything is built.
 """
 
-import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
+from typing import Annotated, Literal, Optional
 
 import yaml
+from pydantic import (BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      TypeAdapter, ValidationError)
+from pydantic.dataclasses import dataclass
 
 from mimose_cli.units import parse_size
 
-TASKS = ("multiple_choice", "question_answering", "sequence_classification", "causal_lm")
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16", "fp16")
-SIZE_KEYS = ("budget", "planner.safety_margin")
+FORBID_UNKNOWN_KEYS = ConfigDict(extra="forbid")
+PRESETS = ("swag", "squad", "qqp")
+SIZE_EXPECTED = "a byte size such as '6GB', '6GiB', '512MB' or '0.5GiB'"
+UNKNOWN_KEY = ("unexpected_keyword_argument", "invalid_key")  # pydantic's names for a key not a field
 
 
 class RecipeError(ValueError):
     """A recipe that cannot be run; the message names file, key, value and what was expected."""
 
 
-@dataclass
+class _Invalid(ValueError):
+    """Raised by a section's ``__post_init__``: ``key`` within that section, its value, and what
+    was expected; ``_recipe_error`` adds the file and the section."""
+
+    def __init__(self, key: str, value, expected: str):
+        super().__init__(f"{key}={value!r} is invalid; expected {expected}")
+        self.key, self.value, self.expected = key, value, expected
+
+
+def _size_bytes(key: str, text, allow_zero: bool = False) -> int:
+    try:
+        return parse_size(text, allow_zero=allow_zero)
+    except ValueError:
+        raise _Invalid(key, text, SIZE_EXPECTED) from None
+
+
+def _number_as_text(value):
+    """A bare number of bytes (``budget: 40000000``) is kept as the text the user wrote."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return str(value) if is_number else value
+
+
+SizeText = Annotated[str, BeforeValidator(_number_as_text)]
+
+
+@dataclass(config=FORBID_UNKNOWN_KEYS)
 class ModelConfig:
     type: str = "bert"
     """Hugging Face model type: bert, roberta, xlnet, gpt2, ..."""
-    size: str = "tiny"
+    size: Literal["tiny", "base"] = "tiny"
     """Size preset: 'tiny' (CPU tests) or 'base' (the published base size)."""
-    pretrained: typing.Optional[str] = None
+    pretrained: Optional[str] = None
     """Local directory or hub id to load weights from; random init when unset."""
     config_overrides: dict = field(default_factory=dict)
     """Hugging Face config fields to override, e.g. {num_hidden_layers: 4}."""
-    attn_implementation: typing.Optional[str] = None
+    attn_implementation: Optional[str] = None
     """'eager' or 'sdpa'; the library default when unset."""
-    blocks: typing.Optional[str] = None
+    blocks: Optional[str] = None
     """Glob over module names selecting the checkpointable blocks, e.g. 'bert.encoder.layer.*'."""
 
 
-@dataclass
+@dataclass(config=FORBID_UNKNOWN_KEYS)
 class DataConfig:
-    source: str = "synthetic"
+    source: Literal["synthetic", "hf"] = "synthetic"
     """'synthetic' (generated, no download) or 'hf' (a Hugging Face data set or local files)."""
     preset: str = "swag"
     """Synthetic length distribution: swag, squad or qqp."""
-    num_examples: int = 1024
+    num_examples: StrictInt = Field(1024, ge=1)
     """Synthetic: how many examples to generate."""
-    max_length: int = 512
+    max_length: StrictInt = Field(512, ge=1)
     """Longest tokenized example; longer ones are truncated."""
-    length_mean: typing.Optional[float] = None
+    length_mean: Optional[StrictFloat] = None
     """Synthetic: override the preset's mean token length."""
-    length_std: typing.Optional[float] = None
+    length_std: Optional[StrictFloat] = None
     """Synthetic: override the preset's standard deviation of token length."""
-    min_length: typing.Optional[int] = None
+    min_length: Optional[StrictInt] = None
     """Synthetic: override the preset's shortest token length."""
-    num_choices: int = 4
+    num_choices: StrictInt = Field(4, ge=1)
     """Multiple choice: choices per example."""
-    num_labels: int = 2
+    num_labels: StrictInt = Field(2, ge=1)
     """Sequence classification: number of classes."""
-    name: typing.Optional[str] = None
+    name: Optional[str] = None
     """hf: data set name on the hub, or a local json/csv/parquet file or directory."""
-    config_name: typing.Optional[str] = None
+    config_name: Optional[str] = None
     """hf: data set configuration (e.g. 'regular' for swag)."""
     split: str = "train"
     """hf: split to train on."""
-    tokenizer: typing.Optional[str] = None
+    tokenizer: Optional[str] = None
     """hf: tokenizer by local path or hub id (defaults to model.pretrained)."""
     text_fields: list = field(default_factory=list)
     """hf: column names holding the text (one, or two for sentence pairs)."""
-    label_field: typing.Optional[str] = None
+    label_field: Optional[str] = None
     """hf: column holding the label."""
-    group_by_length: bool = False
+    group_by_length: StrictBool = False
     """Batch examples of similar length together (HF Trainer's group_by_length)."""
-    shuffle: bool = True
+    shuffle: StrictBool = True
     """Shuffle example order each epoch (seeded)."""
 
+    def __post_init__(self):
+        # The preset only matters for synthetic data; an hf recipe may leave any value there.
+        if self.source == "synthetic" and self.preset not in PRESETS:
+            raise _Invalid("preset", self.preset, " | ".join(PRESETS))
+        if self.source == "hf" and not self.name:
+            raise _Invalid("name", self.name, "a data set name or local file when data.source is hf")
 
-@dataclass
+
+@dataclass(config=FORBID_UNKNOWN_KEYS)
 class TrainingConfig:
-    batch_size: int = 16
+    batch_size: StrictInt = Field(16, ge=1)
     """Examples per mini-batch."""
-    max_steps: typing.Optional[int] = None
+    max_steps: Optional[StrictInt] = Field(None, ge=0)
     """Stop after this many optimizer steps (overrides epochs)."""
-    epochs: int = 1
+    epochs: StrictInt = Field(1, ge=1)
     """Passes over the data when max_steps is unset."""
-    lr: float = 5e-5
+    lr: StrictFloat = Field(5e-5, gt=0)
     """Peak AdamW learning rate."""
-    weight_decay: float = 0.01
+    weight_decay: StrictFloat = 0.01
     """AdamW weight decay."""
-    warmup_steps: int = 0
+    warmup_steps: StrictInt = Field(0, ge=0)
     """Linear warm-up steps."""
-    max_grad_norm: typing.Optional[float] = 1.0
+    max_grad_norm: Optional[StrictFloat] = 1.0
     """Gradient clipping norm; null disables clipping."""
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32, or bf16 / fp16 autocast on the run's device (CUDA, or the CPU's own autocast)."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: StrictInt = Field(1, ge=1)
     """Micro-batches per optimizer step (each planned on its own; batch_size is per micro-batch)."""
-    log_every: int = 1
+    log_every: StrictInt = Field(1, ge=1)
     """Print a plain progress line every N steps when stdout is not a terminal."""
 
 
-@dataclass
+@dataclass(config=FORBID_UNKNOWN_KEYS)
 class PlannerConfig:
     name: str = "mimose"
     """Planner: mimose, none, full, sublinear, dtr, oracle."""
-    sheltered_steps: int = 5
+    sheltered_steps: StrictInt = Field(5, ge=0)
     """Mimose: iterations of the sheltered (collecting) phase."""
-    safety_margin: str = "auto"
+    safety_margin: SizeText = "auto"
     """Budget headroom kept free for fragmentation (a byte size); auto: 5 % of the budget on
     CUDA (the caching allocator's rounding and fragmentation), 0 on the simulated device."""
-    granularity: int = 1
+    granularity: StrictInt = Field(1, ge=1)
     """Mimose: plan-cache key rounds the sequence length up to a multiple of this (1: every
     length planned exactly; larger values raise the hit rate but plan at the rounded-up size)."""
     options: dict = field(default_factory=dict)
     """Planner-specific options."""
+    safety_margin_bytes: Optional[int] = Field(None, init=False, exclude=True, repr=False)
+    """safety_margin in bytes, parsed once here; None for auto (the planner decides)."""
+
+    def __post_init__(self):
+        from mimose_cli.planners import PLANNERS  # local: planners import torch
+
+        if self.name not in PLANNERS:
+            raise _Invalid("name", self.name, " | ".join(sorted(PLANNERS)))
+        if self.safety_margin != "auto":
+            self.safety_margin_bytes = _size_bytes("safety_margin", self.safety_margin, allow_zero=True)
 
 
-@dataclass
+@dataclass(config=FORBID_UNKNOWN_KEYS)
 class Recipe:
-    task: str = "multiple_choice"
+    task: Literal["multiple_choice", "question_answering", "sequence_classification", "causal_lm"] = (
+        "multiple_choice")
     """multiple_choice, question_answering, sequence_classification or causal_lm."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
-    budget: typing.Optional[str] = None
+    budget: Optional[SizeText] = None
     """Device memory the training step may use, e.g. '6GB'; unlimited when unset."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto, cpu or cuda."""
-    seed: int = 0
+    seed: StrictInt = 0
     """Seed for model init, data generation and data order."""
     out_dir: str = "runs"
     """Where run directories are created."""
+    budget_bytes: Optional[int] = Field(None, init=False, exclude=True, repr=False)
+    """budget in bytes, parsed once here; None when unlimited."""
 
-    @property
-    def budget_bytes(self) -> typing.Optional[int]:
-        return None if self.budget is None else parse_size(self.budget)
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+    def __post_init__(self):
+        if self.budget is not None:
+            self.budget_bytes = _size_bytes("budget", self.budget)
 
 
-def _coerce(value, tp, where: str, key: str):
-    """Check ``value`` against the annotation ``tp``; return it (ints accepted for floats)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], where, key)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise RecipeError(f"{where}: {key}={value!r} is invalid; expected a mapping of {tp.__name__} fields")
-        return _build(tp, value, where, key + ".")
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if key in SIZE_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)  # a bare number of bytes
-    if tp is bool and not isinstance(value, bool):
-        raise RecipeError(f"{where}: {key}={value!r} is invalid; expected true or false")
-    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise RecipeError(f"{where}: {key}={value!r} is invalid; expected an integer")
-    if not isinstance(value, tp):
-        raise RecipeError(f"{where}: {key}={value!r} is invalid; expected {_type_name(tp)}")
-    return value
+_RECIPE = TypeAdapter(Recipe)
 
 
-def _build(cls, data: dict, where: str, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        raise RecipeError(
-            f"{where}: unknown key {prefix}{unknown[0]!s}; expected one of {', '.join(names)}"
-        )
-    kwargs = {k: _coerce(v, hints[k], where, prefix + k) for k, v in data.items()}
-    return cls(**kwargs)
+def _section_keys(loc: tuple) -> list:
+    """The keys a user may write in the section at ``loc`` (() for the top level)."""
+    cls = Recipe
+    for part in loc:
+        cls = cls.__pydantic_fields__[part].annotation
+    return [name for name, info in cls.__pydantic_fields__.items() if info.init is not False]
 
 
-def _check_values(recipe: Recipe, where: str) -> None:
-    def bad(key, value, expected):
-        raise RecipeError(f"{where}: {key}={value!r} is invalid; expected {expected}")
-
-    if recipe.task not in TASKS:
-        bad("task", recipe.task, " | ".join(TASKS))
-    if recipe.device not in DEVICES:
-        bad("device", recipe.device, " | ".join(DEVICES))
-    if recipe.training.precision not in PRECISIONS:
-        bad("training.precision", recipe.training.precision, " | ".join(PRECISIONS))
-    if recipe.model.size not in ("tiny", "base"):
-        bad("model.size", recipe.model.size, "tiny | base")
-    if recipe.data.source not in ("synthetic", "hf"):
-        bad("data.source", recipe.data.source, "synthetic | hf")
-    if recipe.data.source == "synthetic" and recipe.data.preset not in ("swag", "squad", "qqp"):
-        bad("data.preset", recipe.data.preset, "swag | squad | qqp")
-    if recipe.data.source == "hf" and not recipe.data.name:
-        bad("data.name", recipe.data.name, "a data set name or local file when data.source is hf")
-    for key in ("training.batch_size", "training.epochs", "data.num_examples", "data.max_length",
-                "data.num_choices", "data.num_labels", "training.log_every",
-                "training.gradient_accumulation_steps",
-                "planner.granularity"):
-        section, name = key.split(".")
-        value = getattr(getattr(recipe, section), name)
-        if value < 1:
-            bad(key, value, "an integer >= 1")
-    for key, value in (("training.max_steps", recipe.training.max_steps),
-                       ("training.warmup_steps", recipe.training.warmup_steps),
-                       ("planner.sheltered_steps", recipe.planner.sheltered_steps)):
-        if value is not None and value < 0:
-            bad(key, value, "an integer >= 0")
-    if recipe.training.lr <= 0:
-        bad("training.lr", recipe.training.lr, "a positive learning rate")
-    for key, value in (("budget", recipe.budget), ("planner.safety_margin", recipe.planner.safety_margin)):
-        if value is None or (key == "planner.safety_margin" and value == "auto"):
-            continue
-        try:
-            parse_size(value, allow_zero=(key != "budget"))
-        except ValueError:
-            bad(key, value, "a byte size such as '6GB', '6GiB', '512MB' or '0.5GiB'")
-    from mimose_cli.planners import PLANNERS  # local: planners import torch
-
-    if recipe.planner.name not in PLANNERS:
-        bad("planner.name", recipe.planner.name, " | ".join(sorted(PLANNERS)))
+def _recipe_error(err: ValidationError, where: str) -> RecipeError:
+    """One of pydantic's errors as one line naming file, dotted key, value and expectation: an
+    unknown key first (a misspelt key is the likelier cause of the rest), else the first."""
+    errors = err.errors()
+    first = next((e for e in errors if e["type"] in UNKNOWN_KEY), errors[0])
+    loc = tuple(str(part) for part in first["loc"])
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, _Invalid):
+        key, value, expected = ".".join(loc + (cause.key,)), cause.value, cause.expected
+    elif first["type"] in UNKNOWN_KEY:
+        keys = ", ".join(_section_keys(loc[:-1]))
+        return RecipeError(f"{where}: unknown key {'.'.join(loc)}; expected one of {keys}")
+    else:
+        key, value, expected = ".".join(loc), first["input"], first["msg"].removeprefix("Input should be ")
+    return RecipeError(f"{where}: {key}={value!r} is invalid; expected {expected}")
 
 
 def _parse_override(text: str):
@@ -257,9 +249,10 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
     for key, value in (flags or {}).items():
         if value is not None:
             _set_dotted(data, key, value, f"{where} (flag)")
-    recipe = _build(Recipe, data, where)
-    _check_values(recipe, where)
-    return recipe
+    try:
+        return _RECIPE.validate_python(data)
+    except ValidationError as err:
+        raise _recipe_error(err, where) from None
 
 
 def load_recipe(path, overrides=(), flags=None) -> Recipe:
@@ -275,7 +268,8 @@ def load_recipe(path, overrides=(), flags=None) -> Recipe:
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
-    return dataclasses.asdict(recipe)
+    """The recipe as plain YAML-ready data: what the user can write, without the parsed bytes."""
+    return _RECIPE.dump_python(recipe)
 
 
 def save_recipe(recipe: Recipe, path) -> None:

@@ -134,8 +134,8 @@ def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
         optimizer, _lr_lambda(recipe.training.warmup_steps, total_steps))
     meter = build_meter("auto", recipe.budget_bytes, device)
     planner = build_planner(
-        recipe.planner.name, model, recipe.budget, blocks=recipe.model.blocks,
-        safety_margin=recipe.planner.safety_margin, meter=meter, **planner_options(recipe))
+        recipe.planner.name, model, recipe.budget_bytes, blocks=recipe.model.blocks,
+        safety_margin=recipe.planner.safety_margin_bytes, meter=meter, **planner_options(recipe))
     scaler = torch.amp.GradScaler(device.type) if recipe.training.precision == "fp16" else None
     return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler)
 

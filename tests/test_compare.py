@@ -125,3 +125,10 @@ def test_repeats_must_be_positive():
     with pytest.raises(ValueError, match="repeats"):
         from mimose_cli.compare import run_compare
         run_compare(load_recipe(str(QUICKSTART)), repeats=0)
+
+
+def test_bad_budget_is_refused_before_any_run(fake_training, tmp_path):
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--budgets", "1MB,lots",
+                                      "--out", str(tmp_path / "c")])
+    assert result.exit_code == 2 and fake_training == []
+    assert "--budgets: budget='lots' is invalid" in result.output
