@@ -2,6 +2,7 @@
 
 import statistics
 
+import numpy as np
 from rich.table import Table
 
 from mimose_cli.units import format_bytes
@@ -10,10 +11,8 @@ TAIL = 10
 
 
 def _percentile(values, q):
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    """The ``q``-th percentile as one of the values: the nearest rank, halves to even."""
+    return float(np.percentile(values, q, method="nearest")) if values else None
 
 
 def _mean(values):
@@ -44,8 +43,8 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
         "train_time_s": sum(iter_ms) / 1e3,
         "wall_s": wall_s,
         "mean_iter_ms": _mean(iter_ms),
-        "p50_iter_ms": _percentile(iter_ms, 0.5),
-        "p95_iter_ms": _percentile(iter_ms, 0.95),
+        "p50_iter_ms": _percentile(iter_ms, 50),
+        "p95_iter_ms": _percentile(iter_ms, 95),
         "peak_bytes": max(peaks) if peaks else None,
         "mean_peak_bytes": _mean(peaks),
         "over_budget_steps": sum(1 for p in peaks if budget_bytes and p > budget_bytes),
