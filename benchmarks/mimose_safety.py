@@ -50,7 +50,7 @@ def calibrate(preset: str, steps: int, out_dir, quantile: float = 0.6) -> dict:
     state = json.loads((probe.run_dir / "estimator.json").read_text())["estimator"]
     estimator = Estimator(state["num_blocks"])
     estimator.load_state_dict(state)
-    base = max(r["memory/start_bytes"] for r in probe.records)
+    base = max(r.start_bytes for r in probe.records)
     recipe = recipe_for(preset, steps, out_dir)
     config = model_config(recipe)
     loader = build_dataloader(recipe, build_dataset(recipe, config), config, epoch=0)
@@ -70,19 +70,19 @@ def evaluate(preset: str, steps: int) -> dict:
         none = run_training(recipe_for(preset, steps, out_dir, "planner.name=none", "budget=null"),
                             view="none", recipe_name=f"none-{preset}")
     records = mimose.records
-    binding = [r for r in records if r["phase"] == "responsive" and r["plan"] and not r["oom"]]
-    ratios = [r["memory/peak_bytes"] / budget for r in binding]
-    losses = [(a["loss"], b["loss"]) for a, b in zip(records, none.records)
-              if a["loss"] is not None and b["loss"] is not None]
+    binding = [r for r in records if r.phase == "responsive" and r.plan and not r.oom]
+    ratios = [r.peak_bytes / budget for r in binding]
+    losses = [(a.loss, b.loss) for a, b in zip(records, none.records)
+              if a.loss is not None and b.loss is not None]
     stats = mimose.summary["planner"]
     return {"preset": preset, "steps": len(records), "budget_bytes": budget,
             "length_range": [min(calibration["lengths"]), max(calibration["lengths"])],
-            "oom_steps": sum(1 for r in records if r["oom"]),
-            "over_budget_steps": sum(1 for r in records if r["memory/peak_bytes"] > budget),
-            "binding_steps": len(binding), "free_steps": sum(1 for r in records if r["phase"] == "responsive" and not r["plan"]),
+            "oom_steps": sum(1 for r in records if r.oom),
+            "over_budget_steps": sum(1 for r in records if r.peak_bytes > budget),
+            "binding_steps": len(binding), "free_steps": sum(1 for r in records if r.phase == "responsive" and not r.plan),
             "binding_peak_mean_pct": 100 * float(np.mean(ratios)) if ratios else None,
             "binding_peak_min_pct": 100 * float(np.min(ratios)) if ratios else None,
-            "max_peak_pct": 100 * max(r["memory/peak_bytes"] for r in records) / budget,
+            "max_peak_pct": 100 * max(r.peak_bytes for r in records) / budget,
             "loss_steps_compared": len(losses),
             "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in losses),
             "hit_rate": stats.get("hit_rate"), "misses": stats.get("misses"),

@@ -33,7 +33,7 @@ from rich.table import Table
 
 from mimose_cli.compare import run_compare
 from mimose_cli.recipe import recipe_from_dict
-from mimose_cli.rundir import read_jsonl
+from mimose_cli.records import read_records
 from mimose_cli.train import run_training
 
 RESULTS = Path(__file__).parent / "results"
@@ -80,10 +80,10 @@ def step_min_time(compare_dir: Path, run: dict):
     for run_dir in run.get("run_dirs") or [run.get("run_dir")]:
         if run_dir is None:
             return None
-        records = read_jsonl(compare_dir / run_dir / "metrics.jsonl")
-        if any(r.get("oom") for r in records):
+        records = read_records(compare_dir / run_dir / "metrics.jsonl")
+        if any(r.oom for r in records):
             return None
-        per_round.append([r["iter_ms"] - (r.get("excluded_ms") or 0.0) for r in records])
+        per_round.append([r.train_ms for r in records])
     if len({len(times) for times in per_round}) != 1:
         return None
     return sum(min(step) for step in zip(*per_round)) / 1e3

@@ -1,6 +1,6 @@
 """What the user sees while training: a rich live table on a terminal, plain lines otherwise.
 
-Both are views of the same per-iteration records that go to metrics.jsonl.
+Both are views of the same per-iteration ``StepRecord``s that go to metrics.jsonl.
 """
 
 from collections import deque
@@ -10,48 +10,45 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from mimose_cli.records import StepRecord
 from mimose_cli.units import format_bytes
 
 ROWS_SHOWN = 12
 
 
-def _shape(record) -> str:
-    return "x".join(str(d) for d in record.get("input_shape", []))
+def _shape(record: StepRecord) -> str:
+    return "x".join(str(d) for d in record.input_shape or [])
 
 
-def _blocks(record) -> str:
-    plan = record.get("plan") or []
-    return f"{len(plan)}/{record.get('num_blocks', '?')}"
+def _blocks(record: StepRecord) -> str:
+    return f"{len(record.plan)}/{'?' if record.num_blocks is None else record.num_blocks}"
 
 
-def _peak(record, budget_bytes) -> str:
-    peak = record.get("memory/peak_bytes")
+def _peak(record: StepRecord, budget_bytes) -> str:
+    peak = record.peak_bytes
     if budget_bytes:
         return f"{format_bytes(peak)} ({100 * peak / budget_bytes:.0f}%)" if peak is not None else "-"
     return format_bytes(peak)
 
 
-def _loss(record) -> str:
-    loss = record.get("loss")
-    return "OOM" if record.get("oom") else ("-" if loss is None else f"{loss:.4f}")
+def _loss(record: StepRecord) -> str:
+    return "OOM" if record.oom else ("-" if record.loss is None else f"{record.loss:.4f}")
 
 
-def _phase(record) -> str:
-    phase = record.get("phase") or ""
-    hit = record.get("cache_hit")
-    retries = record.get("retries")
-    return (phase + ("" if hit is None else (" hit" if hit else " miss"))
+def _phase(record: StepRecord) -> str:
+    hit, retries = record.cache_hit, record.retries
+    return ((record.phase or "") + ("" if hit is None else (" hit" if hit else " miss"))
             + (f" retried x{retries}" if retries else ""))
 
 
-def step_table(records, budget_bytes, title: str) -> Table:
+def step_table(records: list[StepRecord], budget_bytes, title: str) -> Table:
     table = Table(title=title, title_justify="left", expand=False)
     for name in ("step", "input", "loss", "ms/iter", "peak (of budget)", "predicted", "ckpt", "phase"):
         table.add_column(name, justify="right" if name not in ("input", "phase") else "left")
     for r in records:
-        predicted = r.get("predicted_peak_bytes")
+        predicted = r.predicted_peak_bytes
         table.add_row(
-            str(r["step"]), _shape(r), _loss(r), f"{r.get('iter_ms', 0):.0f}",
+            str(r.step), _shape(r), _loss(r), f"{r.iter_ms:.0f}",
             _peak(r, budget_bytes), format_bytes(predicted) if predicted else "-",
             _blocks(r), _phase(r),
         )
@@ -73,18 +70,18 @@ class ProgressView:
             self._live.start()
 
     def _render(self):
-        done = self.rows[-1]["step"] + 1 if self.rows else 0
+        done = self.rows[-1].step + 1 if self.rows else 0
         header = Text(f"{self.title}  step {done}/{self.total_steps}  budget {format_bytes(self.budget_bytes)}")
         return Group(header, step_table(list(self.rows), self.budget_bytes, ""))
 
-    def update(self, record: dict) -> None:
+    def update(self, record: StepRecord) -> None:
         self.rows.append(record)
         if self.mode == "live":
             self._live.update(self._render())
-        elif self.mode == "plain" and (record["step"] % self.log_every == 0 or record.get("oom")):
+        elif self.mode == "plain" and (record.step % self.log_every == 0 or record.oom):
             self.console.print(
-                f"step {record['step']}/{self.total_steps} input {_shape(record)} loss {_loss(record)} "
-                f"{record.get('iter_ms', 0):.0f} ms peak {_peak(record, self.budget_bytes)} "
+                f"step {record.step}/{self.total_steps} input {_shape(record)} loss {_loss(record)} "
+                f"{record.iter_ms:.0f} ms peak {_peak(record, self.budget_bytes)} "
                 f"ckpt {_blocks(record)} {_phase(record)}".rstrip(),
                 highlight=False, soft_wrap=True,
             )

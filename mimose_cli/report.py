@@ -8,7 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from mimose_cli.live import step_table
-from mimose_cli.rundir import read_json, read_jsonl
+from mimose_cli.records import read_records
+from mimose_cli.rundir import read_json
 from mimose_cli.summary import summarize, summary_tables
 from mimose_cli.units import format_bytes, parse_size
 
@@ -21,7 +22,7 @@ def load_run(run_dir) -> tuple:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").exists():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no metrics.jsonl)")
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = read_records(run_dir / "metrics.jsonl")
     summary = read_json(run_dir / "summary.json")
     if summary is None:
         summary = summarize(records, status="interrupted", budget_bytes=_recipe_budget(run_dir))
@@ -36,25 +37,25 @@ def _recipe_budget(run_dir: Path):
 
 def length_table(records) -> Table:
     """Per-iteration statistics grouped by padded sequence length."""
-    done = [r for r in records if not r.get("oom") and r.get("input_size")]
+    done = [r for r in records if not r.oom and r.input_size]
     table = Table(title="per-iteration statistics by sequence length", title_justify="left")
     for name in ("length", "steps", "mean ms/iter", "mean peak", "max peak", "mean blocks ckpt"):
         table.add_column(name, justify="right")
     if not done:
         return table
-    longest = max(r["input_size"][-1] for r in done)
+    longest = max(r.input_size[-1] for r in done)
     width = max(1, -(-longest // LENGTH_BUCKETS))
     groups = defaultdict(list)
     for r in done:
-        groups[(r["input_size"][-1] - 1) // width].append(r)
+        groups[(r.input_size[-1] - 1) // width].append(r)
     for key in sorted(groups):
         rows = groups[key]
         table.add_row(
             f"{key * width + 1}-{(key + 1) * width}", str(len(rows)),
-            f"{sum(r['iter_ms'] for r in rows) / len(rows):.1f}",
-            format_bytes(sum(r["memory/peak_bytes"] for r in rows) / len(rows)),
-            format_bytes(max(r["memory/peak_bytes"] for r in rows)),
-            f"{sum(len(r['plan']) for r in rows) / len(rows):.2f}",
+            f"{sum(r.iter_ms for r in rows) / len(rows):.1f}",
+            format_bytes(sum(r.peak_bytes for r in rows) / len(rows)),
+            format_bytes(max(r.peak_bytes for r in rows)),
+            f"{sum(len(r.plan) for r in rows) / len(rows):.2f}",
         )
     return table
 

@@ -9,8 +9,12 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mimose_cli.recipe import Recipe, save_recipe
+
+if TYPE_CHECKING:
+    from mimose_cli.records import StepRecord
 
 
 def new_run_dir(out_dir, recipe_name: str, planner: str) -> Path:
@@ -54,13 +58,11 @@ class RunWriter:
         self._metrics = open(self.path / "metrics.jsonl", "a", buffering=1)
         self._plans = open(self.path / "plans.jsonl", "a", buffering=1)
 
-    def metric(self, record: dict) -> None:
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
+    def metric(self, record: "StepRecord") -> None:
+        _append_line(self._metrics, record.to_json())
 
     def plan(self, record: dict) -> None:
-        self._plans.write(json.dumps(record) + "\n")
-        self._plans.flush()
+        _append_line(self._plans, record)
 
     def write_json(self, name: str, data) -> None:
         tmp = self.path / f".{name}.tmp"
@@ -70,6 +72,12 @@ class RunWriter:
     def close(self) -> None:
         self._metrics.close()
         self._plans.close()
+
+
+def _append_line(file, data) -> None:
+    """One JSON line in a single write, so that a line is never torn between two writes."""
+    file.write(json.dumps(data) + "\n")
+    file.flush()
 
 
 def read_jsonl(path: Path) -> list:

@@ -2,6 +2,7 @@
 
 import statistics
 
+import numpy as np
 from rich.table import Table
 
 from mimose_cli.units import format_bytes
@@ -10,10 +11,8 @@ TAIL = 10
 
 
 def _percentile(values, q):
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    """The ``q``-th percentile as one of the values: the nearest rank, halves to even."""
+    return float(np.percentile(values, q, method="nearest")) if values else None
 
 
 def _mean(values):
@@ -27,32 +26,32 @@ def _sum_known(values):
 
 
 def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None) -> dict:
-    """Aggregate metrics.jsonl records into summary.json's content."""
-    done = [r for r in records if not r.get("oom")]
-    iter_ms = [r["iter_ms"] - r.get("excluded_ms", 0.0) for r in done]
-    peaks = [r["memory/peak_bytes"] for r in done]
-    losses = [r["loss"] for r in done]
+    """Aggregate a run's ``StepRecord``s into summary.json's content."""
+    done = [r for r in records if not r.oom]
+    iter_ms = [r.train_ms for r in done]
+    peaks = [r.peak_bytes for r in done]
+    losses = [r.loss for r in done]
     return {
         "status": status,
         "steps": len(done),
-        "optimizer_steps": len({r["step"] for r in done if r.get("micro_step", 0) == 0}),
-        "oom_steps": sum(1 for r in records if r.get("oom")),
+        "optimizer_steps": len({r.step for r in done if r.micro_step == 0}),
+        "oom_steps": sum(1 for r in records if r.oom),
         # Out-of-memory recovery: attempts that failed and were retried on the same batch.
-        "retries": sum(r.get("retries") or 0 for r in records),
-        "retried_steps": sum(1 for r in records if r.get("retries")),
+        "retries": sum(r.retries for r in records),
+        "retried_steps": sum(1 for r in records if r.retries),
         "budget_bytes": budget_bytes,
         "train_time_s": sum(iter_ms) / 1e3,
         "wall_s": wall_s,
         "mean_iter_ms": _mean(iter_ms),
-        "p50_iter_ms": _percentile(iter_ms, 0.5),
-        "p95_iter_ms": _percentile(iter_ms, 0.95),
+        "p50_iter_ms": _percentile(iter_ms, 50),
+        "p95_iter_ms": _percentile(iter_ms, 95),
         "peak_bytes": max(peaks) if peaks else None,
         "mean_peak_bytes": _mean(peaks),
         "over_budget_steps": sum(1 for p in peaks if budget_bytes and p > budget_bytes),
-        "mean_checkpointed_blocks": _mean([len(r["plan"]) for r in done]),
-        "num_blocks": records[0].get("num_blocks") if records else None,
-        "planning_ms_total": sum(r.get("planner_ms") or 0.0 for r in done),
-        "recompute_ms_total": _sum_known(r.get("recompute_ms") for r in done),
+        "mean_checkpointed_blocks": _mean([len(r.plan) for r in done]),
+        "num_blocks": records[0].num_blocks if records else None,
+        "planning_ms_total": sum(r.planner_ms or 0.0 for r in done),
+        "recompute_ms_total": _sum_known(r.recompute_ms for r in done),
         "loss_first": _mean(losses[:TAIL]),
         "loss_last": _mean(losses[-TAIL:]),
         "planner": planner_stats or {},

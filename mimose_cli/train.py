@@ -19,8 +19,8 @@ from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_inp
 from mimose_cli.memory import SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.models import build_model, model_config
 from mimose_cli.planners import build_planner
-from mimose_cli.planners.recovery import PlanOutOfMemoryError
 from mimose_cli.recipe import Recipe
+from mimose_cli.records import StepRecord, completed_step, oom_step
 from mimose_cli.rundir import RunWriter, environment, new_run_dir
 from mimose_cli.units import format_bytes
 from mimose_cli.live import ProgressView
@@ -30,7 +30,7 @@ from mimose_cli.live import ProgressView
 class RunResult:
     run_dir: Path
     summary: dict
-    records: list = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -187,9 +187,9 @@ def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
     return max(1, recipe.training.epochs * batches_per_epoch // recipe.training.gradient_accumulation_steps)
 
 
-def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_step: int = 0) -> dict:
+def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_step: int = 0) -> StepRecord:
     """One micro-batch's forward and backward, and the optimizer step after the last micro-batch
-    of ``training.gradient_accumulation_steps``; returns its metrics record. Raises
+    of ``training.gradient_accumulation_steps``; returns its record. Raises
     torch.OutOfMemoryError (``PlanOutOfMemoryError`` once the planner's retries are spent)."""
     batch = trainer.to_device(batch)
     trainer.meter.track(batch)
@@ -204,39 +204,20 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_
             trainer.optimizer_step()
     synchronize(trainer.device)
     iter_ms = (time.perf_counter() - start) * 1e3
-    record = {
-        "step": trainer.step, "micro_step": micro_step, "input_shape": list(batch["input_ids"].shape),
-        "input_size": list(info.input_size), "loss": loss.item(),
-        "lr": lr, "iter_ms": iter_ms,
-        "memory/peak_bytes": mem.peak_bytes, "memory/fwd_bwd_peak_bytes": planned_peak,
-        "memory/start_bytes": mem.start_bytes,
-        "memory/activation_bytes": activation_bytes,
-        "plan": list(info.plan), "num_blocks": trainer.planner.num_blocks,
-        "planner_ms": info.planning_ms, "phase": info.phase, "cache_hit": info.cache_hit,
-        "predicted_peak_bytes": info.predicted_peak_bytes, "retries": info.retries,
-        "excluded_ms": info.excluded_ms,
-        "recompute_ms": info.recompute_ms, "oom": False,
-    }
-    if trainer.device.type == "cuda":
-        record["memory/reserved_peak_bytes"] = mem.reserved_peak_bytes
-    return record
+    return completed_step(
+        info, step=trainer.step, micro_step=micro_step, input_shape=batch["input_ids"].shape,
+        num_blocks=trainer.planner.num_blocks, loss=loss.item(), lr=lr, iter_ms=iter_ms,
+        peak_bytes=mem.peak_bytes, fwd_bwd_peak_bytes=planned_peak, start_bytes=mem.start_bytes,
+        activation_bytes=activation_bytes,
+        reserved_peak_bytes=mem.reserved_peak_bytes if trainer.device.type == "cuda" else None)
 
 
-def _oom_record(trainer: Trainer, batch: dict, error: Exception, micro_step: int = 0) -> dict:
+def _oom_record(trainer: Trainer, batch: dict, error: Exception, micro_step: int = 0) -> StepRecord:
     """Record a step that ran out of memory for good, and drop its partial gradients."""
     trainer.optimizer.zero_grad(set_to_none=True)
-    info = trainer.planner.last
-    return {
-        "step": trainer.step, "micro_step": micro_step, "input_shape": list(batch["input_ids"].shape),
-        "input_size": list(info.input_size) if info else None, "loss": None,
-        "iter_ms": 0.0, "memory/peak_bytes": trainer.meter.peak_bytes(),
-        "plan": list(info.plan) if info else [], "num_blocks": trainer.planner.num_blocks,
-        "phase": info.phase if info else None, "cache_hit": info.cache_hit if info else None,
-        "predicted_peak_bytes": getattr(error, "predicted_bytes", info.predicted_peak_bytes if info else None),
-        "reached_bytes": getattr(error, "reached_bytes", None),
-        "retries": error.retries if isinstance(error, PlanOutOfMemoryError) else 0,
-        "oom": True, "error": str(error).splitlines()[0],
-    }
+    return oom_step(trainer.planner.last, error, step=trainer.step, micro_step=micro_step,
+                    input_shape=batch["input_ids"].shape, num_blocks=trainer.planner.num_blocks,
+                    peak_bytes=trainer.meter.peak_bytes())
 
 
 def _data_batches(recipe: Recipe, dataset, config, total_steps: int, first_loader):
@@ -267,14 +248,14 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView) -> t
                 record = train_step(trainer, batch, counter, micro_step)
             except torch.OutOfMemoryError as error:
                 record, status = _oom_record(trainer, batch, error, micro_step), "oom"
-            record["epoch"] = epoch
+            record.epoch = epoch
             records.append(record)
             writer.metric(record)
-            writer.plan({"step": record["step"], "micro_step": micro_step,
-                         "input_size": record["input_size"], "plan": record["plan"]})
+            writer.plan({"step": record.step, "micro_step": micro_step,
+                         "input_size": record.input_size, "plan": record.plan})
             view.update(record)
             if status == "oom":
-                view.message(f"[red]step {record['step']} ran out of memory[/red]: {record['error']}")
+                view.message(f"[red]step {record.step} ran out of memory[/red]: {record.error}")
                 break
             if micro_step == accumulation - 1:
                 trainer.step += 1

@@ -3,12 +3,13 @@ import io
 from rich.console import Console
 
 from mimose_cli.live import ProgressView
+from mimose_cli.records import StepRecord
 
 
 def _record(step, oom=False):
-    return {"step": step, "input_shape": [4, 4, 70], "loss": None if oom else 1.25, "iter_ms": 80.0,
-            "memory/peak_bytes": 30 * 2**20, "plan": [0, 1], "num_blocks": 4, "phase": "responsive",
-            "cache_hit": True, "predicted_peak_bytes": 31 * 2**20, "oom": oom}
+    return StepRecord(step=step, input_shape=[4, 4, 70], loss=None if oom else 1.25, iter_ms=80.0,
+                      peak_bytes=30 * 2**20, plan=[0, 1], num_blocks=4, phase="responsive",
+                      cache_hit=True, predicted_peak_bytes=31 * 2**20, oom=oom)
 
 
 def test_terminal_gets_a_live_table():

@@ -40,33 +40,33 @@ def reference(tmp_path_factory):
 
 
 def test_a_device_that_shrinks_mid_run_loses_no_batch_and_changes_no_loss(reference, quick_recipe, monkeypatch):
-    full_peak = max(r["memory/peak_bytes"] for r in reference["full"].records)
+    full_peak = max(r.peak_bytes for r in reference["full"].records)
     ShrinkingDevice.to_bytes = int(full_peak * 1.02)  # full checkpointing still fits, mimose's plans not
     monkeypatch.setattr(train, "build_meter", lambda kind, budget, device: ShrinkingDevice(budget))
     result = run_training(quick_recipe(*STEPS, "planner.name=mimose"), view="none")
     records, expected = result.records, reference["mimose"].records
     assert result.summary["status"] == "completed"
-    assert [r["input_size"] for r in records] == [r["input_size"] for r in expected]  # each batch once
-    assert [r["loss"] for r in records] == [r["loss"] for r in expected]  # bit for bit
-    assert sum(r["retries"] for r in records) > 0 and result.summary["retries"] == sum(r["retries"] for r in records)
-    assert any(r["phase"] == "recovery" for r in records[ShrinkingDevice.at - 1:])
+    assert [r.input_size for r in records] == [r.input_size for r in expected]  # each batch once
+    assert [r.loss for r in records] == [r.loss for r in expected]  # bit for bit
+    assert sum(r.retries for r in records) > 0 and result.summary["retries"] == sum(r.retries for r in records)
+    assert any(r.phase == "recovery" for r in records[ShrinkingDevice.at - 1:])
     assert result.summary["planner"]["full_sizes"] > 0
     lines = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [line["retries"] for line in lines] == [r["retries"] for r in records]
+    assert [line["retries"] for line in lines] == [r.retries for r in records]
 
 
 def test_a_step_that_never_fits_ends_the_run_with_the_three_figures(reference, quick_recipe, monkeypatch):
-    ShrinkingDevice.to_bytes = int(min(r["memory/peak_bytes"] for r in reference["full"].records) * 0.9)
+    ShrinkingDevice.to_bytes = int(min(r.peak_bytes for r in reference["full"].records) * 0.9)
     monkeypatch.setattr(train, "build_meter", lambda kind, budget, device: ShrinkingDevice(budget))
     result = run_training(quick_recipe(*STEPS, "planner.name=mimose"), view="none")
     last = result.records[-1]
     assert result.summary["status"] == "oom" and len(result.records) == ShrinkingDevice.at
-    assert last["oom"] and last["retries"] == 2
+    assert last.oom and last.retries == 2
     from mimose_cli.units import format_bytes
 
-    assert "every block checkpointed" in last["error"]
-    assert f"budget {format_bytes(ShrinkingDevice.to_bytes)}" in last["error"]  # the device's, not the plan's
-    assert "predicted" in last["error"] and "reached" in last["error"]
+    assert "every block checkpointed" in last.error
+    assert f"budget {format_bytes(ShrinkingDevice.to_bytes)}" in last.error  # the device's, not the plan's
+    assert "predicted" in last.error and "reached" in last.error
 
 
 def _tiny_mlp():

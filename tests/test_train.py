@@ -42,8 +42,8 @@ def test_run_directory_is_complete(roomy_runs):
 
 
 def test_loss_identical_between_none_and_full_with_dropout(roomy_runs):
-    losses_none = [r["loss"] for r in roomy_runs["none"].records]
-    losses_full = [r["loss"] for r in roomy_runs["full"].records]
+    losses_none = [r.loss for r in roomy_runs["none"].records]
+    losses_full = [r.loss for r in roomy_runs["full"].records]
     assert len(losses_none) == 6 and len(set(losses_none)) > 1
     for a, b in zip(losses_none, losses_full):
         assert abs(a - b) <= 1e-6 * abs(a)
@@ -66,8 +66,8 @@ def test_none_runs_out_of_memory_where_full_fits(roomy_runs, quick_recipe):
 def test_resolved_recipe_reruns_the_same_run(roomy_runs):
     first = roomy_runs["none"]
     again = _run(load_recipe(first.run_dir / "recipe.yaml"))
-    assert [r["loss"] for r in first.records] == [r["loss"] for r in again.records]
-    assert [r["input_shape"] for r in first.records] == [r["input_shape"] for r in again.records]
+    assert [r.loss for r in first.records] == [r.loss for r in again.records]
+    assert [r.input_shape for r in first.records] == [r.input_shape for r in again.records]
 
 
 def test_report_reads_an_interrupted_run(roomy_runs, tmp_path):
@@ -136,9 +136,9 @@ def test_records_separate_the_optimizer_step_from_the_planned_peak(quick_recipe)
                           "training.max_steps=2", "training.batch_size=2")
     records = run_training(recipe, view="none").records
     first = records[0]
-    assert first["memory/fwd_bwd_peak_bytes"] < first["memory/peak_bytes"]
+    assert first.fwd_bwd_peak_bytes < first.peak_bytes
     for record in records:
-        assert abs(record["memory/fwd_bwd_peak_bytes"] - record["predicted_peak_bytes"]) <= 1e-3 * record["memory/fwd_bwd_peak_bytes"]
+        assert abs(record.fwd_bwd_peak_bytes - record.predicted_peak_bytes) <= 1e-3 * record.fwd_bwd_peak_bytes
 
 
 def test_a_budget_below_the_model_state_fails_before_the_first_step(quick_recipe, tmp_path):
@@ -163,13 +163,13 @@ def test_gradient_accumulation_plans_every_micro_batch_and_steps_once_per_window
     result = run_training(recipe, view="none")
     records = result.records
     assert result.summary["status"] == "completed"
-    assert [(r["step"], r["micro_step"]) for r in records] == [(s, m) for s in range(3) for m in range(2)]
+    assert [(r.step, r.micro_step) for r in records] == [(s, m) for s in range(3) for m in range(2)]
     # The learning rate a step used moves once per optimizer step, not per micro-batch.
-    assert records[0]["lr"] == records[1]["lr"] != records[2]["lr"] == records[3]["lr"]
+    assert records[0].lr == records[1].lr != records[2].lr == records[3].lr
     # Gradients of the first micro-batch are live at the second's start; predictions hold.
     for r in records:
-        if r["phase"] == "responsive":
-            assert r["predicted_peak_bytes"] >= r["memory/fwd_bwd_peak_bytes"]
+        if r.phase == "responsive":
+            assert r.predicted_peak_bytes >= r.fwd_bwd_peak_bytes
 
 
 def test_bf16_runs_under_the_cpus_autocast(quick_recipe):
@@ -179,7 +179,7 @@ def test_bf16_runs_under_the_cpus_autocast(quick_recipe):
     assert bf16.summary["status"] == "completed"
     # Matmul activations saved in bf16 take half the bytes (softmax and losses stay fp32):
     # autocast is on, not ignored with a warning as it was on the CPU.
-    assert bf16.records[0]["memory/activation_bytes"] < 0.9 * fp32.records[0]["memory/activation_bytes"]
+    assert bf16.records[0].activation_bytes < 0.9 * fp32.records[0].activation_bytes
 
 
 def test_the_optimizer_steps_scratch_is_left_room_for_before_the_first_step(quick_recipe):

@@ -1,0 +1,129 @@
+"""One step's record: what ``metrics.jsonl`` holds per micro-batch, and the only code that writes
+or reads that file's lines.
+
+A step that ran out of memory for good is a record of the same shape: the figures only a
+finished step has are None (null in the file), ``oom`` is set and ``error`` says why. Every line
+has every key; the keys are the ones the file has always had (``memory/peak_bytes`` for
+``peak_bytes``...), so old run directories (whose out-of-memory lines lack some) still read.
+"""
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from mimose_cli.rundir import read_jsonl
+
+
+@dataclass(kw_only=True)
+class StepRecord:
+    """One micro-batch's forward and backward (and the optimizer step after the last one)."""
+
+    step: int
+    """Optimizer step this micro-batch belongs to, from 0."""
+    micro_step: int = 0
+    """Index of the micro-batch within the step's ``gradient_accumulation_steps``."""
+    input_shape: list | None = None
+    """Shape of the batch's ``input_ids``."""
+    input_size: list | None = None
+    """The size the planner planned for (``infer_input_size``); None when it never planned."""
+    loss: float | None = None
+    """The micro-batch's loss, before scaling for accumulation."""
+    lr: float | None = None
+    """Learning rate this step's update uses."""
+    iter_ms: float = 0.0
+    """Wall time of forward, backward and the optimizer step, in ms (0.0 for a step that ran out
+    of memory)."""
+    peak_bytes: int | None = None
+    """Highest live bytes during the step, optimizer step included (``memory/peak_bytes``)."""
+    fwd_bwd_peak_bytes: int | None = None
+    """Highest live bytes before the optimizer step: what the planner plans for
+    (``memory/fwd_bwd_peak_bytes``)."""
+    start_bytes: int | None = None
+    """Live bytes when the step began (``memory/start_bytes``)."""
+    activation_bytes: int | None = None
+    """Bytes the forward saved for backward (``memory/activation_bytes``)."""
+    plan: list = field(default_factory=list)
+    """Indices of the blocks checkpointed (DTR: evicted)."""
+    num_blocks: int | None = None
+    """Blocks the planner chooses from."""
+    planner_ms: float | None = None
+    """Time the planner took to decide, in ms."""
+    phase: str | None = None
+    """The planner's phase (Mimose: sheltered, measuring, responsive; recovery after a retry)."""
+    cache_hit: bool | None = None
+    """Whether the plan came from the plan cache (None: the planner has none)."""
+    predicted_peak_bytes: int | None = None
+    """The step peak the planner predicted for its plan (None: it cannot say)."""
+    reached_bytes: int | None = None
+    """Bytes the last failed attempt was holding when it ran out of memory (out of memory only)."""
+    retries: int = 0
+    """Attempts of this step that ran out of memory and were retried on the same batch."""
+    excluded_ms: float | None = None
+    """Part of ``iter_ms`` that is the planner's measuring, not training (the oracle's), in ms."""
+    recompute_ms: float | None = None
+    """Time spent recomputing checkpointed blocks in backward, in ms."""
+    oom: bool = False
+    """Whether the step ran out of memory on every attempt (the run ends with it)."""
+    error: str | None = None
+    """First line of the out-of-memory error (out of memory only)."""
+    reserved_peak_bytes: int | None = None
+    """Peak bytes the CUDA caching allocator reserved (``memory/reserved_peak_bytes``; CUDA only)."""
+    epoch: int | None = None
+    """Pass over the data set, from 0 (set by the training loop)."""
+
+    @property
+    def train_ms(self) -> float:
+        """``iter_ms`` less ``excluded_ms``: the step's time as training, in ms."""
+        return self.iter_ms - (self.excluded_ms or 0.0)
+
+    def to_json(self) -> dict:
+        """The record as a ``metrics.jsonl`` line's object, with that file's keys."""
+        return {_key(f.name): getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StepRecord":
+        """Parse a ``metrics.jsonl`` object; keys an older file lacks take their defaults and keys
+        this version does not know are ignored."""
+        names = {_key(f.name): f.name for f in fields(cls)}
+        return cls(**{names[key]: value for key, value in data.items() if key in names})
+
+
+_MEMORY = frozenset({"peak_bytes", "fwd_bwd_peak_bytes", "start_bytes", "activation_bytes", "reserved_peak_bytes"})
+
+
+def _key(name: str) -> str:
+    return f"memory/{name}" if name in _MEMORY else name
+
+
+def completed_step(info, *, step: int, micro_step: int, input_shape, num_blocks: int, loss: float,
+                   lr: float, iter_ms: float, peak_bytes: int, fwd_bwd_peak_bytes: int, start_bytes: int,
+                   activation_bytes: int, reserved_peak_bytes: int | None = None) -> StepRecord:
+    """The record of a step that finished, from the planner's ``StepInfo`` and the measurements."""
+    return StepRecord(
+        step=step, micro_step=micro_step, input_shape=list(input_shape), input_size=list(info.input_size),
+        loss=loss, lr=lr, iter_ms=iter_ms, peak_bytes=peak_bytes, fwd_bwd_peak_bytes=fwd_bwd_peak_bytes,
+        start_bytes=start_bytes, activation_bytes=activation_bytes, plan=list(info.plan),
+        num_blocks=num_blocks, planner_ms=info.planning_ms, phase=info.phase, cache_hit=info.cache_hit,
+        predicted_peak_bytes=info.predicted_peak_bytes, retries=info.retries, excluded_ms=info.excluded_ms,
+        recompute_ms=info.recompute_ms, reserved_peak_bytes=reserved_peak_bytes)
+
+
+def oom_step(info, error: Exception, *, step: int, micro_step: int, input_shape, num_blocks: int,
+             peak_bytes: int) -> StepRecord:
+    """The record of a step that ran out of memory for good; ``info`` is the planner's last
+    ``StepInfo`` (None when it never planned). A ``PlanOutOfMemoryError`` carries the prediction,
+    the bytes reached and the retries made (read off the error so that ``mimose report``, which
+    reads records, does not import torch)."""
+    return StepRecord(
+        step=step, micro_step=micro_step, input_shape=list(input_shape),
+        input_size=list(info.input_size) if info else None, peak_bytes=peak_bytes,
+        plan=list(info.plan) if info else [], num_blocks=num_blocks,
+        phase=info.phase if info else None, cache_hit=info.cache_hit if info else None,
+        predicted_peak_bytes=getattr(error, "predicted_bytes", info.predicted_peak_bytes if info else None),
+        reached_bytes=getattr(error, "reached_bytes", None),
+        retries=getattr(error, "retries", 0),
+        oom=True, error=str(error).splitlines()[0])
+
+
+def read_records(path) -> list:
+    """The ``StepRecord``s of a ``metrics.jsonl``; a torn last line (an interrupted run) is skipped."""
+    return [StepRecord.from_json(data) for data in read_jsonl(Path(path))]
