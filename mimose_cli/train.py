@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import get_linear_schedule_with_warmup
 
 from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
 from mimose_cli.memory import SavedBytesCounter, build_meter, param_bytes, synchronize
@@ -51,14 +52,6 @@ def planner_options(recipe: Recipe) -> dict:
         options.setdefault("sheltered_steps", recipe.planner.sheltered_steps)
         options.setdefault("granularity", recipe.planner.granularity)
     return options
-
-
-def _lr_lambda(warmup: int, total: int):
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        return max(0.0, (total - step) / max(1, total - warmup))
-    return factor
 
 
 def _autocast(recipe: Recipe, device: torch.device):
@@ -130,8 +123,7 @@ def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": recipe.training.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}], lr=recipe.training.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_lambda(recipe.training.warmup_steps, total_steps))
+    scheduler = get_linear_schedule_with_warmup(optimizer, recipe.training.warmup_steps, total_steps)
     meter = build_meter("auto", recipe.budget_bytes, device)
     planner = build_planner(
         recipe.planner.name, model, recipe.budget_bytes, blocks=recipe.model.blocks,

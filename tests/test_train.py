@@ -166,6 +166,9 @@ def test_gradient_accumulation_plans_every_micro_batch_and_steps_once_per_window
     assert [(r.step, r.micro_step) for r in records] == [(s, m) for s in range(3) for m in range(2)]
     # The learning rate a step used moves once per optimizer step, not per micro-batch.
     assert records[0].lr == records[1].lr != records[2].lr == records[3].lr
+    # Linear warmup from 0, as transformers' schedule (the Hugging Face Trainer's) has it.
+    warmup, lr = recipe.training.warmup_steps, recipe.training.lr
+    assert [r.lr for r in records[::2]] == pytest.approx([lr * step / warmup for step in range(3)])
     # Gradients of the first micro-batch are live at the second's start; predictions hold.
     for r in records:
         if r.phase == "responsive":
