@@ -16,8 +16,6 @@ from rich.table import Table
 from mimose_cli.recipe import Recipe, recipe_from_dict, recipe_to_dict
 from mimose_cli.units import format_bytes
 
-ALWAYS = ("mimose", "none", "oracle")
-
 
 def planner_specs(baselines) -> list:
     """``["mimose", *baselines, "none", "oracle"]`` without repeats; ``sublinear:sqrt`` names a

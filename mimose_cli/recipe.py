@@ -145,7 +145,7 @@ class TrainingConfig:
 class PlannerConfig:
     name: str = "mimose"
     """Planner: mimose, none, full, sublinear, dtr, oracle."""
-    sheltered_steps: StrictInt = Field(5, ge=0)
+    sheltered_steps: StrictInt = Field(5, ge=1)
     """Mimose: iterations of the sheltered (collecting) phase."""
     safety_margin: SizeText = "auto"
     """Budget headroom kept free for fragmentation (a byte size); auto: 5 % of the budget on

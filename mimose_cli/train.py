@@ -17,9 +17,9 @@ import torch
 from transformers import get_linear_schedule_with_warmup
 
 from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
-from mimose_cli.memory import SavedBytesCounter, build_meter, param_bytes, synchronize
+from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.models import build_model, model_config
-from mimose_cli.planners import build_planner
+from mimose_cli.planners import Planner, build_planner
 from mimose_cli.recipe import Recipe
 from mimose_cli.records import StepRecord, completed_step, oom_step
 from mimose_cli.rundir import RunWriter, environment, new_run_dir
@@ -72,9 +72,9 @@ class Trainer:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    meter: object
-    planner: object
-    scaler: object = None
+    meter: Meter
+    planner: Planner
+    scaler: torch.amp.GradScaler | None = None
     step: int = 0
 
     def to_device(self, batch: dict) -> dict:
