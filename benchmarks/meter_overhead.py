@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
 from mimose_cli.data import make_batch
 from mimose_cli.memory import build_meter
 from mimose_cli.models import build_model, model_config
 from mimose_cli.recipe import load_recipe
+from mimose_cli.torch_private import TorchDispatchMode
 
 RESULTS = Path(__file__).parent / "results" / "meter_overhead.json"
 

@@ -317,7 +317,7 @@ def _nondeterministic(holder, what: str) -> str:
 
 def _check_inputs_unchanged(holder) -> None:
     for tensor, version in holder.input_versions:
-        if tensor._version != version:
+        if tensor_version(tensor) != version:
             raise RuntimeError(
                 f"dtr: an input of block {holder.index} was modified in place after the block "
                 "ran, so recomputing it would give other values; make the change out of place")

@@ -10,9 +10,9 @@ skipped, repeated or counted twice in the gradients.
 import gc
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from mimose_cli.planners.blocks import RngState, buffer_snapshot, restore_buffers
+from mimose_cli.torch_private import tree_leaves
 from mimose_cli.units import format_bytes
 
 
