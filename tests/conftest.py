@@ -1,13 +1,8 @@
-from pathlib import Path
-
 import pytest
 
 from mimose_cli.recipe import load_recipe
 
-ROOT = Path(__file__).parent.parent
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
-# The quickstart recipe, cut to a few small steps so the suite stays fast on 2 cores.
-QUICK_OVERRIDES = ["training.max_steps=6", "training.batch_size=4", "data.num_examples=48"]
+from helpers import QUICK_OVERRIDES, QUICKSTART
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from mimose_cli.cli import app
 from mimose_cli.compare import normalise, planner_specs, render_compare
 from mimose_cli.recipe import load_recipe
 
-from conftest import QUICKSTART
+from helpers import QUICKSTART
 
 # Fake training: time per planner, and which (planner, budget) runs out of memory.
 TIMES = {"mimose": 11.0, "sublinear": 14.0, "dtr": 15.0, "none": 10.0, "oracle": 10.5}

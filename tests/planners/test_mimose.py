@@ -2,7 +2,6 @@ import copy
 
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification
 
 import mimose_cli
 from mimose_cli.memory import build_meter
@@ -11,20 +10,9 @@ from mimose_cli.planners.base import NoCheckpointing
 from mimose_cli.planners.collector import drop_reason
 from mimose_cli.planners.mimose import Mimose
 
+from helpers import bert_batch, tiny_bert
+
 SIZES = [(4, 24), (2, 40), (3, 16), (4, 56), (2, 32), (3, 48)]
-
-
-def tiny_bert(layers=3, seed=0):
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, attn_implementation="eager")
-    return BertForSequenceClassification(config).train()  # dropout 0.1 stays on
-
-
-def batch(batch_size, length, seed=1):
-    gen = torch.Generator().manual_seed(seed * 1000 + length)
-    return {"input_ids": torch.randint(0, 64, (batch_size, length), generator=gen),
-            "labels": torch.randint(0, 2, (batch_size,), generator=gen)}
 
 
 def run_step(planner, meter, data, seed=7):
@@ -48,7 +36,7 @@ def sheltered_mimose(budget="1GB", sizes=SIZES, **options):
     meter.track(model)
     planner = Mimose(model, budget, meter=meter, sheltered_steps=len(sizes), **options)
     for size in sizes:
-        run_step(planner, meter, batch(*size))
+        run_step(planner, meter, bert_batch(*size))
     return planner, meter, context
 
 
@@ -65,7 +53,7 @@ def test_registered_and_exported():
 
 
 def test_sheltered_phase_fits_a_budget_none_cannot_and_matches_none_bit_for_bit():
-    data = batch(4, 96)
+    data = bert_batch(4, 96)
     reference = tiny_bert()
     sheltered = copy.deepcopy(reference)
     free = build_meter("simulated", None)
@@ -123,9 +111,9 @@ def test_data_filter_drops_blocks_whose_child_or_parent_is_checkpointed():
     with meter.activate():
         meter.track(model)
         planner = Mimose(model, "1GB", meter=meter, sheltered_steps=5)
-        run_step(planner, meter, batch(2, 16))
+        run_step(planner, meter, bert_batch(2, 16))
         model.bert.encoder.gradient_checkpointing = True  # the parent of every block
-        run_step(planner, meter, batch(2, 24))
+        run_step(planner, meter, bert_batch(2, 24))
         planner.close()
     first = planner.estimator.samples[0][0]
     for q in ("saved_bytes", "plain_bytes", "fwd_peak_bytes", "bwd_peak_bytes"):
@@ -140,7 +128,7 @@ def test_data_filter_drops_blocks_run_inside_a_user_checkpoint():
     with meter.activate():
         meter.track(model)
         planner = Mimose(model, "1GB", meter=meter, sheltered_steps=5)
-        data = batch(2, 16)
+        data = bert_batch(2, 16)
         with planner.step(data):
             loss = torch.utils.checkpoint.checkpoint(lambda ids: model(input_ids=ids, labels=data["labels"]).loss,
                                                      data["input_ids"], use_reentrant=False)
@@ -151,14 +139,14 @@ def test_data_filter_drops_blocks_run_inside_a_user_checkpoint():
 
 def test_responsive_plan_is_empty_when_everything_fits(fitted):
     planner, meter = fitted
-    _, peak, info = run_step(planner, meter, batch(4, 64))
+    _, peak, info = run_step(planner, meter, bert_batch(4, 64))
     assert info.phase == "responsive" and info.plan == () and info.cache_hit is False
     assert peak <= info.predicted_peak_bytes
 
 
 def test_responsive_plan_checkpoints_blocks_when_the_budget_binds():
     planner, meter, context = sheltered_mimose()
-    data = batch(4, 120)
+    data = bert_batch(4, 120)
     _, none_peak, free = run_step(planner, meter, data)
     state = planner.state_dict()
     planner.close()
@@ -183,9 +171,9 @@ def test_default_cache_key_is_the_exact_size(fitted):
 
 def test_same_rounded_size_hits_the_plan_cache():
     planner, meter, context = sheltered_mimose(granularity=8)
-    _, _, first = run_step(planner, meter, batch(4, 33))
-    _, _, second = run_step(planner, meter, batch(4, 38))
-    _, _, third = run_step(planner, meter, batch(4, 41))
+    _, _, first = run_step(planner, meter, bert_batch(4, 33))
+    _, _, second = run_step(planner, meter, bert_batch(4, 38))
+    _, _, third = run_step(planner, meter, bert_batch(4, 41))
     assert (first.cache_hit, second.cache_hit, third.cache_hit) == (False, True, False)
     assert planner.cache_key((4, 38)) == (4, 40)
     stats = planner.stats
@@ -196,11 +184,11 @@ def test_same_rounded_size_hits_the_plan_cache():
 
 def test_save_load_round_trip_skips_the_sheltered_phase(fitted, tmp_path):
     planner, meter = fitted
-    _, _, info = run_step(planner, meter, batch(4, 50))
+    _, _, info = run_step(planner, meter, bert_batch(4, 50))
     planner.save(tmp_path / "estimator.json")
     planner.close()
     loaded = Mimose(planner.model, "1GB", meter=meter).load(tmp_path / "estimator.json")
-    _, _, again = run_step(loaded, meter, batch(4, 50))
+    _, _, again = run_step(loaded, meter, bert_batch(4, 50))
     loaded.close()
     assert again.phase == "responsive" and again.cache_hit and again.plan == info.plan
     assert loaded.estimator.predict((3, 70)).step == pytest.approx(planner.estimator.predict((3, 70)).step)
@@ -212,8 +200,8 @@ def test_library_api_builds_its_own_meter_and_enforces_the_budget():
     try:
         phases = []
         for size in [(2, 16), (2, 32), (2, 24), (2, 40)]:
-            with planner.step(batch(*size)) as info:
-                model(**batch(*size)).loss.backward()
+            with planner.step(bert_batch(*size)) as info:
+                model(**bert_batch(*size)).loss.backward()
             phases.append(info.phase)
         # Two lengths do not determine the constant term: the third is measured, not guessed.
         assert phases == ["sheltered", "sheltered", "measuring", "responsive"]
