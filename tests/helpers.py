@@ -5,6 +5,8 @@ another test module or a conftest, so a test runs the same from any directory an
 import mode.
 """
 
+import contextlib
+import copy
 from pathlib import Path
 
 import torch
@@ -30,3 +32,37 @@ def bert_batch(batch_size, length, seed=1):
     gen = torch.Generator().manual_seed(seed * 1000 + length)
     return {"input_ids": torch.randint(0, 64, (batch_size, length), generator=gen),
             "labels": torch.randint(0, 2, (batch_size,), generator=gen)}
+
+
+def run_step(planner, meter, data, seed=7):
+    """One planned forward+backward; returns (loss, measured peak bytes, StepInfo)."""
+    for p in planner.model.parameters():
+        p.grad = None
+    meter.track(data)
+    torch.manual_seed(seed)
+    with meter.step() as mem:
+        with planner.step(data) as info:
+            loss = planner.model(**data).loss
+            loss.backward()
+    return loss.detach(), mem.peak_bytes, info
+
+
+@contextlib.contextmanager
+def fitted_mimose(state, budget="1GB", model=None, **options):
+    """A Mimose planner past its sheltered phase: ``state`` (a ``state_dict``, left unchanged)
+    loaded into a planner for ``model`` (a fresh ``tiny_bert``) on a simulated device of
+    ``budget``. Yields ``(planner, meter)``; the planner is closed and the device off on exit."""
+    from mimose_cli.memory import build_meter
+    from mimose_cli.planners.mimose import Mimose
+    from mimose_cli.units import parse_size
+
+    model = tiny_bert() if model is None else model
+    meter = build_meter("simulated", parse_size(budget))
+    with meter.activate():
+        meter.track(model)
+        planner = Mimose(model, budget, meter=meter, **options)
+        planner.load_state_dict(copy.deepcopy(state))
+        try:
+            yield planner, meter
+        finally:
+            planner.close()

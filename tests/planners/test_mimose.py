@@ -10,42 +10,7 @@ from mimose_cli.planners.base import NoCheckpointing
 from mimose_cli.planners.collector import drop_reason
 from mimose_cli.planners.mimose import Mimose
 
-from helpers import bert_batch, tiny_bert
-
-SIZES = [(4, 24), (2, 40), (3, 16), (4, 56), (2, 32), (3, 48)]
-
-
-def run_step(planner, meter, data, seed=7):
-    """One planned forward+backward; returns (loss, measured peak bytes, StepInfo)."""
-    for p in planner.model.parameters():
-        p.grad = None
-    meter.track(data)
-    torch.manual_seed(seed)
-    with meter.step() as mem:
-        with planner.step(data) as info:
-            loss = planner.model(**data).loss
-            loss.backward()
-    return loss.detach(), mem.peak_bytes, info
-
-
-def sheltered_mimose(budget="1GB", sizes=SIZES, **options):
-    model = tiny_bert()
-    meter = build_meter("simulated", None if budget is None else mimose_cli.units.parse_size(budget))
-    context = meter.activate()
-    context.__enter__()
-    meter.track(model)
-    planner = Mimose(model, budget, meter=meter, sheltered_steps=len(sizes), **options)
-    for size in sizes:
-        run_step(planner, meter, bert_batch(*size))
-    return planner, meter, context
-
-
-@pytest.fixture
-def fitted():
-    planner, meter, context = sheltered_mimose()
-    yield planner, meter
-    planner.close()
-    context.__exit__(None, None, None)
+from helpers import bert_batch, fitted_mimose, run_step, tiny_bert
 
 
 def test_registered_and_exported():
@@ -82,13 +47,13 @@ def test_sheltered_phase_fits_a_budget_none_cannot_and_matches_none_bit_for_bit(
     assert all(torch.equal(p.grad, g) for p, g in zip(sheltered.parameters(), none_grads))
 
 
-def test_sheltered_samples_are_measured_for_every_block(fitted):
-    planner, _ = fitted
-    blocks, step = planner.estimator.samples[0]
+def test_sheltered_samples_are_measured_for_every_block(sheltered):
+    blocks, step = sheltered.samples[0]
     assert all(blocks[q][i] is not None for q in ("saved_bytes", "plain_bytes", "bwd_peak_bytes") for i in range(3))
     assert step["head_peak_bytes"] is not None and step["tail_peak_bytes"] is not None
     assert blocks["plain_bytes"][0][0] > blocks["ckpt_bytes"][0][0] > 0
-    assert planner.stats["sheltered_iterations"] == len(SIZES) and planner.estimator.fitted
+    assert len(sheltered.samples) == sheltered.stats["sheltered_iterations"] == len(sheltered.sizes)
+    assert sheltered.stats["phase"] == "responsive" and sheltered.state["estimator"]["fitted"] is not None
 
 
 @pytest.mark.parametrize("name, checkpointed, parents, children, calls, inside, reason", [
@@ -144,22 +109,13 @@ def test_responsive_plan_is_empty_when_everything_fits(fitted):
     assert peak <= info.predicted_peak_bytes
 
 
-def test_responsive_plan_checkpoints_blocks_when_the_budget_binds():
-    planner, meter, context = sheltered_mimose()
+def test_responsive_plan_checkpoints_blocks_when_the_budget_binds(sheltered):
     data = bert_batch(4, 120)
-    _, none_peak, free = run_step(planner, meter, data)
-    state = planner.state_dict()
-    planner.close()
-    context.__exit__(None, None, None)
+    with fitted_mimose(sheltered.state) as (planner, meter):
+        _, none_peak, free = run_step(planner, meter, data)
     budget = int(0.8 * none_peak)
-    tight = build_meter("simulated", budget)
-    with tight.activate():
-        tight.track(planner.model)
-        bound = Mimose(planner.model, budget, meter=tight)
-        bound.load_state_dict(state)
-        bound.cache.clear()
+    with fitted_mimose(sheltered.state, budget) as (bound, tight):
         _, peak, info = run_step(bound, tight, data)
-        bound.close()
     assert free.plan == () and info.plan and info.plan[0] == 0  # earliest blocks first
     assert peak <= budget and peak <= info.predicted_peak_bytes <= budget
 
@@ -169,17 +125,15 @@ def test_default_cache_key_is_the_exact_size(fitted):
     assert planner.granularity == 1 and planner.cache_key((4, 38)) == (4, 38)
 
 
-def test_same_rounded_size_hits_the_plan_cache():
-    planner, meter, context = sheltered_mimose(granularity=8)
-    _, _, first = run_step(planner, meter, bert_batch(4, 33))
-    _, _, second = run_step(planner, meter, bert_batch(4, 38))
-    _, _, third = run_step(planner, meter, bert_batch(4, 41))
+def test_same_rounded_size_hits_the_plan_cache(sheltered):
+    with fitted_mimose(sheltered.state, granularity=8) as (planner, meter):
+        _, _, first = run_step(planner, meter, bert_batch(4, 33))
+        _, _, second = run_step(planner, meter, bert_batch(4, 38))
+        _, _, third = run_step(planner, meter, bert_batch(4, 41))
+        stats = planner.stats
     assert (first.cache_hit, second.cache_hit, third.cache_hit) == (False, True, False)
     assert planner.cache_key((4, 38)) == (4, 40)
-    stats = planner.stats
     assert stats["hits"] == 1 and stats["misses"] == 2 and stats["hit_rate"] == pytest.approx(1 / 3)
-    planner.close()
-    context.__exit__(None, None, None)
 
 
 def test_save_load_round_trip_skips_the_sheltered_phase(fitted, tmp_path):
