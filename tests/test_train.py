@@ -174,9 +174,9 @@ def test_gradient_accumulation_plans_every_micro_batch_and_steps_once_per_window
     # The learning rate a step used moves once per optimizer step, not per micro-batch.
     assert records[0]["lr"] == records[1]["lr"] != records[2]["lr"] == records[3]["lr"]
     # Gradients of the first micro-batch are live at the second's start; predictions hold.
-    for r in records:
-        if r["phase"] == "responsive":
-            assert r["predicted_peak_bytes"] >= r["memory/fwd_bwd_peak_bytes"]
+    responsive = [r for r in records if r["phase"] == "responsive"]
+    assert any(r["micro_step"] == 1 for r in responsive)
+    assert all(r["predicted_peak_bytes"] >= r["memory/fwd_bwd_peak_bytes"] for r in responsive)
 
 
 def test_bf16_runs_under_the_cpus_autocast(quick_recipe):
