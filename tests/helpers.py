@@ -18,7 +18,7 @@ QUICK_OVERRIDES = ["training.max_steps=6", "training.batch_size=4", "data.num_ex
 
 
 def tiny_bert(layers=3, seed=0):
-    """A 3-layer BERT for sequence classification, hidden size 32, dropout on."""
+    """A BERT of ``layers`` blocks for sequence classification, hidden size 32, dropout on."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(seed)
