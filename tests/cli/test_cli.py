@@ -1,14 +1,14 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
-
 from typer.testing import CliRunner
 
 from mimose_cli.cli import app
 
+from helpers import QUICKSTART, ROOT
+
 runner = CliRunner()
-QUICK = str(Path(__file__).parents[2] / "recipes" / "quickstart.yaml")
+QUICK = str(QUICKSTART)
 ROOT_ARGS = ["training.max_steps=3", "training.batch_size=2", "data.num_examples=16"]
 
 
@@ -52,5 +52,6 @@ def test_report_on_missing_directory(tmp_path):
 
 
 def test_python_dash_m_entry_point():
-    out = subprocess.run([sys.executable, "-m", "mimose_cli", "--help"], capture_output=True, text=True)
+    # From the repository root, so the package under test runs, not an installed copy.
+    out = subprocess.run([sys.executable, "-m", "mimose_cli", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and "train" in out.stdout and "report" in out.stdout
