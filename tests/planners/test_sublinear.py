@@ -72,9 +72,14 @@ def test_the_static_plan_applies_to_every_batch():
     assert seen == [(0, 1, 2, 4)] * 3
 
 
-def test_no_plan_when_the_largest_input_fits():
-    planner, _ = prepared(5120)
+@pytest.mark.parametrize("variant", ["greedy", "chen"])
+def test_no_plan_when_the_largest_input_fits(variant):
+    planner, _ = prepared(5120, variant=variant)
     assert planner.static_plan == ()
+
+
+def test_chen_checkpoints_nothing_without_a_limit():
+    assert chen_plan(BlockProfile((1, 8), [512, 1024, 2048], [1.0, 1.0, 1.0]), None) == ()
 
 
 def test_sqrt_segmentation():
