@@ -10,7 +10,7 @@ import contextlib
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_inp
 from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.models import build_model, model_config
 from mimose_cli.planners import Planner, build_planner
+from mimose_cli.preflight import BudgetRange, budget_error, measure_range
 from mimose_cli.recipe import Recipe
 from mimose_cli.records import StepRecord, completed_step, oom_step
 from mimose_cli.rundir import RunWriter, environment, new_run_dir
@@ -272,11 +273,16 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
     progress = ProgressView(f"mimose train {recipe_name} [{recipe.planner.name}]", recipe.budget_bytes,
                             total, recipe.training.log_every, view, console)
     start = time.perf_counter()
+    needs = None
     try:
         with trainer.meter.activate():
             trainer.meter.track(trainer.model, trainer.optimizer)
             state_bytes = optimizer_state_bytes(trainer.optimizer)
             error = model_state_error(trainer, state_bytes)
+            if error is None:
+                needs = _preflight(trainer, config, state_bytes)
+                error = budget_error(recipe.budget_bytes, needs)
+                progress.message(f"pre-flight: {needs.describe()}")
             if error is not None:
                 progress.message(f"[red]out of memory before the first step[/red]: {error}")
                 records, status = [], "oom"
@@ -291,6 +297,8 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
         writer.close()
     summary = summarize(records, status=status, budget_bytes=recipe.budget_bytes,
                         wall_s=time.perf_counter() - start, planner_stats=trainer.planner.stats)
+    if needs is not None:
+        summary["preflight"] = asdict(needs)
     if error is not None:
         summary.update(error=error, oom_steps=1)
     writer.write_json("summary.json", summary)
@@ -301,6 +309,43 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
             progress.console.print(table)
         progress.console.print(f"run directory: {run_dir}")
     return RunResult(run_dir, summary, records)
+
+
+def _preflight(trainer: Trainer, config, state_bytes: int) -> BudgetRange:
+    """The budgets the recipe needs at its largest input (``preflight``): besides the step, the
+    optimizer's state and, with accumulation, the gradients set aside during a micro-batch."""
+    recipe = trainer.recipe
+    size = max_input_size(recipe)
+    batch = trainer.to_device(make_batch(recipe, config, size))
+    later = state_bytes + (param_bytes(trainer.model) if recipe.training.gradient_accumulation_steps > 1 else 0)
+    return measure_range(trainer.planner, batch, size, later)
+
+
+def dry_run(recipe: Recipe, console=None) -> BudgetRange:
+    """Build the recipe's model and measure the budgets it needs (``preflight``) without training
+    or writing a run directory; prints them."""
+    from rich.console import Console
+
+    console = console or Console()
+    config = model_config(recipe)
+    trainer = build_trainer(recipe, config, total_steps=1)
+    try:
+        with trainer.meter.activate():
+            trainer.meter.track(trainer.model, trainer.optimizer)
+            state_bytes = optimizer_state_bytes(trainer.optimizer)
+            needs = _preflight(trainer, config, state_bytes)
+    finally:
+        trainer.planner.close()
+    console.print(f"{recipe.model.type} ({recipe.model.size}): {needs.describe()}", highlight=False, soft_wrap=True)
+    error = budget_error(recipe.budget_bytes, needs)
+    if error is not None:
+        console.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
+    elif recipe.budget_bytes is not None:
+        enough = needs.none_bytes is not None and recipe.budget_bytes >= needs.none_bytes
+        console.print(f"budget {recipe.budget} ({format_bytes(recipe.budget_bytes)}): fits; "
+                      + ("no checkpointing needed" if enough else "the planner checkpoints the longer batches"),
+                      highlight=False, soft_wrap=True)
+    return needs
 
 
 def _save_planner_state(planner, writer: RunWriter) -> None:

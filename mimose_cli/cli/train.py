@@ -1,4 +1,4 @@
-"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [key=value ...]"""
+"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [--dry-run] [key=value ...]"""
 
 from pathlib import Path
 from typing import List, Optional
@@ -18,6 +18,8 @@ def train(
     max_steps: Optional[int] = typer.Option(None, help="Stop after N steps."),
     out: Optional[Path] = typer.Option(None, help="Directory for run directories (default runs/)."),
     view: str = typer.Option("auto", help="auto (live table on a terminal), plain or none."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Measure the budgets the recipe needs at its largest "
+                                 "input (every block checkpointed, and none) and exit without training."),
 ):
     """Train a recipe under a memory budget; writes runs/<id>/."""
     from mimose_cli.recipe import RecipeError, load_recipe
@@ -29,7 +31,12 @@ def train(
     except RecipeError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2)
-    from mimose_cli.train import run_training
+    from mimose_cli.train import dry_run as measure_only, run_training
 
+    if dry_run:
+        from mimose_cli.preflight import budget_error
+
+        needs = measure_only(resolved)
+        raise typer.Exit(1 if budget_error(resolved.budget_bytes, needs) else 0)
     result = run_training(resolved, view=view, recipe_name=recipe.stem)
     raise typer.Exit({"completed": 0, "oom": 1, "interrupted": 130}[result.summary["status"]])
