@@ -3,6 +3,8 @@
 import statistics
 
 import numpy as np
+from pydantic import TypeAdapter
+from typing_extensions import Required, TypedDict
 from rich.table import Table
 
 from mimose_cli.units import format_bytes
@@ -56,6 +58,34 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
         "loss_last": _mean(losses[-TAIL:]),
         "planner": planner_stats or {},
     }
+
+
+class SummaryFile(TypedDict, total=False):
+    """What ``mimose report`` needs of a summary.json: these keys, when present, of these types."""
+
+    status: Required[str]
+    steps: int
+    oom_steps: int
+    retries: int
+    retried_steps: int
+    budget_bytes: int | None
+    train_time_s: float | None
+    mean_iter_ms: float | None
+    p50_iter_ms: float | None
+    p95_iter_ms: float | None
+    peak_bytes: int | None
+    mean_peak_bytes: float | None
+    over_budget_steps: int
+    mean_checkpointed_blocks: float | None
+    num_blocks: int | None
+    planning_ms_total: float | None
+    recompute_ms_total: float | None
+    loss_first: float | None
+    loss_last: float | None
+    planner: dict
+
+
+SUMMARY_FILE = TypeAdapter(SummaryFile)
 
 
 def _fmt(value, kind):

@@ -20,16 +20,17 @@ def train(
     view: str = typer.Option("auto", help="auto (live table on a terminal), plain or none."),
 ):
     """Train a recipe under a memory budget; writes runs/<id>/."""
-    from mimose_cli.recipe import RecipeError, load_recipe
+    from mimose_cli.cli import EXIT_INTERRUPTED, EXIT_RUNTIME, fail
+    from mimose_cli.recipe import load_recipe
 
     flags = {"budget": budget, "planner.name": planner, "device": device,
              "training.max_steps": max_steps, "out_dir": str(out) if out else None}
-    try:
-        resolved = load_recipe(recipe, overrides or [], flags)
-    except RecipeError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2)
-    from mimose_cli.train import run_training
+    resolved = load_recipe(recipe, overrides or [], flags)
+    from mimose_cli.train import run_training  # after the recipe: its mistakes need no transformers
 
     result = run_training(resolved, view=view, recipe_name=recipe.stem)
-    raise typer.Exit({"completed": 0, "oom": 1, "interrupted": 130}[result.summary["status"]])
+    status = result.summary["status"]
+    if status == "interrupted":
+        raise typer.Exit(EXIT_INTERRUPTED)
+    if status != "completed":  # oom, diverged: the run directory holds every step until then
+        fail(f"{result.summary.get('error') or status} (run directory {result.run_dir})", EXIT_RUNTIME)
