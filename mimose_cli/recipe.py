@@ -60,9 +60,15 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+class RecipeDumper(yaml.SafeDumper):
+    """Writes what ``StrictLoader`` reads back the same (text such as '1e5' stays quoted)."""
+
+
 # YAML 1.1 (PyYAML) reads 1e-4 and 1e30 as text; read them as numbers, as YAML 1.2 does.
-StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+for _yaml_class in (StrictLoader, RecipeDumper):
+    _yaml_class.add_implicit_resolver("tag:yaml.org,2002:float",
+                                      re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                      list("-+0123456789"))
 
 
 def yaml_error_text(err: yaml.YAMLError) -> str:
@@ -363,4 +369,4 @@ def save_recipe(recipe: Recipe, path) -> None:
     """Write the resolved recipe (atomically); ``mimose train`` on this file re-runs the same run."""
     from mimose_cli.rundir import write_text  # local: rundir imports this module
 
-    write_text(path, yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    write_text(path, yaml.dump(recipe_to_dict(recipe), Dumper=RecipeDumper, sort_keys=False))

@@ -83,6 +83,7 @@ class SummaryFile(TypedDict, total=False):
     loss_first: float | None
     loss_last: float | None
     planner: dict
+    error: str | None
 
 
 SUMMARY_FILE = TypeAdapter(SummaryFile)
@@ -137,6 +138,8 @@ def summary_tables(summary: dict) -> list:
     table.add_column("value", justify="right")
     for label, key, kind in SUMMARY_ROWS:
         table.add_row(label, _summary_value(summary, key, kind))
+    if summary.get("error"):  # why a run that did not complete ended
+        table.add_row("error", str(summary["error"]))
     tables = [table]
     stats = summary.get("planner") or {}
     if stats:

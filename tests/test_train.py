@@ -193,3 +193,20 @@ def test_the_optimizer_steps_scratch_is_left_room_for_before_the_first_step(quic
     result = run_training(quick_recipe(f"budget={int(4.5 * params)}"), view="none")
     assert result.summary["status"] == "oom" and result.summary["steps"] == 0
     assert "scratch" in result.summary["error"]
+
+
+def test_a_loss_that_is_not_finite_ends_the_run_as_diverged(quick_recipe):
+    from rich.console import Console
+
+    from mimose_cli.report import render
+
+    result = _run(quick_recipe("training.lr=1e30", "training.max_steps=4"))
+    summary, records = load_run(result.run_dir)
+    step = records[-1].step
+    assert summary["status"] == "diverged" == result.summary["status"] and summary["diverged_step"] == step
+    assert all(r.loss == r.loss for r in records[:-1]) and records[-1].loss != records[-1].loss  # NaN last
+    assert step < 3 and f"at step {step}" in summary["error"] and "training.lr" in summary["error"]
+    console = Console(record=True, width=200)
+    render(result.run_dir, console)
+    text = console.export_text()
+    assert "diverged" in text and "lower training.lr" in text

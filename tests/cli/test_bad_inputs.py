@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import datasets  # noqa: F401  (imported here, not inside CliRunner: its log handler keeps the stderr it sees)
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 from typer.testing import CliRunner
@@ -182,6 +183,8 @@ MODEL_AND_DEVICE = [
           stage="data"),
     train("pretrained-hub-offline", "model.pretrained=someone/no-such-model",
           named="model.pretrained='someone/no-such-model'", stage="data"),
+    train("cuda-without-a-gpu", "--device", "cuda", named="device='cuda' but no CUDA GPU is visible",
+          stage="model"),  # resolve_device, the trainer's first step
     train("no-multiple-choice-head", "model.type=gpt2", named="model.type='gpt2' has no multiple_choice",
           stage="model"),
     train("blocks-match-nothing", "model.blocks=encoder.zzz.*", named="model.blocks='encoder.zzz.*'",
@@ -360,6 +363,8 @@ def test_at_least_a_hundred_cases_with_unique_ids():
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_a_mistake_is_one_line_naming_it(case, tmp_path, monkeypatch, tokenizer_dir):
+    if case.id == "cuda-without-a-gpu" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
     _write(tmp_path, case.files)
     _forbid(monkeypatch, case.stage)
     monkeypatch.chdir(tmp_path)  # a case that ignored --out would write here, not in the checkout
