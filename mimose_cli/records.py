@@ -88,15 +88,22 @@ class StepRecord:
         raises ValueError naming the key."""
         names = {_key(f.name): f.name for f in fields(cls)}
         try:
-            return _RECORD.validate_python({names[key]: value for key, value in data.items() if key in names})
+            record = _RECORD.validate_python({names[key]: value for key, value in data.items() if key in names})
         except ValidationError as err:
             first = err.errors()[0]
             key = _key(str(first["loc"][0])) if first["loc"] else "?"
             if first["type"] == "missing":
                 raise ValueError(f"key {key!r} is missing") from None
-            raise ValueError(f"{key}={first['input']!r} is invalid; expected {first['msg'].removeprefix('Input should be ')}") from None
+            expected = first["msg"].removeprefix("Input should be ")
+            raise ValueError(f"{key}={first['input']!r} is invalid; expected {expected}") from None
+        missing = [name for name in COMPLETED_STEP_KEYS if getattr(record, name) is None]
+        if not record.oom and missing:
+            raise ValueError(f"key {_key(missing[0])!r} is missing (every completed step has it)")
+        return record
 
 
+COMPLETED_STEP_KEYS = ("loss", "peak_bytes")
+"""Figures every step that did not run out of memory has (summaries and reports use them)."""
 _MEMORY = frozenset({"peak_bytes", "fwd_bwd_peak_bytes", "start_bytes", "activation_bytes", "reserved_peak_bytes"})
 
 

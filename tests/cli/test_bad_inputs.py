@@ -27,7 +27,8 @@ HF = ["task=sequence_classification", "data.source=hf", "data.tokenizer={tok}", 
       *FAST, *OUT]
 A_DIRECTORY = object()  # a ``files`` value: make a directory there
 CSV = "text,label\nthe cat sat,0\na dog ran,1\n"
-RUN = {"run/metrics.jsonl": '{"step": 0}\n'}
+STEP = '{"step": 0, "loss": 1.0, "memory/peak_bytes": 5}\n'
+RUN = {"run/metrics.jsonl": STEP}
 
 
 @dataclass
@@ -263,6 +264,10 @@ REPORTS = [
            "metrics.jsonl line 2: not JSON"),
     report("metrics-missing-step", {"run/metrics.jsonl": '{"loss": 1.0}\n'},
            "metrics.jsonl record 1: key 'step' is missing"),
+    report("metrics-step-without-loss", {"run/metrics.jsonl": '{"step": 0, "input_size": [2, 8]}\n'},
+           "metrics.jsonl record 1: key 'loss' is missing"),
+    report("metrics-step-without-peak", {"run/metrics.jsonl": STEP + '{"step": 1, "loss": 1.0}\n'},
+           "metrics.jsonl record 2: key 'memory/peak_bytes' is missing"),
     report("metrics-step-text", {"run/metrics.jsonl": '{"step": "first"}\n'}, "step='first' is invalid"),
     report("metrics-peak-text", {"run/metrics.jsonl": '{"step": 0, "memory/peak_bytes": "big"}\n'},
            "memory/peak_bytes='big'"),
