@@ -149,9 +149,10 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     round so that a slow stretch of a shared machine does not always hit the same planner; each
     row then reports the median (``train_times_s`` keeps every round's time).
     """
-    for name, value in (("repeats", repeats), ("steps", steps)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}={value!r} is invalid; expected an integer >= 1")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} is invalid; expected an integer >= 1")
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps={steps!r} is invalid; expected an integer >= 1 (or none: the recipe's)")
     check_view(view)
     specs = planner_specs(baselines)
     budgets = list(budgets or ([recipe.budget] if recipe.budget else []))

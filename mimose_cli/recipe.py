@@ -7,12 +7,13 @@ and ``__post_init__`` keeps only checks across fields and byte sizes, parsed onc
 
 Precedence: dataclass defaults < YAML file < ``key=value`` overrides < explicit CLI flags.
 Every mistake raises ``RecipeError`` naming the file, the key, the value and what was expected,
-before anything is built.
+before anything is built. YAML is read by ``StrictLoader``: a key given twice, an anchor or alias,
+or a ``!!python`` tag is an error, and ``1e-4`` is a number (YAML 1.2's reading).
 """
 
-from dataclasses import field
 import re
 from collections.abc import Hashable
+from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 

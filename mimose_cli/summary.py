@@ -4,8 +4,8 @@ import statistics
 
 import numpy as np
 from pydantic import TypeAdapter
-from typing_extensions import Required, TypedDict
 from rich.table import Table
+from typing_extensions import Required, TypedDict
 
 from mimose_cli.units import format_bytes
 

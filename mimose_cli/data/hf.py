@@ -16,8 +16,6 @@ def load_raw(data):
     """The ``data.split`` split of ``data.name``: a local file, a local directory or a hub data
     set. A file that cannot be read as its type, or holds no rows, or a hub name that cannot be
     reached, raises ValueError naming ``data.name``."""
-    import datasets
-
     path = Path(data.name)
     looks_local = path.suffix.lower() in LOCAL_BUILDERS or data.name.startswith((".", "/", "~"))
     if path.is_file():
@@ -33,16 +31,17 @@ def load_raw(data):
         raise ValueError(f"data.name={data.name!r}: no such file or directory")
     else:
         args, kwargs = (data.name, data.config_name), {}
-    raw = _load(datasets, data, looks_local or path.exists(), *args, split=data.split, **kwargs)
+    raw = _load(data, looks_local or path.exists(), *args, split=data.split, **kwargs)
     if len(raw) == 0:
         raise ValueError(f"data.name={data.name!r}: split {data.split!r} has no rows")
     return raw
 
 
-def _load(datasets, data, local: bool, *args, **kwargs):
+def _load(data, local: bool, *args, **kwargs):
     """``datasets.load_dataset``, its failures on the user's input as ValueError naming it (the
-    library's own message is the cause's first line: "An error occurred while generating the
-    dataset" says less than the pyarrow error under it)."""
+    reason given is the cause's first line: "An error occurred while generating the dataset"
+    says less than the pyarrow error under it)."""
+    import datasets  # slow to import: only for hf recipes
     from datasets.exceptions import DatasetsError
 
     try:
