@@ -3,13 +3,20 @@
 Every command runs inside ``user_errors``, the one place where what the library raises for a
 user's mistake becomes one line on stderr: ``ValueError`` (a ``RecipeError``, a bad data file,
 a corrupt run directory...) exits 2, ``OSError`` (a full disk, a file that cannot be written)
-exits 1. ``mimose --debug COMMAND`` shows the traceback instead.
+exits 1. ``mimose --debug COMMAND`` shows the traceback instead. ``main`` makes click's own usage
+errors one line as well.
 """
 
 import functools
+import sys
 import warnings
 
 import typer
+
+try:  # the exceptions of the click that parses our arguments: typer's own copy since typer 0.2x
+    from typer import TyperException as ParserError
+except ImportError:
+    from click import ClickException as ParserError
 
 EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 2, 1, 130
 
@@ -67,5 +74,20 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main() -> None:
+    """The ``mimose`` entry point; click's own usage errors (an unknown option, a missing or
+    malformed argument) are one line too, instead of a usage panel."""
     warnings.showwarning = _show_warning
-    app()
+    try:
+        code = app(standalone_mode=False)  # the command's exit code; None when it returned
+    except ParserError as err:
+        context = getattr(err, "ctx", None)
+        if type(err).__name__ == "NoArgsIsHelpError":  # a bare `mimose`: its help
+            err.show()
+        else:
+            hint = f"; see {context.command_path} --help" if context is not None else ""
+            typer.echo(f"error: {' '.join(err.format_message().split()).rstrip('.')}{hint}", err=True)
+        code = err.exit_code
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        code = EXIT_RUNTIME
+    sys.exit(code or 0)

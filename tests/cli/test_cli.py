@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from typer.testing import CliRunner
 
 from mimose_cli.cli import app
@@ -54,3 +56,15 @@ def test_report_on_missing_directory(tmp_path):
 def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "mimose_cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "train" in out.stdout and "report" in out.stdout
+
+
+@pytest.mark.parametrize("args, named", [
+    (["train", QUICK, "--bogus"], "No such option: --bogus"),
+    (["train"], "Missing argument 'recipe'"),
+    (["compare", QUICK, "--steps", "abc"], "Invalid value for '--steps'"),
+    (["nope"], "No such command 'nope'"),
+])
+def test_usage_errors_of_the_entry_point_are_one_line(args, named):
+    out = subprocess.run([sys.executable, "-m", "mimose_cli", *args], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"error: {named}") and out.stderr.count("\n") == 1
