@@ -10,10 +10,14 @@ import statistics
 import time
 from pathlib import Path
 
+from pydantic import TypeAdapter
 from rich.console import Console
 from rich.table import Table
+from typing_extensions import Required, TypedDict
 
+from mimose_cli.live import check_view
 from mimose_cli.recipe import Recipe, recipe_from_dict, recipe_to_dict
+from mimose_cli.rundir import check_out_dir, read_json, unique_dir, write_json
 from mimose_cli.units import format_bytes
 
 
@@ -114,6 +118,28 @@ def _one_run(recipe: Recipe, spec: str, steps, compare_dir: Path, view: str) -> 
     return _row(spec, result.summary, result.run_dir, compare_dir)
 
 
+def _claim_compare_dir(out, recipe: Recipe, recipe_name: str, data: dict) -> Path:
+    """The compare directory, new: ``out`` when given (missing or empty), else a fresh
+    ``<out_dir>/compare-<time>-<recipe>[-n]``. Creating its compare.json exclusively claims it,
+    so two compares never write into one directory and no earlier result is overwritten."""
+    if out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        compare_dir = unique_dir(check_out_dir(recipe.out_dir) / f"compare-{stamp}-{recipe_name}")
+    else:
+        compare_dir = Path(out)
+        if compare_dir.is_dir() and any(compare_dir.iterdir()):
+            raise ValueError(f"compare directory {str(compare_dir)!r} already exists and is not empty; "
+                             "choose a new one to keep its results")
+        check_out_dir(compare_dir)
+    try:
+        with open(compare_dir / "compare.json", "x") as file:
+            json.dump(data, file, indent=2)
+    except FileExistsError:
+        raise ValueError(f"compare directory {str(compare_dir)!r} was taken by another compare; "
+                         "choose a new one") from None
+    return compare_dir
+
+
 def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None, steps=None,
                 out=None, view: str = "none", console=None, recipe_name: str = "recipe",
                 repeats: int = 1) -> Path:
@@ -125,17 +151,21 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     """
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} is invalid; expected an integer >= 1")
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps={steps!r} is invalid; expected an integer >= 1 (or none: the recipe's)")
+    check_view(view)
     specs = planner_specs(baselines)
     budgets = list(budgets or ([recipe.budget] if recipe.budget else []))
     if not budgets:
         raise ValueError("compare needs a budget: set `budget` in the recipe or pass --budgets")
-    at_budgets = [_at_budget(recipe, budget) for budget in budgets]  # every one checked before any run
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    compare_dir = Path(out) if out else Path(recipe.out_dir) / f"compare-{stamp}-{recipe_name}"
-    compare_dir.mkdir(parents=True, exist_ok=True)
+    # Every budget and every planner's recipe checked before the first run.
+    at_budgets = [_at_budget(recipe, budget) for budget in budgets]
+    for spec in specs:
+        _run_recipe(at_budgets[0], spec, steps)
     console = console or Console()
     data = {"recipe": recipe_name, "planners": specs, "steps": steps or recipe.training.max_steps,
             "seed": recipe.seed, "repeats": repeats, "budgets": []}
+    compare_dir = _claim_compare_dir(out, recipe, recipe_name, data)
     total, started, count = len(budgets) * len(specs) * repeats, time.perf_counter(), 0
     for base in at_budgets:
         entry = {"budget": base.budget, "budget_bytes": base.budget_bytes, "reference": None, "runs": []}
@@ -150,10 +180,40 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
                 entry["runs"] = [merge_repeats(rows) if repeats > 1 else rows[0]
                                  for rows in done.values() if rows]
                 entry["reference"] = normalise(entry["runs"])
-                (compare_dir / "compare.json").write_text(json.dumps(data, indent=2))
+                write_json(compare_dir / "compare.json", data)
     render_compare(compare_dir, console)
     console.print(f"compare directory: {compare_dir}")
     return compare_dir
+
+
+class _RunRow(TypedDict, total=False):
+    planner: Required[str]
+    status: Required[str]
+    steps: Required[int | None]
+    normalised_time: float | None
+    train_time_s: float | None
+    peak_bytes: int | None
+    oom_steps: int
+    mean_checkpointed_blocks: float | None
+    recompute_ms: float | None
+    planning_ms_total: float | None
+    hit_rate: float | None
+
+
+class _BudgetEntry(TypedDict, total=False):
+    budget: Required[str]
+    budget_bytes: Required[int | None]
+    reference: str | None
+    runs: Required[list[_RunRow]]
+
+
+class _CompareFile(TypedDict, total=False):
+    budgets: Required[list[_BudgetEntry]]
+    repeats: int
+
+
+COMPARE_FILE = TypeAdapter(_CompareFile)
+"""What ``render_compare`` reads of a compare.json: these keys, of these types."""
 
 
 def _fmt_ms(value) -> str:
@@ -185,7 +245,7 @@ def render_compare(compare_dir, console=None) -> None:
     """Print one table per budget from ``compare_dir/compare.json`` (``mimose report`` calls
     this when a directory holds one)."""
     console = console or Console()
-    data = json.loads((Path(compare_dir) / "compare.json").read_text())
+    data = read_json(Path(compare_dir) / "compare.json", COMPARE_FILE)
     repeats = data.get("repeats", 1)
     console.print(f"compare {data.get('recipe')}: {data.get('steps')} steps, seed {data.get('seed')}"
                   + (f", median of {repeats} rounds" if repeats > 1 else "")

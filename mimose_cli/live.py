@@ -14,6 +14,13 @@ from mimose_cli.records import StepRecord
 from mimose_cli.units import format_bytes
 
 ROWS_SHOWN = 12
+VIEWS = ("auto", "live", "plain", "none")
+
+
+def check_view(view: str) -> None:
+    """Raise ValueError unless ``view`` is one of ``VIEWS`` (checked before a run starts)."""
+    if view not in VIEWS:
+        raise ValueError(f"view={view!r} is invalid; expected one of {', '.join(VIEWS)}")
 
 
 def _shape(record: StepRecord) -> str:
@@ -59,6 +66,7 @@ class ProgressView:
     """Live table on a terminal, a plain line every ``log_every`` steps otherwise."""
 
     def __init__(self, title: str, budget_bytes, total_steps, log_every=1, mode="auto", console=None):
+        check_view(mode)
         self.console = console or Console()
         self.mode = ("live" if self.console.is_terminal else "plain") if mode == "auto" else mode
         self.title, self.budget_bytes, self.total_steps = title, budget_bytes, total_steps

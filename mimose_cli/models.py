@@ -59,6 +59,14 @@ def _default_config(model_type: str):
         ) from err
 
 
+def _pretrained_config(name: str):
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as err:  # not a directory with a config.json, nor a reachable hub id
+        raise ValueError(f"model.pretrained={name!r} cannot be loaded ({str(err).splitlines()[0]}); "
+                         "expected a local model directory or a hub id") from None
+
+
 def _native_key(config, key: str) -> str:
     """The config class's own field name for ``key`` (gpt2: hidden_size -> n_embd)."""
     return type(config).attribute_map.get(key, key)
@@ -85,7 +93,8 @@ def _overrides(default, overrides: dict) -> dict:
     unknown = [key for key in overrides if not hasattr(default, key)]
     if unknown:
         raise ValueError(
-            f"model.config_overrides: unknown key {unknown[0]!r} for a {type(default).__name__}"
+            f"model.config_overrides.{unknown[0]}: not a field of {type(default).__name__}; "
+            "expected one of its fields, e.g. hidden_size or num_hidden_layers"
         )
     return {_native_key(default, key): value for key, value in overrides.items()}
 
@@ -109,7 +118,7 @@ def model_config(recipe) -> transformers.PretrainedConfig:
     """
     model = recipe.model
     if model.pretrained is not None:
-        default = AutoConfig.from_pretrained(model.pretrained)
+        default = _pretrained_config(model.pretrained)
         preset = {}
     else:
         default = _default_config(model.type)

@@ -7,16 +7,19 @@ and ``__post_init__`` keeps only checks across fields and byte sizes, parsed onc
 
 Precedence: dataclass defaults < YAML file < ``key=value`` overrides < explicit CLI flags.
 Every mistake raises ``RecipeError`` naming the file, the key, the value and what was expected,
-before anything is built.
+before anything is built. YAML is read by ``StrictLoader``: a key given twice, an anchor or alias,
+or a ``!!python`` tag is an error, and ``1e-4`` is a number (YAML 1.2's reading).
 """
 
+import re
+from collections.abc import Hashable
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import yaml
-from pydantic import (BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
-                      TypeAdapter, ValidationError)
+from pydantic import (AllowInfNan, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat,
+                      StrictInt, TypeAdapter, ValidationError)
 from pydantic.dataclasses import dataclass
 
 from mimose_cli.units import parse_size
@@ -29,6 +32,58 @@ UNKNOWN_KEY = ("unexpected_keyword_argument", "invalid_key")  # pydantic's names
 
 class RecipeError(ValueError):
     """A recipe that cannot be run; the message names file, key, value and what was expected."""
+
+
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, stricter: a key given twice (the second block would silently replace
+    the first) and anchors or aliases (a few bytes can expand to megabytes) are errors."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        name = event.anchor
+        if name is not None:
+            sign = "*" if isinstance(event, yaml.AliasEvent) else "&"
+            raise yaml.MarkedYAMLError(problem=f"{sign}{name}: anchors and aliases are not allowed in "
+                                       "a recipe; write the value out", problem_mark=event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        lines = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # PyYAML's own error follows
+            if key in lines:
+                raise yaml.MarkedYAMLError(
+                    problem=f"key {key!r} appears twice (first on line {lines[key]}); merge the two",
+                    problem_mark=key_node.start_mark)
+            lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+class RecipeDumper(yaml.SafeDumper):
+    """Writes what ``StrictLoader`` reads back the same (text such as '1e5' stays quoted)."""
+
+
+# YAML 1.1 (PyYAML) reads 1e-4 and 1e30 as text; read them as numbers, as YAML 1.2 does.
+for _yaml_class in (StrictLoader, RecipeDumper):
+    _yaml_class.add_implicit_resolver("tag:yaml.org,2002:float",
+                                      re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                      list("-+0123456789"))
+
+
+def yaml_error_text(err: yaml.YAMLError) -> str:
+    """A PyYAML error as one line: where, then what."""
+    mark = getattr(err, "problem_mark", None)
+    parts = [getattr(err, "context", None), getattr(err, "problem", None)]
+    text = ", ".join(p for p in parts if p) or str(err)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(text.split())
+
+
+def load_yaml(text: str):
+    """Parse YAML text with ``StrictLoader``; raises ``yaml.YAMLError``."""
+    return yaml.load(text, Loader=StrictLoader)
 
 
 class _Invalid(ValueError):
@@ -54,6 +109,7 @@ def _number_as_text(value):
 
 
 SizeText = Annotated[str, BeforeValidator(_number_as_text)]
+Finite = Annotated[StrictFloat, AllowInfNan(False)]  # .inf and .nan are YAML floats too
 
 
 @dataclass(config=FORBID_UNKNOWN_KEYS)
@@ -82,9 +138,9 @@ class DataConfig:
     """Synthetic: how many examples to generate."""
     max_length: StrictInt = Field(512, ge=1)
     """Longest tokenized example; longer ones are truncated."""
-    length_mean: Optional[StrictFloat] = None
+    length_mean: Optional[Finite] = Field(None, gt=0)
     """Synthetic: override the preset's mean token length."""
-    length_std: Optional[StrictFloat] = None
+    length_std: Optional[Finite] = Field(None, ge=0)
     """Synthetic: override the preset's standard deviation of token length."""
     min_length: Optional[StrictInt] = None
     """Synthetic: override the preset's shortest token length."""
@@ -115,23 +171,37 @@ class DataConfig:
             raise _Invalid("preset", self.preset, " | ".join(PRESETS))
         if self.source == "hf" and not self.name:
             raise _Invalid("name", self.name, "a data set name or local file when data.source is hf")
+        if self.source == "synthetic":
+            self._check_lengths()
+
+    def _check_lengths(self):
+        from mimose_cli.data.synthetic import LENGTH_PRESETS, MIN_SYNTHETIC_LENGTH  # local: imports torch
+
+        shortest = LENGTH_PRESETS[self.preset].min_length
+        if self.min_length is not None and not MIN_SYNTHETIC_LENGTH <= self.min_length <= self.max_length:
+            raise _Invalid("min_length", self.min_length,
+                           f"{MIN_SYNTHETIC_LENGTH}..data.max_length ({self.max_length})")
+        if self.min_length is None and shortest > self.max_length:
+            raise _Invalid("max_length", self.max_length,
+                           f"at least {shortest}, the {self.preset} preset's shortest example "
+                           f"(or set data.min_length between {MIN_SYNTHETIC_LENGTH} and {self.max_length})")
 
 
 @dataclass(config=FORBID_UNKNOWN_KEYS)
 class TrainingConfig:
     batch_size: StrictInt = Field(16, ge=1)
     """Examples per mini-batch."""
-    max_steps: Optional[StrictInt] = Field(None, ge=0)
+    max_steps: Optional[StrictInt] = Field(None, ge=1)
     """Stop after this many optimizer steps (overrides epochs)."""
     epochs: StrictInt = Field(1, ge=1)
     """Passes over the data when max_steps is unset."""
-    lr: StrictFloat = Field(5e-5, gt=0)
+    lr: Finite = Field(5e-5, gt=0)
     """Peak AdamW learning rate."""
-    weight_decay: StrictFloat = 0.01
+    weight_decay: Finite = Field(0.01, ge=0)
     """AdamW weight decay."""
     warmup_steps: StrictInt = Field(0, ge=0)
     """Linear warm-up steps."""
-    max_grad_norm: Optional[StrictFloat] = 1.0
+    max_grad_norm: Optional[Finite] = Field(1.0, gt=0)
     """Gradient clipping norm; null disables clipping."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32, or bf16 / fp16 autocast on the run's device (CUDA, or the CPU's own autocast)."""
@@ -159,12 +229,16 @@ class PlannerConfig:
     """safety_margin in bytes, parsed once here; None for auto (the planner decides)."""
 
     def __post_init__(self):
-        from mimose_cli.planners import PLANNERS  # local: planners import torch
+        from mimose_cli.planners import PLANNERS, option_problem  # local: planners import torch
 
         if self.name not in PLANNERS:
             raise _Invalid("name", self.name, " | ".join(sorted(PLANNERS)))
         if self.safety_margin != "auto":
             self.safety_margin_bytes = _size_bytes("safety_margin", self.safety_margin, allow_zero=True)
+        problem = option_problem(self.name, self.options)
+        if problem is not None:
+            key, value, expected = problem
+            raise _Invalid(f"options.{key}", value, expected)
 
 
 @dataclass(config=FORBID_UNKNOWN_KEYS)
@@ -180,7 +254,7 @@ class Recipe:
     """Device memory the training step may use, e.g. '6GB'; unlimited when unset."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto, cpu or cuda."""
-    seed: StrictInt = 0
+    seed: StrictInt = Field(0, ge=-(2**63), le=2**64 - 1)
     """Seed for model init, data generation and data order."""
     out_dir: str = "runs"
     """Where run directories are created."""
@@ -190,6 +264,10 @@ class Recipe:
     def __post_init__(self):
         if self.budget is not None:
             self.budget_bytes = _size_bytes("budget", self.budget)
+        margin = self.planner.safety_margin_bytes
+        if self.budget_bytes is not None and margin is not None and margin >= self.budget_bytes:
+            raise _Invalid("planner.safety_margin", self.planner.safety_margin,
+                           f"less than the budget ({self.budget})")
 
 
 _RECIPE = TypeAdapter(Recipe)
@@ -217,14 +295,24 @@ def _recipe_error(err: ValidationError, where: str) -> RecipeError:
         return RecipeError(f"{where}: unknown key {'.'.join(loc)}; expected one of {keys}")
     else:
         key, value, expected = ".".join(loc), first["input"], first["msg"].removeprefix("Input should be ")
-    return RecipeError(f"{where}: {key}={value!r} is invalid; expected {expected}")
+    return RecipeError(f"{where}: {key}={_shown(value)} is invalid; expected {expected}")
+
+
+def _shown(value, limit: int = 60) -> str:
+    """``repr(value)``, cut short when long (a 400-digit budget) so the message stays readable."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-8:]} ({len(text)} characters)"
 
 
 def _parse_override(text: str):
     if "=" not in text:
         raise RecipeError(f"override {text!r}: expected key=value, e.g. training.max_steps=20")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip(), load_yaml(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise RecipeError(f"override {text!r}: the value is not valid YAML ({yaml_error_text(err)}); "
+                          "quote it to pass it as text") from None
 
 
 def _set_dotted(data: dict, key: str, value, where: str) -> None:
@@ -258,12 +346,18 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
 def load_recipe(path, overrides=(), flags=None) -> Recipe:
     """Read a YAML recipe file, apply ``key=value`` overrides, then explicit flags."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"recipe file {str(path)!r} is a directory; expected a YAML file")
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: byte {err.start} is not UTF-8 text; save the recipe as UTF-8") from None
     except yaml.YAMLError as err:
-        raise RecipeError(f"{path}: not valid YAML: {err}") from err
+        raise RecipeError(f"{path}: not valid YAML: {yaml_error_text(err)}") from None
+    if data is None:
+        raise RecipeError(f"{path}: the recipe is empty; start from recipes/quickstart.yaml")
     return recipe_from_dict(data, str(path), overrides, flags)
 
 
@@ -273,5 +367,7 @@ def recipe_to_dict(recipe: Recipe) -> dict:
 
 
 def save_recipe(recipe: Recipe, path) -> None:
-    """Write the resolved recipe; ``mimose train`` on this file re-runs the same run."""
-    Path(path).write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    """Write the resolved recipe (atomically); ``mimose train`` on this file re-runs the same run."""
+    from mimose_cli.rundir import write_text  # local: rundir imports this module
+
+    write_text(path, yaml.dump(recipe_to_dict(recipe), Dumper=RecipeDumper, sort_keys=False))

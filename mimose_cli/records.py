@@ -10,6 +10,8 @@ has every key; the keys are the ones the file has always had (``memory/peak_byte
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from pydantic import TypeAdapter, ValidationError
+
 from mimose_cli.rundir import read_jsonl
 
 
@@ -82,11 +84,26 @@ class StepRecord:
     @classmethod
     def from_json(cls, data: dict) -> "StepRecord":
         """Parse a ``metrics.jsonl`` object; keys an older file lacks take their defaults and keys
-        this version does not know are ignored."""
+        this version does not know are ignored. A missing ``step`` or a value of the wrong type
+        raises ValueError naming the key."""
         names = {_key(f.name): f.name for f in fields(cls)}
-        return cls(**{names[key]: value for key, value in data.items() if key in names})
+        try:
+            record = _RECORD.validate_python({names[key]: value for key, value in data.items() if key in names})
+        except ValidationError as err:
+            first = err.errors()[0]
+            key = _key(str(first["loc"][0])) if first["loc"] else "?"
+            if first["type"] == "missing":
+                raise ValueError(f"key {key!r} is missing") from None
+            expected = first["msg"].removeprefix("Input should be ")
+            raise ValueError(f"{key}={first['input']!r} is invalid; expected {expected}") from None
+        missing = [name for name in COMPLETED_STEP_KEYS if getattr(record, name) is None]
+        if not record.oom and missing:
+            raise ValueError(f"key {_key(missing[0])!r} is missing (every completed step has it)")
+        return record
 
 
+COMPLETED_STEP_KEYS = ("loss", "peak_bytes")
+"""Figures every step that did not run out of memory has (summaries and reports use them)."""
 _MEMORY = frozenset({"peak_bytes", "fwd_bwd_peak_bytes", "start_bytes", "activation_bytes", "reserved_peak_bytes"})
 
 
@@ -124,6 +141,16 @@ def oom_step(info, error: Exception, *, step: int, micro_step: int, input_shape,
         oom=True, error=str(error).splitlines()[0])
 
 
+_RECORD = TypeAdapter(StepRecord)
+
+
 def read_records(path) -> list:
-    """The ``StepRecord``s of a ``metrics.jsonl``; a torn last line (an interrupted run) is skipped."""
-    return [StepRecord.from_json(data) for data in read_jsonl(Path(path))]
+    """The ``StepRecord``s of a ``metrics.jsonl``; a torn last line (an interrupted run) is
+    skipped, any other bad line raises ValueError naming the file and the record."""
+    records = []
+    for number, data in enumerate(read_jsonl(Path(path)), 1):
+        try:
+            records.append(StepRecord.from_json(data))
+        except ValueError as err:
+            raise ValueError(f"{path} record {number}: {err}; the file is corrupt") from None
+    return records

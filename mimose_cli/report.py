@@ -9,8 +9,8 @@ from rich.table import Table
 
 from mimose_cli.live import step_table
 from mimose_cli.records import read_records
-from mimose_cli.rundir import read_json
-from mimose_cli.summary import summarize, summary_tables
+from mimose_cli.rundir import read_json, read_text
+from mimose_cli.summary import SUMMARY_FILE, summarize, summary_tables
 from mimose_cli.units import format_bytes, parse_size
 
 LENGTH_BUCKETS = 8
@@ -18,21 +18,28 @@ LENGTH_BUCKETS = 8
 
 def load_run(run_dir) -> tuple:
     """(summary, records) of a run directory; a run cut off before its summary is summarised
-    from metrics.jsonl and marked 'interrupted'."""
+    from metrics.jsonl and marked 'interrupted'. A file that is not what a run writes raises
+    ValueError naming it."""
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").exists():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no metrics.jsonl)")
+        raise ValueError(f"{run_dir} is not a run directory (no metrics.jsonl) or compare directory "
+                         "(no compare.json)")
     records = read_records(run_dir / "metrics.jsonl")
-    summary = read_json(run_dir / "summary.json")
+    summary = read_json(run_dir / "summary.json", SUMMARY_FILE)
     if summary is None:
         summary = summarize(records, status="interrupted", budget_bytes=_recipe_budget(run_dir))
     return summary, records
 
 
 def _recipe_budget(run_dir: Path):
-    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) if (run_dir / "recipe.yaml").exists() else {}
-    budget = (recipe or {}).get("budget")
-    return parse_size(budget) if budget else None
+    path = run_dir / "recipe.yaml"
+    text = read_text(path)
+    try:
+        recipe = yaml.safe_load(text) if text else {}
+        budget = recipe.get("budget") if isinstance(recipe, dict) else None
+        return parse_size(budget) if budget else None
+    except (yaml.YAMLError, ValueError):
+        raise ValueError(f"{path}: not a recipe with a readable budget; the file is corrupt") from None
 
 
 def length_table(records) -> Table:
@@ -74,6 +81,9 @@ def render(path, console: Console | None = None) -> None:
     """Render a run directory, or a compare directory (one holding compare.json)."""
     console = console or Console()
     path = Path(path)
+    if not path.is_dir():
+        what = "a file" if path.exists() else "no such directory"
+        raise ValueError(f"{path} is not a run directory ({what}); expected runs/<id> or a compare directory")
     if (path / "compare.json").exists():
         from mimose_cli.compare import render_compare
 

@@ -3,7 +3,9 @@
 import statistics
 
 import numpy as np
+from pydantic import TypeAdapter
 from rich.table import Table
+from typing_extensions import Required, TypedDict
 
 from mimose_cli.units import format_bytes
 
@@ -58,6 +60,35 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
     }
 
 
+class SummaryFile(TypedDict, total=False):
+    """What ``mimose report`` needs of a summary.json: these keys, when present, of these types."""
+
+    status: Required[str]
+    steps: int
+    oom_steps: int
+    retries: int
+    retried_steps: int
+    budget_bytes: int | None
+    train_time_s: float | None
+    mean_iter_ms: float | None
+    p50_iter_ms: float | None
+    p95_iter_ms: float | None
+    peak_bytes: int | None
+    mean_peak_bytes: float | None
+    over_budget_steps: int
+    mean_checkpointed_blocks: float | None
+    num_blocks: int | None
+    planning_ms_total: float | None
+    recompute_ms_total: float | None
+    loss_first: float | None
+    loss_last: float | None
+    planner: dict
+    error: str | None
+
+
+SUMMARY_FILE = TypeAdapter(SummaryFile)
+
+
 def _fmt(value, kind):
     if value is None:
         return "-"
@@ -107,6 +138,8 @@ def summary_tables(summary: dict) -> list:
     table.add_column("value", justify="right")
     for label, key, kind in SUMMARY_ROWS:
         table.add_row(label, _summary_value(summary, key, kind))
+    if summary.get("error"):  # why a run that did not complete ended
+        table.add_row("error", str(summary["error"]))
     tables = [table]
     stats = summary.get("planner") or {}
     if stats:

@@ -7,6 +7,7 @@ meter for its own device (LOCAL_RANK), the budget being per device.
 """
 
 import contextlib
+import math
 import os
 import time
 import warnings
@@ -23,9 +24,9 @@ from mimose_cli.planners import Planner, build_planner
 from mimose_cli.preflight import BudgetRange, budget_error, measure_range
 from mimose_cli.recipe import Recipe
 from mimose_cli.records import StepRecord, completed_step, oom_step
-from mimose_cli.rundir import RunWriter, environment, new_run_dir
+from mimose_cli.rundir import RunWriter, check_out_dir, environment, new_run_dir
 from mimose_cli.units import format_bytes
-from mimose_cli.live import ProgressView
+from mimose_cli.live import ProgressView, check_view
 
 
 @dataclass
@@ -38,7 +39,7 @@ class RunResult:
 def resolve_device(name: str) -> torch.device:
     """auto -> the rank's GPU when one is present, else the CPU."""
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but no CUDA GPU is visible; use --device cpu or auto")
+        raise ValueError("device='cuda' but no CUDA GPU is visible; set device to cpu or auto")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
@@ -173,6 +174,25 @@ def model_state_error(trainer: Trainer, state_bytes: int) -> str | None:
             "--budget well above that (activations come on top) or use a smaller model")
 
 
+def check_model_state(trainer: Trainer) -> tuple[int, str | None]:
+    """Put the weights and optimizer on the meter; returns (optimizer state bytes, why the budget
+    cannot hold the model's state or None). Weights alone over the budget are such a reason."""
+    try:
+        trainer.meter.track(trainer.model, trainer.optimizer)
+    except torch.OutOfMemoryError:
+        return 0, (f"budget {format_bytes(trainer.recipe.budget_bytes)} cannot hold the model's weights "
+                   f"({format_bytes(param_bytes(trainer.model))}); raise the budget well above that "
+                   "or use a smaller model")
+    state_bytes = optimizer_state_bytes(trainer.optimizer)
+    return state_bytes, model_state_error(trainer, state_bytes)
+
+
+def divergence_error(record: StepRecord, recipe: Recipe) -> str:
+    """Why a run whose loss stopped being finite ended, and what to change."""
+    return (f"loss became {record.loss} at step {record.step}: training diverged; lower training.lr "
+            f"(now {recipe.training.lr:g})")
+
+
 def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
     """Optimizer steps in the run (each of ``gradient_accumulation_steps`` micro-batches)."""
     if recipe.training.max_steps is not None:
@@ -229,7 +249,8 @@ def _data_batches(recipe: Recipe, dataset, config, total_steps: int, first_loade
 
 
 def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView) -> tuple:
-    """Train until the data ends, a step runs out of memory for good, or the user interrupts.
+    """Train until the data ends, a step runs out of memory for good, the loss diverges, or the
+    user interrupts.
     ``batches`` yields micro-batches; every ``gradient_accumulation_steps`` of them make a step."""
     records, status = [], "completed"
     counter = SavedBytesCounter(exclude=trainer.model.parameters())
@@ -250,6 +271,10 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView) -> t
             if status == "oom":
                 view.message(f"[red]step {record.step} ran out of memory[/red]: {record.error}")
                 break
+            if not math.isfinite(record.loss):
+                status = "diverged"
+                view.message(f"[red]{divergence_error(record, trainer.recipe)}[/red]")
+                break
             if micro_step == accumulation - 1:
                 trainer.step += 1
     except KeyboardInterrupt:
@@ -260,15 +285,18 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView) -> t
 
 def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=None,
                  recipe_name: str = "run") -> RunResult:
-    """Train ``recipe`` and write ``runs/<id>/``; out of memory ends the run with status 'oom'."""
+    """Train ``recipe`` and write ``runs/<id>/``; out of memory ends the run with status 'oom', a
+    loss that is not finite with 'diverged' (summary.json's ``error`` says why)."""
     from mimose_cli.summary import summarize, summary_tables
 
+    check_view(view)
+    out_root = check_out_dir(out_dir or recipe.out_dir)  # before anything slow is built
     config = model_config(recipe)
     dataset = build_dataset(recipe, config)
     first_loader = build_dataloader(recipe, dataset, config, epoch=0)
     total = total_steps_of(recipe, len(first_loader))
     trainer = build_trainer(recipe, config, total)
-    run_dir = new_run_dir(out_dir or recipe.out_dir, recipe_name, recipe.planner.name)
+    run_dir = new_run_dir(out_root, recipe_name, recipe.planner.name)
     writer = RunWriter(run_dir, recipe, environment(trainer.device))
     progress = ProgressView(f"mimose train {recipe_name} [{recipe.planner.name}]", recipe.budget_bytes,
                             total, recipe.training.log_every, view, console)
@@ -276,9 +304,7 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
     needs = None
     try:
         with trainer.meter.activate():
-            trainer.meter.track(trainer.model, trainer.optimizer)
-            state_bytes = optimizer_state_bytes(trainer.optimizer)
-            error = model_state_error(trainer, state_bytes)
+            state_bytes, error = check_model_state(trainer)
             if error is None:
                 needs = _preflight(trainer, config, state_bytes)
                 error = budget_error(recipe.budget_bytes, needs)
@@ -301,6 +327,10 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
         summary["preflight"] = asdict(needs)
     if error is not None:
         summary.update(error=error, oom_steps=1)
+    elif status == "oom":
+        summary["error"] = records[-1].error
+    elif status == "diverged":
+        summary.update(error=divergence_error(records[-1], recipe), diverged_step=records[-1].step)
     writer.write_json("summary.json", summary)
     _save_planner_state(trainer.planner, writer)
     trainer.planner.close()
@@ -330,7 +360,7 @@ def dry_run(recipe: Recipe, console=None) -> BudgetRange:
     config = model_config(recipe)
     trainer = build_trainer(recipe, config, total_steps=1)
     try:
-        with trainer.meter.activate():
+        with trainer.meter.activate(), trainer.meter.unlimited():  # weights past the budget: still measured
             trainer.meter.track(trainer.model, trainer.optimizer)
             state_bytes = optimizer_state_bytes(trainer.optimizer)
             needs = _preflight(trainer, config, state_bytes)

@@ -1,5 +1,6 @@
 """Byte sizes as users write them ("6GB", "512MiB") and as we print them."""
 
+import math
 import re
 
 _UNITS = {
@@ -21,6 +22,8 @@ def parse_size(text, allow_zero: bool = False) -> int:
     if isinstance(text, bool):
         raise ValueError(f"expected a byte size such as '6GB', got {text!r}")
     if isinstance(text, (int, float)):
+        if isinstance(text, float) and not math.isfinite(text):
+            raise ValueError(f"a byte size must be a finite number, got {text!r}")
         if text < 0 or (text == 0 and not allow_zero):
             raise ValueError(f"a byte size must be positive, got {text!r}")
         return int(text)
@@ -30,7 +33,10 @@ def parse_size(text, allow_zero: bool = False) -> int:
         raise ValueError(
             f"cannot read {text!r} as a byte size; write e.g. '6GB', '6GiB', '512MB' or '0.5GiB'"
         )
-    value = int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is too large to be a byte size")
+    value = int(value)
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"a byte size must be positive, got {text!r}")
     return value

@@ -1,3 +1,10 @@
+import os
+
+# Tests never download: a hub name must fail at once. Set before anything imports huggingface_hub
+# or datasets, which read it on import.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
 import pytest
 import torch
 

@@ -157,3 +157,24 @@ def test_compare_runs_real_training_and_writes_each_run(tmp_path):
         summary = json.loads((out / row["run_dir"] / "summary.json").read_text())
         assert (summary["status"], summary["steps"], summary["peak_bytes"]) == (row["status"], row["steps"], row["peak_bytes"])
     assert "budget 8MB" in result.output
+
+
+def test_two_compares_started_in_the_same_second_each_get_their_own_directory(fake_training, tmp_path,
+                                                                             monkeypatch):
+    import io
+
+    from mimose_cli.compare import run_compare
+
+    monkeypatch.setattr("mimose_cli.compare.time.strftime", lambda fmt: "20260101-000000")
+    recipe = load_recipe(str(QUICKSTART), [f"out_dir={tmp_path}"])
+    dirs = [run_compare(recipe, baselines=[], budgets=["2MB"], recipe_name="q",
+                        console=Console(file=io.StringIO())) for _ in range(2)]
+    assert [d.name for d in dirs] == ["compare-20260101-000000-q", "compare-20260101-000000-q-2"]
+    assert all(json.loads((d / "compare.json").read_text())["budgets"] for d in dirs)
+
+
+def test_a_bad_variant_is_refused_before_the_first_run(fake_training, tmp_path):
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines", "sublinear:fast",
+                                      "--out", str(tmp_path / "c")])
+    assert result.exit_code == 2 and fake_training == [] and not (tmp_path / "c").exists()
+    assert "planner.options.variant='fast'" in result.output

@@ -71,8 +71,8 @@ SECTION_MISTAKES = [
     ({"data": {"length_mean": "long"}}, "data.length_mean='long'", "number"),
     ({"data": {"text_fields": "question"}}, "data.text_fields='question'", "list"),
     ({"training": {"lr": 0}}, "training.lr=0", "greater than 0"),
-    ({"training": {"lr": "2e-5"}}, "training.lr='2e-5'", "number"),
-    ({"training": {"max_steps": -1}}, "training.max_steps=-1", "greater than or equal to 0"),
+    ({"training": {"lr": "0.001"}}, "training.lr='0.001'", "number"),
+    ({"training": {"max_steps": 0}}, "training.max_steps=0", "greater than or equal to 1"),
     ({"training": {"warmup_steps": -1}}, "training.warmup_steps=-1", "greater than or equal to 0"),
     ({"training": {"epochs": 0}}, "training.epochs=0", "greater than or equal to 1"),
     ({"training": {"log_every": 0}}, "training.log_every=0", "greater than or equal to 1"),
@@ -158,3 +158,13 @@ def test_resolved_recipe_round_trips(tmp_path):
 def test_missing_file_is_clear():
     with pytest.raises(RecipeError, match="not found"):
         load_recipe("no/such/recipe.yaml")
+
+
+def test_exponent_numbers_are_numbers_and_text_that_looks_like_one_round_trips(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("training:\n  lr: 1e-4\ndata:\n  source: hf\n  name: '1e5'\n")
+    recipe = load_recipe(path, ["training.weight_decay=1e-2"])
+    assert (recipe.training.lr, recipe.training.weight_decay) == (1e-4, 1e-2)  # PyYAML alone reads text
+    assert recipe.data.name == "1e5"
+    save_recipe(recipe, tmp_path / "resolved.yaml")
+    assert load_recipe(tmp_path / "resolved.yaml") == recipe

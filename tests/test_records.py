@@ -92,4 +92,5 @@ def test_metrics_of_a_real_run_parse_into_records_of_both_shapes(quick_recipe):
     assert [r.to_json() for r in records] == lines
     again = summarize(records, status="oom", budget_bytes=result.summary["budget_bytes"])
     assert {k: v for k, v in again.items() if k not in ("wall_s", "planner")} == \
-        {k: v for k, v in result.summary.items() if k not in ("wall_s", "planner")}
+        {k: v for k, v in result.summary.items() if k not in ("wall_s", "planner", "error")}
+    assert result.summary["error"] == records[-1].error

@@ -239,3 +239,20 @@ def test_dtr_evicts_blocks_to_stay_within_the_budget(tmp_path):
     assert summary["planner"]["evictions"] >= sum(len(line["plan"]) for line in evicting)
     assert summary["planner"]["recomputations"] > 0
     assert not (run_dir / "estimator.json").exists()
+
+
+def test_a_loss_that_is_not_finite_ends_the_run_as_diverged(quick_recipe):
+    from rich.console import Console
+
+    from mimose_cli.report import render
+
+    result = _run(quick_recipe("training.lr=1e30", "training.max_steps=4"))
+    summary, records = load_run(result.run_dir)
+    step = records[-1].step
+    assert summary["status"] == "diverged" == result.summary["status"] and summary["diverged_step"] == step
+    assert all(r.loss == r.loss for r in records[:-1]) and records[-1].loss != records[-1].loss  # NaN last
+    assert step < 3 and f"at step {step}" in summary["error"] and "training.lr" in summary["error"]
+    console = Console(record=True, width=200)
+    render(result.run_dir, console)
+    text = console.export_text()
+    assert "diverged" in text and "lower training.lr" in text

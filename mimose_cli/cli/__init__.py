@@ -1,8 +1,24 @@
-"""The ``mimose`` command: one module per command, each thin (parse, load, call one function)."""
+"""The ``mimose`` command: one module per command, each thin (parse, load, call one function).
 
+Every command runs inside ``user_errors``, the one place where what the library raises for a
+user's mistake becomes one line on stderr: ``ValueError`` (a ``RecipeError``, a bad data file,
+a corrupt run directory...) exits 2, ``OSError`` (a full disk, a file that cannot be written)
+exits 1. ``mimose --debug COMMAND`` shows the traceback instead. ``main`` makes click's own usage
+errors one line as well.
+"""
+
+import functools
+import sys
 import warnings
 
 import typer
+
+try:  # the exceptions of the click that parses our arguments: typer's own copy since typer 0.2x
+    from typer import TyperException as ParserError
+except ImportError:
+    from click import ClickException as ParserError
+
+EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 2, 1, 130
 
 app = typer.Typer(
     add_completion=False,
@@ -11,12 +27,42 @@ app = typer.Typer(
 )
 
 
+_options = {"debug": False}
+
+
+@app.callback()
+def options(debug: bool = typer.Option(False, "--debug", help="On an error, show the traceback too.")):
+    """Options for every command (before the command's name)."""
+    _options["debug"] = debug  # set on every invocation, before the command runs
+
+
+def fail(message: str, code: int):
+    """End the command with ``error: message`` as one line on stderr."""
+    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    raise typer.Exit(code)
+
+
+def user_errors(command):
+    """Run ``command`` with the library's errors turned into one line and an exit code."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (ValueError, OSError, KeyboardInterrupt) as err:
+            if _options["debug"]:
+                raise
+            if isinstance(err, KeyboardInterrupt):
+                fail("interrupted", EXIT_INTERRUPTED)
+            fail(str(err) or type(err).__name__, EXIT_USAGE if isinstance(err, ValueError) else EXIT_RUNTIME)
+    return run
+
+
 def _register() -> None:
     from mimose_cli.cli import compare, report, train
 
-    app.command("train")(train.train)
-    app.command("compare")(compare.compare)
-    app.command("report")(report.report)
+    app.command("train")(user_errors(train.train))
+    app.command("compare")(user_errors(compare.compare))
+    app.command("report")(user_errors(report.report))
 
 
 _register()
@@ -28,5 +74,20 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main() -> None:
+    """The ``mimose`` entry point; click's own usage errors (an unknown option, a missing or
+    malformed argument) are one line too, instead of a usage panel."""
     warnings.showwarning = _show_warning
-    app()
+    try:
+        code = app(standalone_mode=False)  # the command's exit code; None when it returned
+    except ParserError as err:
+        context = getattr(err, "ctx", None)
+        if type(err).__name__ == "NoArgsIsHelpError":  # a bare `mimose`: its help
+            err.show()
+        else:
+            hint = f"; see {context.command_path} --help" if context is not None else ""
+            typer.echo(f"error: {' '.join(err.format_message().split()).rstrip('.')}{hint}", err=True)
+        code = err.exit_code
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        code = EXIT_RUNTIME
+    sys.exit(code or 0)

@@ -9,8 +9,4 @@ def report(run_dir: Path = typer.Argument(..., help="A runs/<id> directory, or a
     """Show a run's summary and per-iteration statistics from its directory alone."""
     from mimose_cli.report import render
 
-    try:
-        render(run_dir)
-    except FileNotFoundError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2)
+    render(run_dir)

@@ -22,16 +22,13 @@ def train(
                                  "input (every block checkpointed, and none) and exit without training."),
 ):
     """Train a recipe under a memory budget; writes runs/<id>/."""
-    from mimose_cli.recipe import RecipeError, load_recipe
+    from mimose_cli.cli import EXIT_INTERRUPTED, EXIT_RUNTIME, fail
+    from mimose_cli.recipe import load_recipe
 
     flags = {"budget": budget, "planner.name": planner, "device": device,
              "training.max_steps": max_steps, "out_dir": str(out) if out else None}
-    try:
-        resolved = load_recipe(recipe, overrides or [], flags)
-    except RecipeError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2)
-    from mimose_cli.train import dry_run as measure_only, run_training
+    resolved = load_recipe(recipe, overrides or [], flags)
+    from mimose_cli.train import dry_run as measure_only, run_training  # after the recipe: its mistakes need no transformers
 
     if dry_run:
         from mimose_cli.preflight import budget_error
@@ -39,4 +36,8 @@ def train(
         needs = measure_only(resolved)
         raise typer.Exit(1 if budget_error(resolved.budget_bytes, needs) else 0)
     result = run_training(resolved, view=view, recipe_name=recipe.stem)
-    raise typer.Exit({"completed": 0, "oom": 1, "interrupted": 130}[result.summary["status"]])
+    status = result.summary["status"]
+    if status == "interrupted":
+        raise typer.Exit(EXIT_INTERRUPTED)
+    if status != "completed":  # oom, diverged: the run directory holds every step until then
+        fail(f"{result.summary.get('error') or status} (run directory {result.run_dir})", EXIT_RUNTIME)

@@ -29,7 +29,8 @@ def build_dataset(recipe, config) -> list:
     limit = max_model_length(config)
     if limit is not None and recipe.data.max_length > limit:
         raise ValueError(
-            f"data.max_length={recipe.data.max_length} exceeds the {config.model_type} model's {limit} positions"
+            f"data.max_length={recipe.data.max_length} exceeds the {config.model_type} model's {limit} "
+            f"positions; lower it to {limit} or raise the model's positions in model.config_overrides"
         )
     if recipe.data.source == "hf":
         from mimose_cli.data.hf import build_hf  # datasets is slow to import

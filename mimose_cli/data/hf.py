@@ -13,18 +13,46 @@ LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 
 
 def load_raw(data):
-    """The ``data.split`` split of ``data.name``: a local file, a local directory or a hub data set."""
-    import datasets
-
+    """The ``data.split`` split of ``data.name``: a local file, a local directory or a hub data
+    set. A file that cannot be read as its type, or holds no rows, or a hub name that cannot be
+    reached, raises ValueError naming ``data.name``."""
     path = Path(data.name)
+    looks_local = path.suffix.lower() in LOCAL_BUILDERS or data.name.startswith((".", "/", "~"))
     if path.is_file():
         builder = LOCAL_BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise ValueError(f"data.name={data.name!r}: expected a {', '.join(LOCAL_BUILDERS)} file")
-        return datasets.load_dataset(builder, data_files={data.split: str(path)}, split=data.split)
-    if path.suffix.lower() in LOCAL_BUILDERS or data.name.startswith((".", "/", "~")):
+        if path.stat().st_size == 0:
+            raise ValueError(f"data.name={data.name!r}: the file is empty")
+        args, kwargs = (builder,), {"data_files": {data.split: str(path)}}
+    elif path.is_dir():
+        args, kwargs = (str(path),), {}
+    elif looks_local:
         raise ValueError(f"data.name={data.name!r}: no such file or directory")
-    return datasets.load_dataset(data.name, data.config_name, split=data.split)
+    else:
+        args, kwargs = (data.name, data.config_name), {}
+    raw = _load(data, looks_local or path.exists(), *args, split=data.split, **kwargs)
+    if len(raw) == 0:
+        raise ValueError(f"data.name={data.name!r}: split {data.split!r} has no rows")
+    return raw
+
+
+def _load(data, local: bool, *args, **kwargs):
+    """``datasets.load_dataset``, its failures on the user's input as ValueError naming it (the
+    reason given is the cause's first line: "An error occurred while generating the dataset"
+    says less than the pyarrow error under it)."""
+    import datasets  # slow to import: only for hf recipes
+    from datasets.exceptions import DatasetsError
+
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except (DatasetsError, OSError, ValueError, StopIteration) as err:
+        cause = str(err.__cause__ or err).strip().splitlines()
+        reason = cause[0] if cause else type(err).__name__
+        if local:
+            raise ValueError(f"data.name={data.name!r} cannot be read ({reason}); check the file") from None
+        raise ValueError(f"data.name={data.name!r} cannot be loaded from the Hugging Face Hub ({reason}); "
+                         "check the name, or give a local file's path") from None
 
 
 def load_tokenizer(recipe, config):
@@ -34,7 +62,12 @@ def load_tokenizer(recipe, config):
     name = recipe.data.tokenizer or recipe.model.pretrained
     if name is None:
         raise ValueError("data.tokenizer is needed when data.source is hf and model.pretrained is unset")
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:  # no such directory, no tokenizer files in it, hub unreachable
+        key = "data.tokenizer" if recipe.data.tokenizer else "model.pretrained"
+        raise ValueError(f"{key}={name!r} cannot be loaded as a tokenizer ({str(err).splitlines()[0]}); "
+                         "expected a local tokenizer directory or a hub id") from None
     if len(tokenizer) > config.vocab_size:
         raise ValueError(
             f"data.tokenizer={name!r} has {len(tokenizer)} tokens but the model's vocab_size is "
@@ -43,21 +76,28 @@ def load_tokenizer(recipe, config):
     return tokenizer
 
 
-def _columns(raw, names: list, where: str) -> dict:
+def _columns(raw, names: list, where: str, texts: int = 0) -> dict:
+    """The named columns as lists; the first ``texts`` of them must hold strings."""
     missing = [n for n in names if n not in raw.column_names]
     if missing:
         raise ValueError(f"{where}: column {missing[0]!r} not in the data set (columns: {', '.join(raw.column_names)})")
-    return {n: list(raw[n]) for n in names}
+    columns = {n: list(raw[n]) for n in names}
+    for name in names[:texts]:
+        bad = [v for v in columns[name] if not isinstance(v, str)]
+        if bad:
+            raise ValueError(f"{where}: column {name!r} holds {bad[0]!r}; expected text in every row")
+    return columns
 
 
 def _label_ids(values: list, limit: int, key: str) -> list:
     """Integer labels as they are; string labels numbered in sorted order."""
-    if values and isinstance(values[0], str):
+    if values and all(isinstance(v, str) for v in values):
         names = sorted(set(values))
         values = [names.index(v) for v in values]
-    bad = [v for v in values if not 0 <= v < limit]
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < limit]
     if bad:
-        raise ValueError(f"label {bad[0]!r} is out of range: expected 0..{limit - 1} ({key}={limit})")
+        raise ValueError(f"label {bad[0]!r} is out of range: expected 0..{limit - 1} ({key}={limit}), "
+                         "or text in every row")
     return values
 
 
@@ -78,7 +118,7 @@ def _classification(raw, tokenizer, data) -> list:
     if len(fields) not in (1, 2):
         raise ValueError(f"data.text_fields={fields!r}: expected one or two column names")
     label_field = data.label_field or "label"
-    cols = _columns(raw, [*fields, label_field], "data.text_fields / data.label_field")
+    cols = _columns(raw, [*fields, label_field], "data.text_fields / data.label_field", texts=len(fields))
     second = cols[fields[1]] if len(fields) == 2 else None
     enc = _encode(tokenizer, cols[fields[0]], second, data.max_length)
     labels = _label_ids(cols[label_field], data.num_labels, "data.num_labels")
@@ -87,7 +127,7 @@ def _classification(raw, tokenizer, data) -> list:
 
 def _causal_lm(raw, tokenizer, data) -> list:
     fields = data.text_fields or ["text"]
-    texts = _columns(raw, fields[:1], "data.text_fields")[fields[0]]
+    texts = _columns(raw, fields[:1], "data.text_fields", texts=1)[fields[0]]
     enc = _encode(tokenizer, texts, None, data.max_length)
     return [_rows(enc, i) for i in range(len(texts)) if enc["input_ids"][i]]
 
@@ -95,7 +135,8 @@ def _causal_lm(raw, tokenizer, data) -> list:
 def _multiple_choice(raw, tokenizer, data) -> list:
     choices = data.num_choices
     endings = [f"ending{c}" for c in range(choices)]
-    cols = _columns(raw, ["sent1", "sent2", *endings, "label"], "multiple_choice (SWAG layout)")
+    cols = _columns(raw, ["sent1", "sent2", *endings, "label"], "multiple_choice (SWAG layout)",
+                    texts=2 + choices)
     first = [s for s in cols["sent1"] for _ in range(choices)]
     second = [f"{s} {cols[e][i]}" for i, s in enumerate(cols["sent2"]) for e in endings]
     enc = _encode(tokenizer, first, second, data.max_length)
@@ -122,10 +163,24 @@ def _answer_tokens(encoding, index: int, answer_start: int, answer_end: int, cls
     return start, end
 
 
+def _is_answer(answers) -> bool:
+    """SQuAD's answers: {text: [...], answer_start: [...]}, both empty when unanswerable (v2)."""
+    if not isinstance(answers, dict):
+        return False
+    texts, starts = answers.get("text"), answers.get("answer_start")
+    return (isinstance(texts, list) and isinstance(starts, list) and len(texts) == len(starts)
+            and all(isinstance(t, str) for t in texts)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in starts))
+
+
 def _question_answering(raw, tokenizer, data) -> list:
     if not tokenizer.is_fast:
         raise ValueError("data.tokenizer: question_answering needs a fast tokenizer for character offsets")
-    cols = _columns(raw, ["question", "context", "answers"], "question_answering (SQuAD layout)")
+    cols = _columns(raw, ["question", "context", "answers"], "question_answering (SQuAD layout)", texts=2)
+    bad = [a for a in cols["answers"] if not _is_answer(a)]
+    if bad:
+        raise ValueError(f"question_answering (SQuAD layout): answers={bad[0]!r}; expected "
+                         "{text: [string], answer_start: [integer]} in every row")
     enc = _encode(tokenizer, cols["question"], cols["context"], data.max_length,
                   truncation="only_second", return_offsets_mapping=True)
     examples = []

@@ -86,11 +86,7 @@ def length_params(data) -> tuple[float, float, int]:
     mean = preset.mean if data.length_mean is None else data.length_mean
     std = preset.std if data.length_std is None else data.length_std
     min_length = preset.min_length if data.min_length is None else data.min_length
-    if mean <= 0 or std < 0:
-        raise ValueError(f"data.length_mean={mean} / data.length_std={std}: expected mean > 0, std >= 0")
-    if not MIN_SYNTHETIC_LENGTH <= min_length <= data.max_length:
-        raise ValueError(f"data.min_length={min_length}: expected {MIN_SYNTHETIC_LENGTH}..data.max_length")
-    return mean, std, min_length
+    return mean, std, min_length  # DataConfig checked them against max_length
 
 
 def sample_lengths(rng, n: int, mean: float, std: float, min_length: int, max_length: int) -> np.ndarray:

@@ -357,8 +357,10 @@ class Planner:
         self.steps = state.get("steps", 0)
 
     def save(self, path) -> None:
-        """Write ``state_dict()`` as JSON (a run keeps it as ``state_file``)."""
-        Path(path).write_text(json.dumps(self.state_dict(), allow_nan=False))
+        """Write ``state_dict()`` as JSON (a run keeps it as ``state_file``), atomically."""
+        from mimose_cli.rundir import write_text  # local: the run directory's module imports the recipe's
+
+        write_text(path, json.dumps(self.state_dict(), allow_nan=False))
 
     def load(self, path) -> "Planner":
         """Read what ``save`` wrote; returns self."""

@@ -17,6 +17,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
@@ -25,7 +26,8 @@ from mimose_cli.planners.base import Decision, Planner
 from mimose_cli.planners.probe import model_device, probe_step, run_model, side_effect_free, to_model_device
 from mimose_cli.planners.scheduler import greedy_plan_checked
 
-VARIANTS = ("greedy", "sqrt", "chen")
+Variant = Literal["greedy", "sqrt", "chen"]
+VARIANTS = get_args(Variant)
 
 
 @dataclass
@@ -155,7 +157,7 @@ class Sublinear(Planner):
 
     name = "sublinear"
 
-    def __init__(self, model, budget=None, *, variant: str = "greedy", **kwargs):
+    def __init__(self, model, budget=None, *, variant: Variant = "greedy", **kwargs):
         super().__init__(model, budget, **kwargs)
         self.measurer = BlockProfiler(model, self.num_blocks)
         if variant not in VARIANTS:

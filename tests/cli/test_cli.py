@@ -1,6 +1,8 @@
 import json
 import subprocess
 import sys
+
+import pytest
 from typer.testing import CliRunner
 
 from mimose_cli.cli import app
@@ -55,3 +57,15 @@ def test_python_dash_m_entry_point():
     # From the repository root, so the package under test runs, not an installed copy.
     out = subprocess.run([sys.executable, "-m", "mimose_cli", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and "train" in out.stdout and "report" in out.stdout
+
+
+@pytest.mark.parametrize("args, named", [
+    (["train", QUICK, "--bogus"], "No such option: --bogus"),
+    (["train"], "Missing argument 'recipe'"),
+    (["compare", QUICK, "--steps", "abc"], "Invalid value for '--steps'"),
+    (["nope"], "No such command 'nope'"),
+])
+def test_usage_errors_of_the_entry_point_are_one_line(args, named):
+    out = subprocess.run([sys.executable, "-m", "mimose_cli", *args], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"error: {named}") and out.stderr.count("\n") == 1

@@ -5,7 +5,7 @@ from mimose_cli.data import LENGTH_PRESETS, build_dataset
 from mimose_cli.data.loader import example_length
 from mimose_cli.data.synthetic import TokenSpace
 from mimose_cli.models import model_config
-from mimose_cli.recipe import DataConfig, ModelConfig, Recipe
+from mimose_cli.recipe import DataConfig, ModelConfig, Recipe, RecipeError, recipe_from_dict
 
 TASKS = ("multiple_choice", "question_answering", "sequence_classification", "causal_lm")
 
@@ -45,9 +45,14 @@ def test_squad_tail_reaches_max_length():
     assert n.max() == 384
 
 
-def test_invalid_min_length_is_named():
-    with pytest.raises(ValueError, match="data.min_length"):
-        dataset(recipe(min_length=2))
+@pytest.mark.parametrize("data, named", [
+    ({"min_length": 2}, "data.min_length=2"),
+    ({"min_length": 40, "max_length": 30}, "data.min_length=40"),
+    ({"max_length": 10}, "data.max_length=10"),  # under the swag preset's shortest, 20
+])
+def test_invalid_lengths_are_named(data, named):
+    with pytest.raises(RecipeError, match=f"{named} is invalid"):
+        recipe_from_dict({"data": data})
 
 
 @pytest.mark.parametrize("task", TASKS)
