@@ -1,7 +1,5 @@
 """Pre-flight: the budgets a recipe needs, measured before the first step."""
 
-import json
-
 import torch
 from typer.testing import CliRunner
 
