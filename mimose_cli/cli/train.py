@@ -1,4 +1,5 @@
-"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [key=value ...]"""
+"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [key=value ...]
+mimose train --resume RUN_DIR [--max-steps N]"""
 
 from pathlib import Path
 from typing import List, Optional
@@ -9,7 +10,8 @@ from mimose_cli.units import SIZE_HELP
 
 
 def train(
-    recipe: Path = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml."),
+    recipe: Optional[Path] = typer.Argument(
+        None, help="Recipe YAML, e.g. recipes/quickstart.yaml (none with --resume)."),
     overrides: Optional[List[str]] = typer.Argument(
         None, help="Recipe overrides key=value, e.g. training.max_steps=20 model.size=tiny."),
     budget: Optional[str] = typer.Option(None, help=f"Device memory budget. {SIZE_HELP}"),
@@ -18,18 +20,34 @@ def train(
     max_steps: Optional[int] = typer.Option(None, help="Stop after N steps."),
     out: Optional[Path] = typer.Option(None, help="Directory for run directories (default runs/)."),
     view: str = typer.Option("auto", help="auto (live table on a terminal), plain or none."),
+    resume: Optional[Path] = typer.Option(
+        None, help="Continue the run directory runs/<id> from its last checkpoint, with its own "
+                   "recipe (only training.max_steps may change)."),
 ):
     """Train a recipe under a memory budget; writes runs/<id>/."""
     from mimose_cli.recipe import RecipeError, load_recipe
+    from mimose_cli.resume import resume_recipe
 
     flags = {"budget": budget, "planner.name": planner, "device": device,
              "training.max_steps": max_steps, "out_dir": str(out) if out else None}
     try:
-        resolved = load_recipe(recipe, overrides or [], flags)
-    except RecipeError as err:
+        if resume is not None:
+            # With --resume every positional argument is an override.
+            if recipe is not None and "=" not in str(recipe):
+                raise RecipeError(f"--resume {resume} continues that run with its own recipe.yaml; "
+                                  f"leave out {recipe}")
+            extra = [str(recipe)] if recipe is not None else []
+            resolved = resume_recipe(resume, extra + (overrides or []), flags)
+        elif recipe is None:
+            raise RecipeError("missing RECIPE: give a recipe file, e.g. recipes/quickstart.yaml, or --resume RUN_DIR")
+        else:
+            resolved = load_recipe(recipe, overrides or [], flags)
+        from mimose_cli.train import run_training
+
+        result = run_training(resolved, view=view, recipe_name=recipe.stem if recipe else "run", resume=resume)
+    except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2)
-    from mimose_cli.train import run_training
-
-    result = run_training(resolved, view=view, recipe_name=recipe.stem)
-    raise typer.Exit({"completed": 0, "oom": 1, "interrupted": 130}[result.summary["status"]])
+    if result.summary["status"] == "failed":
+        typer.echo(f"error: {result.summary['error']}", err=True)
+    raise typer.Exit(result.exit_code)
