@@ -54,3 +54,29 @@ def test_report_on_missing_directory(tmp_path):
 def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "mimose_cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "train" in out.stdout and "report" in out.stdout
+
+
+def test_resume_continues_a_run_and_rejects_what_would_change_it(tmp_path):
+    first = runner.invoke(app, ["train", QUICK, "--planner", "full", "--budget", "200MB", "--out", str(tmp_path),
+                                "--view", "none", *ROOT_ARGS])
+    assert first.exit_code == 0, first.output
+    (run_dir,) = list(tmp_path.iterdir())
+    changed = runner.invoke(app, ["train", "--resume", str(run_dir), "--budget", "300MB"])
+    assert changed.exit_code == 2 and changed.output.count("\n") == 1
+    assert "error: --resume" in changed.output and "budget is '200MB' in that run" in changed.output
+    with_recipe = runner.invoke(app, ["train", QUICK, "--resume", str(run_dir)])
+    assert with_recipe.exit_code == 2 and "leave out" in with_recipe.output
+    done = runner.invoke(app, ["train", "--resume", str(run_dir)])
+    assert done.exit_code == 2 and "raise training.max_steps" in done.output
+    more = runner.invoke(app, ["train", "--resume", str(run_dir), "training.max_steps=5", "--view", "none"])
+    assert more.exit_code == 0, more.output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["resumed_from_steps"] == [3]
+
+
+def test_resume_without_checkpoint_and_train_without_recipe_say_so(tmp_path):
+    (tmp_path / "recipe.yaml").write_text("budget: 40MB\n")
+    result = runner.invoke(app, ["train", "--resume", str(tmp_path)])
+    assert result.exit_code == 2 and "no checkpoint.pt" in result.output and result.output.count("\n") == 1
+    result = runner.invoke(app, ["train"])
+    assert result.exit_code == 2 and "missing RECIPE" in result.output

@@ -1,0 +1,91 @@
+"""A full disk, injected in-process by a patched writer: the run ends with a clear error and a
+directory ``mimose report`` reads, and ``--resume`` finishes it as if nothing had happened."""
+
+import errno
+
+import pytest
+import torch
+
+import mimose_cli.checkpoint
+from driver import QUICKSTART, TINY, records
+from mimose_cli.recipe import load_recipe
+from mimose_cli.report import load_run
+from mimose_cli.resume import resume_recipe
+from mimose_cli.rundir import RunWriter
+from mimose_cli.train import run_training
+
+
+def _full_disk():
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """As the subprocess runs: one thread is ~10x faster on 2 shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, one_thread):
+    out = tmp_path_factory.mktemp("reference")
+    result = run_training(load_recipe(QUICKSTART, TINY + [f"out_dir={out}"]), view="none")
+    return records(result.run_dir)
+
+
+def _fail_metrics_after(monkeypatch, lines: int) -> None:
+    """metrics.jsonl fills the disk at line ``lines + 1``, half of which gets written (the worst
+    a write(2) to a full disk does)."""
+    written = []
+    original = RunWriter.metric
+
+    def metric(self, record):
+        if len(written) == lines:
+            self._metrics.write('{"step": ' + str(record.step) + ', "lo')
+            self._metrics.flush()
+            raise _full_disk()
+        written.append(record)
+        original(self, record)
+
+    monkeypatch.setattr(RunWriter, "metric", metric)
+
+
+def _fail_checkpoint(monkeypatch, number: int) -> None:
+    """The ``number``-th checkpoint fills the disk after writing part of the file."""
+    calls = []
+    original = torch.save
+
+    def save(obj, file):
+        calls.append(1)
+        if len(calls) == number:
+            file.write(b"PK\x03\x04 partial")
+            raise _full_disk()
+        original(obj, file)
+
+    monkeypatch.setattr(mimose_cli.checkpoint.torch, "save", save)
+
+
+@pytest.mark.parametrize("where", ["metrics", "checkpoint"])
+def test_full_disk_ends_the_run_readably_and_resume_finishes_it(tmp_path, monkeypatch, reference, where):
+    with monkeypatch.context() as patch:
+        if where == "metrics":
+            _fail_metrics_after(patch, 8)
+        else:
+            _fail_checkpoint(patch, 2)  # the one after step 6
+        result = run_training(load_recipe(QUICKSTART, TINY + [f"out_dir={tmp_path}"]), view="none")
+    run_dir = result.run_dir
+    assert result.summary["status"] == "failed" and result.exit_code == 1
+    assert "No space left on device" in result.summary["error"] and str(run_dir) in result.summary["error"]
+    assert not (run_dir / ".checkpoint.pt.tmp").exists() and not (run_dir / "model").exists()
+    assert result.summary["checkpoint_step"] == (6 if where == "metrics" else 3)
+    summary, seen = load_run(run_dir)  # mimose report's reading: the torn line is skipped
+    assert summary["status"] == "failed" and len(seen) == (8 if where == "metrics" else 6)
+    kept = torch.load(run_dir / "checkpoint.pt", weights_only=True)  # the earlier one, whole
+    assert kept["progress"]["step"] == result.summary["checkpoint_step"]
+
+    again = run_training(resume_recipe(run_dir), view="none", resume=run_dir)
+    assert again.summary["status"] == "completed"
+    assert records(run_dir) == reference  # every batch once, the same losses bit for bit
+    assert again.summary["resumed_from_steps"] == [result.summary["checkpoint_step"]]
