@@ -261,12 +261,12 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop
           checkpoint) -> LoopEnd:
     """Train until the data ends, a step runs out of memory for good, a signal asks to stop, or
     the run directory cannot be written. ``batches`` yields micro-batches; every
-    ``gradient_accumulation_steps`` of them make a step, after which ``checkpoint()`` is called
-    every ``training.checkpoint_every`` steps and a stop request is honoured."""
+    ``gradient_accumulation_steps`` of them make a step, after which ``checkpoint()`` (when given)
+    is called every ``training.checkpoint_every`` steps and a stop request is honoured."""
     end = LoopEnd()
     counter = SavedBytesCounter(exclude=trainer.model.parameters())
     accumulation = trainer.recipe.training.gradient_accumulation_steps
-    every = trainer.recipe.training.checkpoint_every
+    every = trainer.recipe.training.checkpoint_every if checkpoint else None
     try:
         for index, (epoch, batch) in enumerate(batches):
             micro_step, end.at_boundary = index % accumulation, False
@@ -318,6 +318,8 @@ class Run:
     """Records of the steps before ``start`` (a resumed run's earlier segments)."""
     checkpoint_step: int | None = None
     """The step of the run directory's checkpoint (None: it has none yet)."""
+    saves: bool = True
+    """Whether checkpoints and the trained model are written (not for ``compare``'s runs)."""
 
     @property
     def resumed_from_steps(self) -> list:
@@ -375,17 +377,19 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         micro_batches = (run.total_steps - run.start.step) * accumulation
         batches = _data_batches(recipe, run.dataset, run.config, micro_batches, run.first_loader, run.start)
 
-        return _loop(trainer, batches, writer, view, stop,
-                     lambda: run.save_checkpoint(time.perf_counter() - clock))
+        checkpoint = (lambda: run.save_checkpoint(time.perf_counter() - clock)) if run.saves else None
+        return _loop(trainer, batches, writer, view, stop, checkpoint)
 
 
 def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=None,
-                 recipe_name: str = "run", resume=None) -> RunResult:
+                 recipe_name: str = "run", resume=None, save: bool = True) -> RunResult:
     """Train ``recipe`` and write ``runs/<id>/``, or continue the run directory ``resume`` from
     its checkpoint. Out of memory ends the run with status 'oom'; SIGTERM or Ctrl-C stops it after
-    the current step with status 'interrupted', a checkpoint and the model saved."""
+    the current step with status 'interrupted', a checkpoint and the model saved. ``save=False``
+    writes neither checkpoints nor the model (runs that are measurements)."""
     with StopRequest() as stop:
         run = _setup(recipe, out_dir, recipe_name, resume)
+        run.saves = save
         writer = RunWriter(run.run_dir, recipe, environment(run.trainer.device))
         name = run.run_dir.name if resume else recipe_name
         live = ProgressView(f"mimose train {name} [{recipe.planner.name}]", recipe.budget_bytes,
@@ -416,7 +420,7 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
     from mimose_cli.summary import summarize
 
     trainer = run.trainer
-    keep = end.status in ("completed", "interrupted") and end.at_boundary
+    keep = run.saves and end.status in ("completed", "interrupted") and end.at_boundary
     stats = trainer.planner.stats
 
     def written(action) -> bool:

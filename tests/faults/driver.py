@@ -1,6 +1,9 @@
-"""Runs ``python -m mimose_cli train`` in a subprocess and injects a fault into it: a signal once a
-given number of steps are in its metrics.jsonl. Shared by tests/faults/ and benchmarks/faults.py."""
+"""Runs ``python -m mimose_cli train`` in a subprocess and injects a fault into it (a signal once a
+given step is in its metrics.jsonl), or fills the disk under an in-process run (a patched writer).
+Shared by tests/faults/ and benchmarks/faults.py."""
 
+import contextlib
+import errno
 import json
 import os
 import signal
@@ -8,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
@@ -50,22 +54,23 @@ def last_step(metrics: Path) -> int:
 def interrupt(signum: int, at_step: int, *args, out: Path | None = None, resume_dir: Path | None = None):
     """Start a run of the tiny recipe into ``out`` (or ``--resume resume_dir``), send ``signum``
     once its metrics.jsonl holds step ``at_step`` (beyond what the file held already), and wait
-    for it to end; returns (exit status, output)."""
+    for it to end; returns (exit status, output, whether the signal was sent before it ended)."""
     args = ("--resume", resume_dir, *args) if resume_dir else (QUICKSTART, *TINY, *args, "--out", out)
     proc = subprocess.Popen(command(*args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline, sent = time.monotonic() + TIMEOUT_S, False
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             run_dir = resume_dir or _new_run_dir(out)
             if run_dir is not None and last_step(run_dir / "metrics.jsonl") >= at_step:
                 proc.send_signal(signum)
+                sent = True
                 break
             time.sleep(0.005)
         output, _ = proc.communicate(timeout=TIMEOUT_S)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return proc.returncode, output
+    return proc.returncode, output, sent
 
 
 def _new_run_dir(out: Path) -> Path | None:
@@ -80,6 +85,46 @@ def records(run_dir: Path) -> list:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def _full_disk() -> OSError:
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+@contextlib.contextmanager
+def full_disk(where: str, after: int):
+    """Fill the disk under an in-process run. ``where="metrics"``: metrics.jsonl takes ``after``
+    lines, then half of the next (the worst a write(2) to a full disk does) and fails;
+    ``where="checkpoint"``: checkpoint write number ``after`` fails after part of the file."""
+    from mimose_cli import checkpoint
+    from mimose_cli.rundir import RunWriter
+
+    calls = []
+    if where == "metrics":
+        original = RunWriter.metric
+
+        def metric(self, record):
+            if len(calls) == after:
+                self._metrics.write('{"step": ' + str(record.step) + ', "lo')
+                self._metrics.flush()
+                raise _full_disk()
+            calls.append(record)
+            original(self, record)
+
+        patch = mock.patch.object(RunWriter, "metric", metric)
+    else:
+        original = checkpoint.torch.save
+
+        def save(obj, file):
+            calls.append(obj)
+            if len(calls) == after:
+                file.write(b"PK\x03\x04 partial")
+                raise _full_disk()
+            original(obj, file)
+
+        patch = mock.patch.object(checkpoint.torch, "save", save)
+    with patch:
+        yield
 
 
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT, "SIGKILL": signal.SIGKILL}

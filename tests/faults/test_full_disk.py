@@ -1,22 +1,14 @@
 """A full disk, injected in-process by a patched writer: the run ends with a clear error and a
 directory ``mimose report`` reads, and ``--resume`` finishes it as if nothing had happened."""
 
-import errno
-
 import pytest
 import torch
 
-import mimose_cli.checkpoint
-from driver import QUICKSTART, TINY, records
+from driver import QUICKSTART, TINY, full_disk, records
 from mimose_cli.recipe import load_recipe
 from mimose_cli.report import load_run
 from mimose_cli.resume import resume_recipe
-from mimose_cli.rundir import RunWriter
 from mimose_cli.train import run_training
-
-
-def _full_disk():
-    return OSError(errno.ENOSPC, "No space left on device")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,45 +27,9 @@ def reference(tmp_path_factory, one_thread):
     return records(result.run_dir)
 
 
-def _fail_metrics_after(monkeypatch, lines: int) -> None:
-    """metrics.jsonl fills the disk at line ``lines + 1``, half of which gets written (the worst
-    a write(2) to a full disk does)."""
-    written = []
-    original = RunWriter.metric
-
-    def metric(self, record):
-        if len(written) == lines:
-            self._metrics.write('{"step": ' + str(record.step) + ', "lo')
-            self._metrics.flush()
-            raise _full_disk()
-        written.append(record)
-        original(self, record)
-
-    monkeypatch.setattr(RunWriter, "metric", metric)
-
-
-def _fail_checkpoint(monkeypatch, number: int) -> None:
-    """The ``number``-th checkpoint fills the disk after writing part of the file."""
-    calls = []
-    original = torch.save
-
-    def save(obj, file):
-        calls.append(1)
-        if len(calls) == number:
-            file.write(b"PK\x03\x04 partial")
-            raise _full_disk()
-        original(obj, file)
-
-    monkeypatch.setattr(mimose_cli.checkpoint.torch, "save", save)
-
-
 @pytest.mark.parametrize("where", ["metrics", "checkpoint"])
-def test_full_disk_ends_the_run_readably_and_resume_finishes_it(tmp_path, monkeypatch, reference, where):
-    with monkeypatch.context() as patch:
-        if where == "metrics":
-            _fail_metrics_after(patch, 8)
-        else:
-            _fail_checkpoint(patch, 2)  # the one after step 6
+def test_full_disk_ends_the_run_readably_and_resume_finishes_it(tmp_path, reference, where):
+    with full_disk(where, 8 if where == "metrics" else 2):  # checkpoint 2: the one after step 6
         result = run_training(load_recipe(QUICKSTART, TINY + [f"out_dir={tmp_path}"]), view="none")
     run_dir = result.run_dir
     assert result.summary["status"] == "failed" and result.exit_code == 1
