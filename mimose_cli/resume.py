@@ -55,17 +55,19 @@ def resume_recipe(run_dir, overrides=(), flags=None):
 def cut_records(run_dir, step: int, micro_batches_per_step: int) -> list:
     """Drop the lines of steps ``step`` and later from the run's record files (atomically, each
     line kept byte for byte) and return the ``StepRecord``s kept; ValueError when those are not
-    exactly one per micro-batch of the steps before ``step``."""
+    exactly one per micro-batch of the steps before ``step``. The summary of the segment that
+    ended goes too: until the resumed run writes its own, ``mimose report`` summarises the
+    records."""
     run_dir = Path(run_dir)
-    for name in RECORD_FILES:
-        path = run_dir / name
-        if path.exists():
-            _keep_lines(path, lambda data: data.get("step", step) < step)
-    records = read_records(run_dir / "metrics.jsonl")
+    records = [r for r in read_records(run_dir / "metrics.jsonl") if r.step < step]
     expected = [(s, m) for s in range(step) for m in range(micro_batches_per_step)]
     if [(r.step, r.micro_step) for r in records] != expected:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} does not hold one record per micro-batch of "
                          f"the {step} steps before the checkpoint; it was changed since")
+    for name in RECORD_FILES:
+        if (run_dir / name).exists():
+            _keep_lines(run_dir / name, lambda data: data.get("step", step) < step)
+    (run_dir / "summary.json").unlink(missing_ok=True)
     return records
 
 

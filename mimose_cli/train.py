@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import get_linear_schedule_with_warmup
 
-from mimose_cli.checkpoint import (MODEL_DIR, Progress, restore_rng, restore_trainer, save_checkpoint,
-                                   save_model, load_checkpoint)
+from mimose_cli.checkpoint import (MODEL_DIR, Progress, load_checkpoint, restore_rng, restore_trainer,
+                                   save_checkpoint, save_model)
 from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
 from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.models import build_model, model_config
@@ -262,14 +262,18 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop
     """Train until the data ends, a step runs out of memory for good, a signal asks to stop, or
     the run directory cannot be written. ``batches`` yields micro-batches; every
     ``gradient_accumulation_steps`` of them make a step, after which ``checkpoint()`` (when given)
-    is called every ``training.checkpoint_every`` steps and a stop request is honoured."""
+    is called every ``training.checkpoint_every`` steps; a stop request is honoured between steps."""
     end = LoopEnd()
     counter = SavedBytesCounter(exclude=trainer.model.parameters())
     accumulation = trainer.recipe.training.gradient_accumulation_steps
     every = trainer.recipe.training.checkpoint_every if checkpoint else None
     try:
         for index, (epoch, batch) in enumerate(batches):
-            micro_step, end.at_boundary = index % accumulation, False
+            micro_step = index % accumulation
+            if micro_step == 0 and stop.requested:  # also a signal before the first step
+                end.status = "interrupted"
+                break
+            end.at_boundary = False
             try:
                 record = train_step(trainer, batch, counter, micro_step)
             except torch.OutOfMemoryError as error:
@@ -288,9 +292,6 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop
                 end.at_boundary = True
                 if every and trainer.step % every == 0:
                     checkpoint()
-                if stop.requested:
-                    end.status = "interrupted"
-                    break
     except KeyboardInterrupt:
         end.status = "interrupted"
     except OSError as error:
@@ -376,7 +377,6 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         accumulation = recipe.training.gradient_accumulation_steps
         micro_batches = (run.total_steps - run.start.step) * accumulation
         batches = _data_batches(recipe, run.dataset, run.config, micro_batches, run.first_loader, run.start)
-
         checkpoint = (lambda: run.save_checkpoint(time.perf_counter() - clock)) if run.saves else None
         return _loop(trainer, batches, writer, view, stop, checkpoint)
 

@@ -59,7 +59,9 @@ def test_cut_records_keeps_earlier_lines_byte_for_byte(completed, tmp_path):
     lines = (completed.run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 6, "lo')
     (tmp_path / "plans.jsonl").write_text((completed.run_dir / "plans.jsonl").read_text())
+    (tmp_path / "summary.json").write_text((completed.run_dir / "summary.json").read_text())
     kept = cut_records(tmp_path, 4, 1)
+    assert not (tmp_path / "summary.json").exists()  # it described 6 steps, 2 of them now gone
     assert [r.step for r in kept] == [0, 1, 2, 3]
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines[:4])
     assert len((tmp_path / "plans.jsonl").read_text().splitlines()) == 4
