@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "faults"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from _results import write_results  # noqa: E402
-from driver import (QUICKSTART, SIGNALS, TINY, full_disk, interrupt, last_step, records,  # noqa: E402
-                    resume, run_dir_in, summary, train)
+from faults.driver import (QUICKSTART, SIGNALS, TINY, full_disk, interrupt, last_step, records,  # noqa: E402
+                           resume, run_dir_in, summary, train)
 from mimose_cli.recipe import load_recipe  # noqa: E402
 from mimose_cli.report import load_run  # noqa: E402
 from mimose_cli.resume import resume_recipe  # noqa: E402

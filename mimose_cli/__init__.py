@@ -2,11 +2,18 @@
 
 __version__ = "0.1.0"
 
+_PLANNERS = ("Mimose", "Sublinear", "DTR", "FullCheckpointing", "NoCheckpointing", "Oracle",
+             "Planner", "Decision", "StepInfo", "build_planner")
+
 
 def __getattr__(name):
     # Lazy, so that `import mimose_cli` (the CLI) does not import torch.
-    if name == "Mimose":
-        from mimose_cli.planners.mimose import Mimose
+    if name in _PLANNERS:
+        from mimose_cli import planners
 
-        return Mimose
+        return getattr(planners, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_PLANNERS])

@@ -57,9 +57,13 @@ def _rng_state(device: torch.device) -> dict:
     return state
 
 
-def restore_rng(checkpoint: dict) -> None:
-    """Put back the RNG state of the checkpoint; call it right before the first step, after
-    anything (a planner's ``prepare``) that draws from the generators."""
+def restore_step_state(trainer, checkpoint: dict) -> None:
+    """Put back what the next step reads besides the weights: the optimizer's state and the RNG.
+    Called right before the first step, after the budget checks and ``planner.prepare``, which
+    then see the optimizer's state as still to come, as in a new run (it is counted once it is
+    here), and may draw from the RNG."""
+    trainer.optimizer.load_state_dict(checkpoint["optimizer"])
+    trainer.meter.track(trainer.optimizer)
     rng = checkpoint["rng"]
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng:
@@ -120,11 +124,10 @@ def load_checkpoint(run_dir: Path) -> dict:
 
 
 def restore_trainer(trainer, checkpoint: dict) -> Progress:
-    """Load the checkpoint's model, optimizer, scheduler, scaler and planner state into a freshly
-    built trainer (before the meter tracks the optimizer); returns where the run stands. The RNG
-    is put back separately (``restore_rng``)."""
+    """Load the checkpoint's weights, scheduler, scaler and planner state into a freshly built
+    trainer; returns where the run stands. The optimizer's state and the RNG come back just before
+    the first step (``restore_step_state``)."""
     trainer.model.load_state_dict(checkpoint["model"])
-    trainer.optimizer.load_state_dict(checkpoint["optimizer"])
     trainer.scheduler.load_state_dict(checkpoint["scheduler"])
     if trainer.scaler is not None and checkpoint["scaler"] is not None:
         trainer.scaler.load_state_dict(checkpoint["scaler"])

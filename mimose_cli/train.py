@@ -10,18 +10,19 @@ import contextlib
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import get_linear_schedule_with_warmup
 
-from mimose_cli.checkpoint import (MODEL_DIR, Progress, load_checkpoint, restore_rng, restore_trainer,
+from mimose_cli.checkpoint import (MODEL_DIR, Progress, load_checkpoint, restore_step_state, restore_trainer,
                                    save_checkpoint, save_model)
 from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
 from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.models import build_model, model_config
 from mimose_cli.planners import Planner, build_planner
+from mimose_cli.preflight import BudgetRange, budget_error, measure_range
 from mimose_cli.recipe import Recipe
 from mimose_cli.records import StepRecord, completed_step, oom_step
 from mimose_cli.resume import cut_records
@@ -319,6 +320,8 @@ class Run:
     """Records of the steps before ``start`` (a resumed run's earlier segments)."""
     checkpoint_step: int | None = None
     """The step of the run directory's checkpoint (None: it has none yet)."""
+    preflight: BudgetRange | None = None
+    """The budgets the recipe needs, measured before the first step (``preflight``)."""
     saves: bool = True
     """Whether checkpoints and the trained model are written (not for ``compare``'s runs)."""
 
@@ -361,19 +364,24 @@ def _setup(recipe: Recipe, out_dir, recipe_name: str, resume) -> Run:
 
 
 def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, clock: float) -> LoopEnd:
-    """Check the model's state fits, let the planner prepare, and run the loop."""
+    """Check the model's state and the largest step fit (pre-flight), let the planner prepare,
+    and run the loop."""
     trainer, recipe = run.trainer, run.recipe
     with trainer.meter.activate():
         trainer.meter.track(trainer.model, trainer.optimizer)
         state_bytes = optimizer_state_bytes(trainer.optimizer)
         error = model_state_error(trainer, state_bytes)
+        if error is None:
+            run.preflight = _preflight(trainer, run.config, state_bytes)
+            error = budget_error(recipe.budget_bytes, run.preflight)
+            view.message(f"pre-flight: {run.preflight.describe()}")
         if error is not None:
             view.message(f"[red]out of memory before the first step[/red]: {error}")
             return LoopEnd(status="oom", at_boundary=False, error=error)
         trainer.planner.prepare(lambda size: make_batch(recipe, run.config, size),
                                 max_input_size(recipe), state_bytes)
         if run.checkpoint is not None:
-            restore_rng(run.checkpoint)  # after prepare, which may draw from it
+            restore_step_state(trainer, run.checkpoint)
         accumulation = recipe.training.gradient_accumulation_steps
         micro_batches = (run.total_steps - run.start.step) * accumulation
         batches = _data_batches(recipe, run.dataset, run.config, micro_batches, run.first_loader, run.start)
@@ -440,6 +448,8 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
                         wall_s=run.start.wall_s + segment_s, planner_stats=stats)
     summary.update(signal=stop.signal_name, checkpoint_step=run.checkpoint_step,
                    resumed_from_steps=run.resumed_from_steps, model_dir=MODEL_DIR if keep else None)
+    if run.preflight is not None:
+        summary["preflight"] = asdict(run.preflight)
     if end.error is not None:
         summary["error"] = end.error
     if end.status == "oom" and end.error is not None:
@@ -447,6 +457,43 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
     if not written(lambda: writer.write_json("summary.json", summary)):
         summary.update(status=end.status, error=end.error)
     return summary
+
+
+def _preflight(trainer: Trainer, config, state_bytes: int) -> BudgetRange:
+    """The budgets the recipe needs at its largest input (``preflight``): besides the step, the
+    optimizer's state and, with accumulation, the gradients set aside during a micro-batch."""
+    recipe = trainer.recipe
+    size = max_input_size(recipe)
+    batch = trainer.to_device(make_batch(recipe, config, size))
+    later = state_bytes + (param_bytes(trainer.model) if recipe.training.gradient_accumulation_steps > 1 else 0)
+    return measure_range(trainer.planner, batch, size, later)
+
+
+def dry_run(recipe: Recipe, console=None) -> BudgetRange:
+    """Build the recipe's model and measure the budgets it needs (``preflight``) without training
+    or writing a run directory; prints them."""
+    from rich.console import Console
+
+    console = console or Console()
+    config = model_config(recipe)
+    trainer = build_trainer(recipe, config, total_steps=1)
+    try:
+        with trainer.meter.activate():
+            trainer.meter.track(trainer.model, trainer.optimizer)
+            state_bytes = optimizer_state_bytes(trainer.optimizer)
+            needs = _preflight(trainer, config, state_bytes)
+    finally:
+        trainer.planner.close()
+    console.print(f"{recipe.model.type} ({recipe.model.size}): {needs.describe()}", highlight=False, soft_wrap=True)
+    error = budget_error(recipe.budget_bytes, needs)
+    if error is not None:
+        console.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
+    elif recipe.budget_bytes is not None:
+        enough = needs.none_bytes is not None and recipe.budget_bytes >= needs.none_bytes
+        console.print(f"budget {recipe.budget} ({format_bytes(recipe.budget_bytes)}): fits; "
+                      + ("no checkpointing needed" if enough else "the planner checkpoints the longer batches"),
+                      highlight=False, soft_wrap=True)
+    return needs
 
 
 def _save_planner_state(planner, writer: RunWriter) -> None:

@@ -1,13 +1,20 @@
-from pathlib import Path
-
 import pytest
+import torch
 
 from mimose_cli.recipe import load_recipe
 
-ROOT = Path(__file__).parent.parent
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
-# The quickstart recipe, cut to a few small steps so the suite stays fast on 2 cores.
-QUICK_OVERRIDES = ["training.max_steps=6", "training.batch_size=4", "data.num_examples=48"]
+from helpers import QUICK_OVERRIDES, QUICKSTART
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Every test on one intra-op thread: the suite's models are tiny, and on cores shared with
+    other jobs the threads of one op wait on each other (a cut quickstart step took 3 s on two
+    threads of two busy cores, 80 ms on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

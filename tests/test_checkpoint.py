@@ -10,7 +10,7 @@ from mimose_cli.recipe import load_recipe
 from mimose_cli.report import render
 from mimose_cli.train import run_training
 
-from conftest import QUICK_OVERRIDES, QUICKSTART
+from helpers import QUICK_OVERRIDES, QUICKSTART
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from mimose_cli.cli import app
 from mimose_cli.compare import normalise, planner_specs, render_compare
 from mimose_cli.recipe import load_recipe
 
-from conftest import QUICKSTART
+from helpers import QUICKSTART
 
 # Fake training: time per planner, and which (planner, budget) runs out of memory.
 TIMES = {"mimose": 11.0, "sublinear": 14.0, "dtr": 15.0, "none": 10.0, "oracle": 10.5}
@@ -152,3 +152,28 @@ def test_bad_budget_is_refused_before_any_run(fake_training, tmp_path):
                                       "--out", str(tmp_path / "c")])
     assert result.exit_code == 2 and fake_training == []
     assert "--budgets: budget='lots' is invalid" in result.output
+
+
+def test_compare_runs_real_training_and_writes_each_run(tmp_path):
+    """The real loop (no fake): mimose, none and oracle, 4 steps each on the quickstart cut small;
+    at 8MB none runs out of memory on the 4th batch (9.8 MB), so oracle is the reference."""
+    out = tmp_path / "cmp"
+    tiny = ["training.batch_size=2", "data.num_examples=32", "data.num_choices=2", "data.max_length=64",
+            "planner.sheltered_steps=3"]
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines", "", "--budgets", "8MB",
+                                      "--steps", "4", "--out", str(out), *tiny])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "compare.json").read_text())
+    assert data["planners"] == ["mimose", "none", "oracle"] and data["steps"] == 4
+    (entry,) = data["budgets"]
+    rows = {r["planner"]: r for r in entry["runs"]}
+    assert rows["none"]["status"] == "oom" and rows["none"]["steps"] == 3 and rows["none"]["oom_steps"] == 1
+    assert entry["reference"] == "oracle" and rows["oracle"]["normalised_time"] == 1.0
+    for name in ("mimose", "oracle"):
+        assert rows[name]["status"] == "completed" and rows[name]["steps"] == 4
+        assert rows[name]["peak_bytes"] <= entry["budget_bytes"] == 8 * 10**6
+        assert rows[name]["normalised_time"] > 0
+    for row in rows.values():  # each row is read from its own run directory
+        summary = json.loads((out / row["run_dir"] / "summary.json").read_text())
+        assert (summary["status"], summary["steps"], summary["peak_bytes"]) == (row["status"], row["steps"], row["peak_bytes"])
+    assert "budget 8MB" in result.output

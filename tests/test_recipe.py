@@ -1,11 +1,11 @@
-from pathlib import Path
-
 import pytest
 import yaml
 
 from mimose_cli.recipe import RecipeError, load_recipe, recipe_from_dict, save_recipe
 
-RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+from helpers import ROOT
+
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])

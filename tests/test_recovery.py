@@ -10,7 +10,10 @@ import mimose_cli.train as train
 from mimose_cli.memory.simulated import SimulatedMeter
 from mimose_cli.planners import build_planner
 from mimose_cli.planners.recovery import PlanOutOfMemoryError
+from mimose_cli.recipe import load_recipe
 from mimose_cli.train import run_training
+
+from helpers import QUICK_OVERRIDES, QUICKSTART
 
 STEPS = ["training.max_steps=8", "planner.sheltered_steps=3", "budget=40MB"]
 
@@ -30,9 +33,6 @@ class ShrinkingDevice(SimulatedMeter):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from mimose_cli.recipe import load_recipe
-    from conftest import QUICK_OVERRIDES, QUICKSTART  # noqa: I001
-
     out = tmp_path_factory.mktemp("runs")
     runs = {name: run_training(load_recipe(QUICKSTART, QUICK_OVERRIDES + STEPS + [
         f"out_dir={out}", f"planner.name={name}"]), view="none") for name in ("mimose", "full")}

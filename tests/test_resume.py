@@ -9,7 +9,7 @@ from mimose_cli.resume import cut_records, resume_recipe
 from mimose_cli.rundir import RunWriter
 from mimose_cli.train import run_training
 
-from conftest import QUICK_OVERRIDES, QUICKSTART
+from helpers import QUICK_OVERRIDES, QUICKSTART
 
 
 def _losses(run_dir):

@@ -2,14 +2,21 @@ import json
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from mimose_cli.cli import app
 from mimose_cli.recipe import load_recipe
 from mimose_cli.report import load_run
 from mimose_cli.train import run_training
 
-from conftest import QUICK_OVERRIDES, QUICKSTART
+from helpers import QUICK_OVERRIDES, QUICKSTART
 
 ROOMY = "1GB"
+# A few seconds' run: 8 steps of 2 questions x 2 choices, up to 64 tokens. At TIGHT the longest
+# batches need checkpointing (none peaks at 9.8 MB on them), the shorter ones not.
+TINY = ["training.max_steps=8", "training.batch_size=2", "data.num_examples=32", "data.num_choices=2",
+        "data.max_length=64"]
+TIGHT = "8MB"
 
 
 def _run(recipe):
@@ -170,9 +177,9 @@ def test_gradient_accumulation_plans_every_micro_batch_and_steps_once_per_window
     warmup, lr = recipe.training.warmup_steps, recipe.training.lr
     assert [r.lr for r in records[::2]] == pytest.approx([lr * step / warmup for step in range(3)])
     # Gradients of the first micro-batch are live at the second's start; predictions hold.
-    for r in records:
-        if r.phase == "responsive":
-            assert r.predicted_peak_bytes >= r.fwd_bwd_peak_bytes
+    responsive = [r for r in records if r.phase == "responsive"]
+    assert any(r.micro_step == 1 for r in responsive)
+    assert all(r.predicted_peak_bytes >= r.fwd_bwd_peak_bytes for r in responsive)
 
 
 def test_bf16_runs_under_the_cpus_autocast(quick_recipe):
@@ -193,3 +200,42 @@ def test_the_optimizer_steps_scratch_is_left_room_for_before_the_first_step(quic
     result = run_training(quick_recipe(f"budget={int(4.5 * params)}"), view="none")
     assert result.summary["status"] == "oom" and result.summary["steps"] == 0
     assert "scratch" in result.summary["error"]
+
+
+def _train_tight(tmp_path, planner, *overrides):
+    """``mimose train`` of the quickstart cut to TINY at TIGHT; checks the run completed within
+    the budget and returns its metrics.jsonl lines, summary.json and directory."""
+    out = tmp_path / "runs"
+    result = CliRunner().invoke(app, ["train", str(QUICKSTART), "--planner", planner, "--budget", TIGHT,
+                                      "--out", str(out), "--view", "none", *TINY, *overrides])
+    assert result.exit_code == 0, result.output
+    (run_dir,) = out.iterdir()
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == len(lines) == 8
+    assert summary["budget_bytes"] == 8 * 10**6 and summary["over_budget_steps"] == 0
+    assert all(line["memory/peak_bytes"] <= summary["budget_bytes"] for line in lines)
+    return lines, summary, run_dir
+
+
+def test_mimose_measures_then_plans_each_input_size_within_the_budget(tmp_path):
+    lines, summary, run_dir = _train_tight(tmp_path, "mimose", "planner.sheltered_steps=3")
+    assert [line["phase"] for line in lines[:3]] == ["sheltered"] * 3
+    assert all(line["plan"] == [0, 1, 2, 3] for line in lines[:3])  # measured, every block checkpointed
+    responsive = [line for line in lines if line["phase"] == "responsive"]
+    # A plan per input size: the longest batches checkpoint blocks, shorter ones none; the
+    # measured peak never exceeds the predicted one.
+    assert any(line["plan"] for line in responsive) and any(not line["plan"] for line in responsive)
+    assert all(line["memory/peak_bytes"] <= line["predicted_peak_bytes"] for line in responsive)
+    assert summary["planner"]["phase"] == "responsive" and summary["planner"]["underpredictions"] == 0
+    state = json.loads((run_dir / "estimator.json").read_text())
+    assert state["sheltered_done"] == 3 and state["estimator"]["fitted"] is not None
+
+
+def test_dtr_evicts_blocks_to_stay_within_the_budget(tmp_path):
+    lines, summary, run_dir = _train_tight(tmp_path, "dtr")
+    evicting = [line for line in lines if line["plan"]]  # dtr's plan: the blocks it evicted
+    assert evicting and all(line["recompute_ms"] > 0 for line in evicting)
+    assert summary["planner"]["evictions"] >= sum(len(line["plan"]) for line in evicting)
+    assert summary["planner"]["recomputations"] > 0
+    assert not (run_dir / "estimator.json").exists()

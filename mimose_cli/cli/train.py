@@ -1,4 +1,4 @@
-"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [key=value ...]
+"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [--dry-run] [key=value ...]
 mimose train --resume RUN_DIR [--max-steps N]"""
 
 from pathlib import Path
@@ -20,6 +20,8 @@ def train(
     max_steps: Optional[int] = typer.Option(None, help="Stop after N steps."),
     out: Optional[Path] = typer.Option(None, help="Directory for run directories (default runs/)."),
     view: str = typer.Option("auto", help="auto (live table on a terminal), plain or none."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Measure the budgets the recipe needs at its largest "
+                                 "input (every block checkpointed, and none) and exit without training."),
     resume: Optional[Path] = typer.Option(
         None, help="Continue the run directory runs/<id> from its last checkpoint, with its own "
                    "recipe (only training.max_steps may change)."),
@@ -42,8 +44,13 @@ def train(
             raise RecipeError("missing RECIPE: give a recipe file, e.g. recipes/quickstart.yaml, or --resume RUN_DIR")
         else:
             resolved = load_recipe(recipe, overrides or [], flags)
-        from mimose_cli.train import run_training
+        from mimose_cli.train import dry_run as measure_only, run_training
 
+        if dry_run:
+            from mimose_cli.preflight import budget_error
+
+            needs = measure_only(resolved)
+            raise typer.Exit(1 if budget_error(resolved.budget_bytes, needs) else 0)
         result = run_training(resolved, view=view, recipe_name=recipe.stem if recipe else "run", resume=resume)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)

@@ -43,6 +43,19 @@ class CudaMeter(Meter):
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
+    @contextlib.contextmanager
+    def unlimited(self):
+        if self.budget_bytes is None:
+            yield self
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        try:
+            yield self
+        finally:
+            torch.cuda.empty_cache()  # what the measurement reserved must not count against the budget
+            torch.cuda.set_per_process_memory_fraction(self.budget_bytes / total, self.device)
+
     def track(self, *objects) -> None:
         """Nothing to do: the allocator already knows every storage on the device."""
 

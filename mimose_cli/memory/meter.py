@@ -32,6 +32,13 @@ class Meter:
         """Context manager that turns the meter (and its budget) on for the whole run."""
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def unlimited(self):
+        """Lift the budget inside (the whole device's memory on CUDA): to measure what a step
+        would need, past the budget, before training. Figures are still counted."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
     def track(self, *objects) -> None:
         """Count storages that exist already: modules, optimizers, tensors, dicts/lists of them."""
         raise NotImplementedError

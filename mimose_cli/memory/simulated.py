@@ -77,8 +77,7 @@ class _Ledger(StorageLedger):
 def _out_of_memory(added: int, live: int, budget_bytes: int) -> torch.OutOfMemoryError:
     error = torch.OutOfMemoryError(
         f"simulated device out of memory: tried to allocate {format_bytes(added)} "
-        f"(live {format_bytes(live - added)}) with a budget of {format_bytes(budget_bytes)}; "
-        "lower the batch size, raise --budget, or use a checkpointing planner")
+        f"(live {format_bytes(live - added)}) with a budget of {format_bytes(budget_bytes)}")
     error.reached_bytes = live  # what the step tried to hold (out-of-memory recovery reports it)
     return error
 
@@ -153,6 +152,14 @@ class SimulatedMeter(Meter):
                 yield self
         finally:
             self._active = False
+
+    @contextlib.contextmanager
+    def unlimited(self):
+        budget, self._ledger.budget_bytes = self._ledger.budget_bytes, None
+        try:
+            yield self
+        finally:
+            self._ledger.budget_bytes = budget
 
     def track(self, *objects) -> None:
         """Count storages that already exist; each storage is counted once however often seen.

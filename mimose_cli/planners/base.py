@@ -124,6 +124,9 @@ class Planner:
     """Whether out-of-memory recovery may change this planner's plan (``none`` and ``full`` are
     fixed by definition: ``none`` running out of memory is its answer, ``full`` has no more to give)."""
     max_retries = 2
+    oom_fix: tuple = ()
+    """What to suggest when a step runs out of memory for good, if not the default (raise the
+    budget, shorter batches): never what the planner does already."""
     builds_meter = False
     """Without a ``meter``, build one and turn it on for the planner's life (Mimose measures
     every step)."""
@@ -305,7 +308,7 @@ class Planner:
         guard.finish()  # the failed attempt is undone; gradients of earlier micro-batches stay
         blocks = "every block" if len(info.plan) == self.num_blocks else f"{len(info.plan)} of {self.num_blocks} blocks"
         device = getattr(self.meter, "budget_bytes", None) or self.budget_bytes  # what the device holds
-        message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached)
+        message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached, *self.oom_fix)
         raise PlanOutOfMemoryError(message, device, info.predicted_peak_bytes, reached, last_try)
 
     def _attempt_step(self, step_fn, batch, size, guard: StepGuard):
@@ -385,6 +388,7 @@ class NoCheckpointing(Planner):
 
     name = "none"
     adapts = False
+    oom_fix = ("let a planner checkpoint (mimose), raise the budget, or lower the batch size or sequence length",)
 
     def decide(self, input_size):
         return Decision(())

@@ -30,14 +30,15 @@ class PlanOutOfMemoryError(torch.OutOfMemoryError):
         self.retries = retries
 
 
-def oom_message(size, retries: int, checkpointed: str, budget_bytes, predicted_bytes, reached_bytes) -> str:
-    """The one line that ends a run: what failed, the three figures, and the fix."""
+def oom_message(size, retries: int, checkpointed: str, budget_bytes, predicted_bytes, reached_bytes,
+                fix: str = "raise the budget or lower the batch size or sequence length") -> str:
+    """The one line that ends a run: what failed, the three figures, and the fix (never what the
+    planner did already)."""
     predicted = "none" if predicted_bytes is None else format_bytes(predicted_bytes)
     budget = "unlimited" if budget_bytes is None else format_bytes(budget_bytes)
     return (f"input size {tuple(size)} ran out of memory after {retries} "
             f"retr{'y' if retries == 1 else 'ies'}, the last with {checkpointed} checkpointed: budget "
-            f"{budget}, predicted {predicted}, reached {format_bytes(reached_bytes)}; raise the budget "
-            "or lower the batch size or sequence length")
+            f"{budget}, predicted {predicted}, reached {format_bytes(reached_bytes)}; {fix}")
 
 
 def reached_bytes(error: BaseException, meter) -> int:

@@ -125,7 +125,10 @@ def chen_budget_candidates(act_bytes, steps: int = 8) -> list:
 
 def chen_plan(profile: BlockProfile, limit_bytes) -> tuple:
     """Budgeted segmentation with budget search: among the grid's plans, the least recompute
-    time that fits ``limit_bytes``; without a fit (or a limit), the least memory ``x + y``."""
+    time that fits ``limit_bytes``; without a fit, the least memory ``x + y``. No plan when
+    nothing needs checkpointing (no limit, or the step fits as it is): the grid never holds it."""
+    if limit_bytes is None or profile.peak_bytes(()) <= limit_bytes:
+        return ()
     candidates = []
     for budget in chen_budget_candidates(profile.act_bytes):
         kept, x, y = chen_segments(profile.act_bytes, budget)

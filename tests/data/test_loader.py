@@ -144,16 +144,7 @@ def test_max_length_beyond_the_model_positions_is_named():
         setup(r)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run fastest on one thread, and the test's time no longer depends on the load."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_loss_falls_on_synthetic_qqp(one_thread):
+def test_loss_falls_on_synthetic_qqp():
     r = recipe(batch_size=16, num_examples=320, max_length=64)
     r.model.config_overrides = {"num_hidden_layers": 2}
     model = build_model(r)

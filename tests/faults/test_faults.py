@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from driver import interrupt, records, resume, run_dir_in, summary, train
+from faults.driver import interrupt, records, resume, run_dir_in, summary, train
 from mimose_cli.report import load_run
 
 SEED = 20261130  # the steps the faults land on are random, but the same on every run

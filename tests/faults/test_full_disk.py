@@ -4,24 +4,15 @@ directory ``mimose report`` reads, and ``--resume`` finishes it as if nothing ha
 import pytest
 import torch
 
-from driver import QUICKSTART, TINY, full_disk, records
+from faults.driver import QUICKSTART, TINY, full_disk, records
 from mimose_cli.recipe import load_recipe
 from mimose_cli.report import load_run
 from mimose_cli.resume import resume_recipe
 from mimose_cli.train import run_training
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """As the subprocess runs: one thread is ~10x faster on 2 shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, one_thread):
+def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     result = run_training(load_recipe(QUICKSTART, TINY + [f"out_dir={out}"]), view="none")
     return records(result.run_dir)

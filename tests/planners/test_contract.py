@@ -81,3 +81,15 @@ def test_no_planner_overrides_the_step(name):
     cls = PLANNERS[name]
     assert cls.step is Planner.step and cls.run is Planner.run
     assert cls.decide is not Planner.decide
+
+
+def test_every_planner_is_importable_from_the_package_without_importing_torch_first():
+    import subprocess
+    import sys
+
+    code = ("import sys, mimose_cli; assert 'torch' not in sys.modules; "
+            "from mimose_cli import Mimose, Sublinear, DTR, FullCheckpointing, NoCheckpointing, Oracle, Decision; "
+            "from mimose_cli.planners import PLANNERS; "
+            "assert {c.name for c in (Mimose, Sublinear, DTR, FullCheckpointing, NoCheckpointing, Oracle)} == set(PLANNERS)")
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

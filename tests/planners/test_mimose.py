@@ -2,7 +2,6 @@ import copy
 
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification
 
 import mimose_cli
 from mimose_cli.memory import build_meter
@@ -11,53 +10,7 @@ from mimose_cli.planners.base import NoCheckpointing
 from mimose_cli.planners.collector import drop_reason
 from mimose_cli.planners.mimose import Mimose
 
-SIZES = [(4, 24), (2, 40), (3, 16), (4, 56), (2, 32), (3, 48)]
-
-
-def tiny_bert(layers=3, seed=0):
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, attn_implementation="eager")
-    return BertForSequenceClassification(config).train()  # dropout 0.1 stays on
-
-
-def batch(batch_size, length, seed=1):
-    gen = torch.Generator().manual_seed(seed * 1000 + length)
-    return {"input_ids": torch.randint(0, 64, (batch_size, length), generator=gen),
-            "labels": torch.randint(0, 2, (batch_size,), generator=gen)}
-
-
-def run_step(planner, meter, data, seed=7):
-    """One planned forward+backward; returns (loss, measured peak bytes, StepInfo)."""
-    for p in planner.model.parameters():
-        p.grad = None
-    meter.track(data)
-    torch.manual_seed(seed)
-    with meter.step() as mem:
-        with planner.step(data) as info:
-            loss = planner.model(**data).loss
-            loss.backward()
-    return loss.detach(), mem.peak_bytes, info
-
-
-def sheltered_mimose(budget="1GB", sizes=SIZES, **options):
-    model = tiny_bert()
-    meter = build_meter("simulated", None if budget is None else mimose_cli.units.parse_size(budget))
-    context = meter.activate()
-    context.__enter__()
-    meter.track(model)
-    planner = Mimose(model, budget, meter=meter, sheltered_steps=len(sizes), **options)
-    for size in sizes:
-        run_step(planner, meter, batch(*size))
-    return planner, meter, context
-
-
-@pytest.fixture
-def fitted():
-    planner, meter, context = sheltered_mimose()
-    yield planner, meter
-    planner.close()
-    context.__exit__(None, None, None)
+from helpers import bert_batch, fitted_mimose, run_step, tiny_bert
 
 
 def test_registered_and_exported():
@@ -65,7 +18,7 @@ def test_registered_and_exported():
 
 
 def test_sheltered_phase_fits_a_budget_none_cannot_and_matches_none_bit_for_bit():
-    data = batch(4, 96)
+    data = bert_batch(4, 96)
     reference = tiny_bert()
     sheltered = copy.deepcopy(reference)
     free = build_meter("simulated", None)
@@ -94,13 +47,13 @@ def test_sheltered_phase_fits_a_budget_none_cannot_and_matches_none_bit_for_bit(
     assert all(torch.equal(p.grad, g) for p, g in zip(sheltered.parameters(), none_grads))
 
 
-def test_sheltered_samples_are_measured_for_every_block(fitted):
-    planner, _ = fitted
-    blocks, step = planner.estimator.samples[0]
+def test_sheltered_samples_are_measured_for_every_block(sheltered):
+    blocks, step = sheltered.samples[0]
     assert all(blocks[q][i] is not None for q in ("saved_bytes", "plain_bytes", "bwd_peak_bytes") for i in range(3))
     assert step["head_peak_bytes"] is not None and step["tail_peak_bytes"] is not None
     assert blocks["plain_bytes"][0][0] > blocks["ckpt_bytes"][0][0] > 0
-    assert planner.stats["sheltered_iterations"] == len(SIZES) and planner.estimator.fitted
+    assert len(sheltered.samples) == sheltered.stats["sheltered_iterations"] == len(sheltered.sizes)
+    assert sheltered.stats["phase"] == "responsive" and sheltered.state["estimator"]["fitted"] is not None
 
 
 @pytest.mark.parametrize("name, checkpointed, parents, children, calls, inside, reason", [
@@ -123,9 +76,9 @@ def test_data_filter_drops_blocks_whose_child_or_parent_is_checkpointed():
     with meter.activate():
         meter.track(model)
         planner = Mimose(model, "1GB", meter=meter, sheltered_steps=5)
-        run_step(planner, meter, batch(2, 16))
+        run_step(planner, meter, bert_batch(2, 16))
         model.bert.encoder.gradient_checkpointing = True  # the parent of every block
-        run_step(planner, meter, batch(2, 24))
+        run_step(planner, meter, bert_batch(2, 24))
         planner.close()
     first = planner.estimator.samples[0][0]
     for q in ("saved_bytes", "plain_bytes", "fwd_peak_bytes", "bwd_peak_bytes"):
@@ -140,7 +93,7 @@ def test_data_filter_drops_blocks_run_inside_a_user_checkpoint():
     with meter.activate():
         meter.track(model)
         planner = Mimose(model, "1GB", meter=meter, sheltered_steps=5)
-        data = batch(2, 16)
+        data = bert_batch(2, 16)
         with planner.step(data):
             loss = torch.utils.checkpoint.checkpoint(lambda ids: model(input_ids=ids, labels=data["labels"]).loss,
                                                      data["input_ids"], use_reentrant=False)
@@ -151,27 +104,18 @@ def test_data_filter_drops_blocks_run_inside_a_user_checkpoint():
 
 def test_responsive_plan_is_empty_when_everything_fits(fitted):
     planner, meter = fitted
-    _, peak, info = run_step(planner, meter, batch(4, 64))
+    _, peak, info = run_step(planner, meter, bert_batch(4, 64))
     assert info.phase == "responsive" and info.plan == () and info.cache_hit is False
     assert peak <= info.predicted_peak_bytes
 
 
-def test_responsive_plan_checkpoints_blocks_when_the_budget_binds():
-    planner, meter, context = sheltered_mimose()
-    data = batch(4, 120)
-    _, none_peak, free = run_step(planner, meter, data)
-    state = planner.state_dict()
-    planner.close()
-    context.__exit__(None, None, None)
+def test_responsive_plan_checkpoints_blocks_when_the_budget_binds(sheltered):
+    data = bert_batch(4, 120)
+    with fitted_mimose(sheltered.state) as (planner, meter):
+        _, none_peak, free = run_step(planner, meter, data)
     budget = int(0.8 * none_peak)
-    tight = build_meter("simulated", budget)
-    with tight.activate():
-        tight.track(planner.model)
-        bound = Mimose(planner.model, budget, meter=tight)
-        bound.load_state_dict(state)
-        bound.cache.clear()
+    with fitted_mimose(sheltered.state, budget) as (bound, tight):
         _, peak, info = run_step(bound, tight, data)
-        bound.close()
     assert free.plan == () and info.plan and info.plan[0] == 0  # earliest blocks first
     assert peak <= budget and peak <= info.predicted_peak_bytes <= budget
 
@@ -181,26 +125,24 @@ def test_default_cache_key_is_the_exact_size(fitted):
     assert planner.granularity == 1 and planner.cache_key((4, 38)) == (4, 38)
 
 
-def test_same_rounded_size_hits_the_plan_cache():
-    planner, meter, context = sheltered_mimose(granularity=8)
-    _, _, first = run_step(planner, meter, batch(4, 33))
-    _, _, second = run_step(planner, meter, batch(4, 38))
-    _, _, third = run_step(planner, meter, batch(4, 41))
+def test_same_rounded_size_hits_the_plan_cache(sheltered):
+    with fitted_mimose(sheltered.state, granularity=8) as (planner, meter):
+        _, _, first = run_step(planner, meter, bert_batch(4, 33))
+        _, _, second = run_step(planner, meter, bert_batch(4, 38))
+        _, _, third = run_step(planner, meter, bert_batch(4, 41))
+        stats = planner.stats
     assert (first.cache_hit, second.cache_hit, third.cache_hit) == (False, True, False)
     assert planner.cache_key((4, 38)) == (4, 40)
-    stats = planner.stats
     assert stats["hits"] == 1 and stats["misses"] == 2 and stats["hit_rate"] == pytest.approx(1 / 3)
-    planner.close()
-    context.__exit__(None, None, None)
 
 
 def test_save_load_round_trip_skips_the_sheltered_phase(fitted, tmp_path):
     planner, meter = fitted
-    _, _, info = run_step(planner, meter, batch(4, 50))
+    _, _, info = run_step(planner, meter, bert_batch(4, 50))
     planner.save(tmp_path / "estimator.json")
     planner.close()
     loaded = Mimose(planner.model, "1GB", meter=meter).load(tmp_path / "estimator.json")
-    _, _, again = run_step(loaded, meter, batch(4, 50))
+    _, _, again = run_step(loaded, meter, bert_batch(4, 50))
     loaded.close()
     assert again.phase == "responsive" and again.cache_hit and again.plan == info.plan
     assert loaded.estimator.predict((3, 70)).step == pytest.approx(planner.estimator.predict((3, 70)).step)
@@ -212,8 +154,8 @@ def test_library_api_builds_its_own_meter_and_enforces_the_budget():
     try:
         phases = []
         for size in [(2, 16), (2, 32), (2, 24), (2, 40)]:
-            with planner.step(batch(*size)) as info:
-                model(**batch(*size)).loss.backward()
+            with planner.step(bert_batch(*size)) as info:
+                model(**bert_batch(*size)).loss.backward()
             phases.append(info.phase)
         # Two lengths do not determine the constant term: the third is measured, not guessed.
         assert phases == ["sheltered", "sheltered", "measuring", "responsive"]

@@ -12,7 +12,8 @@ from mimose_cli.planners import Decision, build_planner
 from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction
 from mimose_cli.planners.oracle import exact_search, knapsack_plan, knapsack_search, min_cost_cover, plan_peak
 from mimose_cli.planners.sublinear import BlockProfile
-from tests.planners.test_mimose import batch, tiny_bert
+
+from helpers import bert_batch, tiny_bert
 
 
 def random_prediction(rng, n):
@@ -111,7 +112,7 @@ def _peaks(model, data, plans):
 
 def test_oracle_plans_the_fewest_blocks_that_fit_and_predicts_the_peak():
     model = tiny_bert(layers=4)
-    data = batch(4, 64)
+    data = bert_batch(4, 64)
     none_peak, full_peak = _peaks(model, data, [(), (0, 1, 2, 3)])
     budget = int(full_peak + 0.4 * (none_peak - full_peak))
     meter = build_meter("simulated", budget)
@@ -138,7 +139,7 @@ def test_oracle_plans_the_fewest_blocks_that_fit_and_predicts_the_peak():
 
 def test_oracle_without_room_checkpoints_everything_and_says_so():
     model = tiny_bert(layers=3)
-    data = batch(4, 64)
+    data = bert_batch(4, 64)
     budget = int(0.6 * _peaks(model, data, [(0, 1, 2)])[0])  # not even full checkpointing fits
     meter = build_meter("simulated", budget)
     oracle = build_planner("oracle", model, budget, meter=meter)

@@ -1,12 +1,13 @@
 """Sublinear: the static plan at the largest input, and Chen et al.'s variants, on blocks of known size."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from mimose_cli.planners import build_planner
-from mimose_cli.planners.sublinear import BlockProfile
-from mimose_cli.planners.sublinear import chen_plan, chen_segments, sqrt_plan
+from mimose_cli.planners.sublinear import BlockProfile, chen_budget_candidates, chen_plan, chen_segments, sqrt_plan
 
 WIDTHS = (16, 32, 64, 32, 16)
 BATCH = 8
@@ -71,9 +72,14 @@ def test_the_static_plan_applies_to_every_batch():
     assert seen == [(0, 1, 2, 4)] * 3
 
 
-def test_no_plan_when_the_largest_input_fits():
-    planner, _ = prepared(5120)
+@pytest.mark.parametrize("variant", ["greedy", "chen"])
+def test_no_plan_when_the_largest_input_fits(variant):
+    planner, _ = prepared(5120, variant=variant)
     assert planner.static_plan == ()
+
+
+def test_chen_checkpoints_nothing_without_a_limit():
+    assert chen_plan(BlockProfile((1, 8), [512, 1024, 2048], [1.0, 1.0, 1.0]), None) == ()
 
 
 def test_sqrt_segmentation():
@@ -91,6 +97,56 @@ def test_chen_algorithm_3_step_by_step():
     assert chen_segments([1, 2, 3], 0) == ((0, 1, 2), 6, 3)
     # budget 10 over 4,4,4,4: 12 > 10 at block 2; the tail (4) is the last segment
     assert chen_segments([4, 4, 4, 4], 10) == ((2,), 4, 12)
+    # a total equal to the budget does not exceed it: 8 goes on to 12 > 8 at block 2
+    assert chen_segments([4, 4, 4, 4], 8) == ((2,), 4, 12)
+
+
+# The stack's blocks (WIDTHS), and the plans Algorithm 3 gives over its budget grid.
+ACT = [512, 1024, 2048, 1024, 512]
+CHEN_PEAKS = {(0, 4): 4608, (0, 3): 4096, (0, 1, 3, 4): 3072, (0, 1, 2, 4): 2048, (0, 1, 2, 3, 4): 2048}
+
+
+def test_chen_segments_the_stack_at_every_budget_of_the_grid():
+    # Budget 0 keeps every block: x = 5120, y = 2048; the grid is √(x·y) ≈ 3238 times 2^(k/4),
+    # k in [-8, 8]: 810 ... 12953.
+    assert chen_segments(ACT, 0) == ((0, 1, 2, 3, 4), 5120, 2048)
+    grid = chen_budget_candidates(ACT)
+    assert len(grid) == 17 and grid[8] == pytest.approx(math.sqrt(5120 * 2048))
+    assert (grid[0], grid[-1]) == (pytest.approx(grid[8] / 4), pytest.approx(grid[8] * 4))
+    # 1000: 512 + 1024 keeps block 1; 2048 and 1024 alone exceed it; the tail is 512.
+    assert chen_segments(ACT, 1000) == ((1, 2, 3), 4096, 2048)
+    # 1200: block 3's 1024 fits, 1024 + 512 does not: block 4 is kept, the tail empty.
+    assert chen_segments(ACT, 1200) == ((1, 2, 4), 3584, 2048)
+    # 2000: 512 + 1024 fit; + 2048 = 3584 keeps block 2; 1024 + 512 is the tail.
+    assert chen_segments(ACT, 2000) == ((2,), 2048, 3584)
+    # 4000: 3584 fits; + 1024 = 4608 keeps block 3; the tail is 512.
+    assert chen_segments(ACT, 4000) == ((3,), 1024, 4608)
+    # 6000: all 5120 fit: one segment, every block recomputed.
+    assert chen_segments(ACT, 6000) == ((), 0, 5120)
+    # Budgets 810-963, 1145-1362, 1619-3238, 3851-4579 and 5446 on give the five plans (the
+    # blocks not kept), whose modelled peaks are CHEN_PEAKS.
+    kept = [chen_segments(ACT, budget)[0] for budget in grid]
+    assert kept == [(1, 2, 3)] * 2 + [(1, 2, 4)] * 2 + [(2,)] * 5 + [(3,)] * 2 + [()] * 6
+    profile = BlockProfile((BATCH, 8), ACT, [1.0] * 5)
+    assert {plan: profile.peak_bytes(plan) for plan in CHEN_PEAKS} == CHEN_PEAKS
+
+
+@pytest.mark.parametrize("slow, limit, plan", [
+    # 3100: (0, 1, 3, 4), (0, 1, 2, 4) and all fit; the one that leaves the slow block out wins.
+    (2, 3100, (0, 1, 3, 4)),
+    (3, 3100, (0, 1, 2, 4)),
+    # 4096: (0, 3) fits too, and wins unless it recomputes the slow block: then four fast blocks
+    # (4 ms) beat two (6 ms).
+    (2, 4096, (0, 3)),
+    (3, 4096, (0, 1, 2, 4)),
+    # 2048: (0, 1, 2, 4) and all fit; all recomputes block 3 on top.
+    (2, 2048, (0, 1, 2, 4)),
+    # Nothing fits 1000: the least x + y (6144, 5632, 5632, 5632, 5120): one segment, every block.
+    (2, 1000, (0, 1, 2, 3, 4)),
+])
+def test_chen_plan_is_the_least_recompute_candidate_that_fits(slow, limit, plan):
+    fwd_ms = [5.0 if i == slow else 1.0 for i in range(5)]
+    assert chen_plan(BlockProfile((BATCH, 8), ACT, fwd_ms), limit) == plan
 
 
 def test_chen_keeps_the_cheapest_fitting_candidate():
@@ -105,8 +161,11 @@ def test_chen_keeps_the_cheapest_fitting_candidate():
 
 
 def test_chen_variant_plans_at_the_largest_input():
+    # Of CHEN_PEAKS only (0, 1, 2, 4) and all fit 3000, and all recomputes block 3 on top, so the
+    # plan is (0, 1, 2, 4) whatever the measured times.
     planner, _ = prepared(3000, variant="chen")
-    assert planner.profile.peak_bytes(planner.static_plan) <= 3000
+    assert planner.profile.act_bytes == ACT
+    assert planner.static_plan == (0, 1, 2, 4)
 
 
 def test_unknown_variant_names_the_option():

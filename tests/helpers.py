@@ -1,0 +1,68 @@
+"""What several test modules share: the quickstart recipe cut small, a tiny BERT and its batches.
+
+Test modules import this as ``helpers`` (pyproject's pytest ``pythonpath`` holds ``tests``), never
+another test module or a conftest, so a test runs the same from any directory and under any
+import mode.
+"""
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+# The quickstart recipe, cut to a few small steps so the suite stays fast on 2 cores.
+QUICK_OVERRIDES = ["training.max_steps=6", "training.batch_size=4", "data.num_examples=48"]
+
+
+def tiny_bert(layers=3, seed=0):
+    """A BERT of ``layers`` blocks for sequence classification, hidden size 32, dropout on."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128, attn_implementation="eager")
+    return BertForSequenceClassification(config).train()  # dropout 0.1 stays on
+
+
+def bert_batch(batch_size, length, seed=1):
+    """A batch for ``tiny_bert`` of ``batch_size`` x ``length`` tokens, the same for the same size."""
+    gen = torch.Generator().manual_seed(seed * 1000 + length)
+    return {"input_ids": torch.randint(0, 64, (batch_size, length), generator=gen),
+            "labels": torch.randint(0, 2, (batch_size,), generator=gen)}
+
+
+def run_step(planner, meter, data, seed=7):
+    """One planned forward+backward; returns (loss, measured peak bytes, StepInfo)."""
+    for p in planner.model.parameters():
+        p.grad = None
+    meter.track(data)
+    torch.manual_seed(seed)
+    with meter.step() as mem:
+        with planner.step(data) as info:
+            loss = planner.model(**data).loss
+            loss.backward()
+    return loss.detach(), mem.peak_bytes, info
+
+
+@contextlib.contextmanager
+def fitted_mimose(state, budget="1GB", model=None, **options):
+    """A Mimose planner past its sheltered phase: ``state`` (a ``state_dict``, left unchanged)
+    loaded into a planner for ``model`` (a fresh ``tiny_bert``) on a simulated device of
+    ``budget``. Yields ``(planner, meter)``; the planner is closed and the device off on exit."""
+    from mimose_cli.memory import build_meter
+    from mimose_cli.planners.mimose import Mimose
+    from mimose_cli.units import parse_size
+
+    model = tiny_bert() if model is None else model
+    meter = build_meter("simulated", parse_size(budget))
+    with meter.activate():
+        meter.track(model)
+        planner = Mimose(model, budget, meter=meter, **options)
+        planner.load_state_dict(copy.deepcopy(state))
+        try:
+            yield planner, meter
+        finally:
+            planner.close()
