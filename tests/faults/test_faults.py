@@ -49,6 +49,8 @@ def test_signal_stops_after_the_step_and_resume_finishes_the_same_run(tmp_path, 
     assert summary(run_dir)["resumed_from_steps"] == [stopped["checkpoint_step"]]
     # The fitted estimator came back with the checkpoint: no second sheltered phase.
     assert summary(run_dir)["planner"]["sheltered_iterations"] == 2
+    # The optimizer's state is restored after the pre-flight: it is not counted twice there.
+    assert summary(run_dir)["preflight"] == stopped["preflight"]
 
 
 def test_sigkill_twice_then_resume_finishes_the_same_run(tmp_path, reference):
