@@ -1,6 +1,6 @@
 """Runs ``python -m mimose_cli train`` in a subprocess and injects a fault into it (a signal once a
 given step is in its metrics.jsonl), or fills the disk under an in-process run (a patched writer).
-Shared by tests/faults/ and benchmarks/faults.py (as ``faults.driver``: pytest's pythonpath holds
+Shared by tests/faults/ and benchmarks/fault_injection.py (as ``faults.driver``: pytest's pythonpath holds
 ``tests``)."""
 
 import contextlib

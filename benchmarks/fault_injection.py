@@ -11,9 +11,9 @@ ENOSPC part-way through its write, then the run is resumed to its end.
 A fault is survived when its exit status is the expected one (143 SIGTERM, 130 SIGINT, killed,
 1 full disk), the directory is readable by ``mimose report`` right after it, and the run, once
 resumed to its end, has trained every batch exactly once with the uninterrupted run's losses bit
-for bit. Writes benchmarks/results/faults.json.
+for bit. Writes benchmarks/results/fault_injection.json.
 
-    python benchmarks/faults.py [--trials 6] [--faults 3] [--disk-trials 6] [--seed 0]
+    python benchmarks/fault_injection.py [--trials 6] [--faults 3] [--disk-trials 6] [--seed 0]
 """
 
 import argparse
@@ -108,7 +108,7 @@ def main():
     for kind in kinds:
         print(f"{kind:<26} {injected[kind]:>8} {survived[kind]:>8}")
     print(f"{'total':<26} {sum(injected.values()):>8} {sum(survived.values()):>8}")
-    write_results("faults", rows, seed=args.seed, trials=args.trials, faults_per_trial=args.faults,
+    write_results("fault_injection", rows, seed=args.seed, trials=args.trials, faults_per_trial=args.faults,
                   disk_trials=args.disk_trials, injected=sum(injected.values()), survived=sum(survived.values()),
                   recipe=["recipes/quickstart.yaml", *TINY])
 
