@@ -110,7 +110,7 @@ def _one_run(recipe: Recipe, spec: str, steps, compare_dir: Path, view: str) -> 
     run = _run_recipe(recipe, spec, steps)
     out_dir = compare_dir / "runs" / run.budget
     try:
-        result = run_training(run, out_dir=out_dir, view=view, recipe_name=spec.replace(":", "-"))
+        result = run_training(run, out_dir=out_dir, view=view, recipe_name=spec.replace(":", "-"), save=False)
     except torch.OutOfMemoryError as err:  # before the first step (e.g. a planner's prepare)
         summary = {"status": "oom", "steps": 0, "oom_steps": 1, "error": str(err).splitlines()[0],
                    "budget_bytes": run.budget_bytes}
@@ -181,6 +181,10 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
                                  for rows in done.values() if rows]
                 entry["reference"] = normalise(entry["runs"])
                 write_json(compare_dir / "compare.json", data)
+                if done[spec][-1]["status"] == "interrupted":  # SIGTERM or Ctrl-C: stop it all
+                    console.print("interrupted: the comparison stops here")
+                    render_compare(compare_dir, console)
+                    return compare_dir
     render_compare(compare_dir, console)
     console.print(f"compare directory: {compare_dir}")
     return compare_dir

@@ -209,6 +209,9 @@ class TrainingConfig:
     """Micro-batches per optimizer step (each planned on its own; batch_size is per micro-batch)."""
     log_every: StrictInt = Field(1, ge=1)
     """Print a plain progress line every N steps when stdout is not a terminal."""
+    checkpoint_every: Optional[StrictInt] = Field(500, ge=1)
+    """Write runs/<id>/checkpoint.pt every N optimizer steps (and always at the end and on
+    SIGTERM/Ctrl-C), for ``mimose train --resume``; null: only at the end."""
 
 
 @dataclass(config=FORBID_UNKNOWN_KEYS)

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from mimose_cli.live import step_table
 from mimose_cli.records import read_records
+from mimose_cli.resume import CHECKPOINT
 from mimose_cli.rundir import read_json, read_text
 from mimose_cli.summary import SUMMARY_FILE, summarize, summary_tables
 from mimose_cli.units import format_bytes, parse_size
@@ -74,7 +75,23 @@ def render_run(run_dir, console: Console) -> dict:
         console.print(table)
     console.print(length_table(records))
     console.print(step_table(records[-10:], summary.get("budget_bytes"), "last steps"))
+    for line in _outputs(Path(run_dir), summary):
+        console.print(line, highlight=False, soft_wrap=True)
     return summary
+
+
+def _outputs(run_dir: Path, summary: dict) -> list:
+    """Where the trained model and the checkpoint are, and how to use them."""
+    lines = []
+    model_dir = summary.get("model_dir")
+    if model_dir and (run_dir / model_dir).is_dir():
+        lines.append(f"model: {run_dir / model_dir} (Hugging Face format: from_pretrained)")
+    if (run_dir / CHECKPOINT).is_file():
+        step = summary.get("checkpoint_step")
+        at = f" at step {step}" if step is not None else ""
+        how = "--max-steps N to train further" if summary.get("status") == "completed" else "to continue"
+        lines.append(f"checkpoint{at}: {run_dir / CHECKPOINT} (mimose train --resume {run_dir} {how})")
+    return lines
 
 
 def render(path, console: Console | None = None) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from transformers import get_linear_schedule_with_warmup
 
+from mimose_cli.checkpoint import (MODEL_DIR, Progress, load_checkpoint, restore_step_state, restore_trainer,
+                                   save_checkpoint, save_model)
 from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
 from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.models import build_model, model_config
@@ -24,7 +26,9 @@ from mimose_cli.planners import Planner, build_planner
 from mimose_cli.preflight import BudgetRange, budget_error, measure_range
 from mimose_cli.recipe import Recipe
 from mimose_cli.records import StepRecord, completed_step, oom_step
+from mimose_cli.resume import cut_records
 from mimose_cli.rundir import RunWriter, check_out_dir, environment, new_run_dir
+from mimose_cli.signals import EXIT_CODES, StopRequest
 from mimose_cli.units import format_bytes
 from mimose_cli.live import ProgressView, check_view
 
@@ -34,6 +38,15 @@ class RunResult:
     run_dir: Path
     summary: dict
     records: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit status: 0 completed, 1 out of memory, a diverged loss or a failed write, 130 / 143
+        stopped by Ctrl-C / SIGTERM (what a shell reports for a process those signals end)."""
+        status = self.summary["status"]
+        if status == "interrupted":
+            return EXIT_CODES.get(self.summary.get("signal"), EXIT_CODES["SIGINT"])
+        return {"completed": 0, "oom": 1, "diverged": 1, "failed": 1}[status]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -233,112 +246,246 @@ def _oom_record(trainer: Trainer, batch: dict, error: Exception, micro_step: int
                     peak_bytes=trainer.meter.peak_bytes())
 
 
-def _data_batches(recipe: Recipe, dataset, config, total_steps: int, first_loader):
-    """Yield (epoch, batch) until total_steps batches (micro-batches); same seed -> same order."""
-    produced, epoch = 0, 0
-    while produced < total_steps:
-        loader = first_loader if epoch == 0 else build_dataloader(recipe, dataset, config, epoch=epoch)
-        if len(loader) == 0:
+def _data_batches(recipe: Recipe, dataset, config, micro_batches: int, first_loader, start: Progress):
+    """Yield (epoch, batch) for ``micro_batches`` micro-batches from the data position ``start``;
+    the order depends only on (seed, epoch), so a resumed run sees the batches it would have."""
+    produced, epoch, skip = 0, start.epoch, start.batch
+    while produced < micro_batches:
+        fresh = (epoch, skip) == (0, 0)
+        loader = first_loader if fresh else build_dataloader(recipe, dataset, config, epoch, skip)
+        if loader.batches_per_epoch == 0:
             raise ValueError("the data set yields no batch; raise data.num_examples or lower training.batch_size")
         for batch in loader:
-            if produced >= total_steps:
+            if produced >= micro_batches:
                 return
             yield epoch, batch
             produced += 1
-        epoch += 1
+        epoch, skip = epoch + 1, 0
 
 
-def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView) -> tuple:
-    """Train until the data ends, a step runs out of memory for good, the loss diverges, or the
-    user interrupts.
-    ``batches`` yields micro-batches; every ``gradient_accumulation_steps`` of them make a step."""
-    records, status = [], "completed"
+@dataclass
+class LoopEnd:
+    """How the training loop ended."""
+
+    records: list = field(default_factory=list)
+    status: str = "completed"
+    """completed, oom, diverged (the loss stopped being finite), interrupted (a signal or Ctrl-C)
+    or failed (the run directory could not be written: a full disk)."""
+    at_boundary: bool = True
+    """Whether the trainer stands at an optimizer-step boundary, where a checkpoint is exact; not
+    after a second Ctrl-C, which may land anywhere, nor after a failed write (a trained step may
+    lack its record)."""
+    error: str | None = None
+
+
+def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop: StopRequest,
+          checkpoint) -> LoopEnd:
+    """Train until the data ends, a step runs out of memory for good, a signal asks to stop, or
+    the run directory cannot be written. ``batches`` yields micro-batches; every
+    ``gradient_accumulation_steps`` of them make a step, after which ``checkpoint()`` (when given)
+    is called every ``training.checkpoint_every`` steps; a stop request is honoured between steps."""
+    end = LoopEnd()
     counter = SavedBytesCounter(exclude=trainer.model.parameters())
     accumulation = trainer.recipe.training.gradient_accumulation_steps
+    every = trainer.recipe.training.checkpoint_every if checkpoint else None
     try:
         for index, (epoch, batch) in enumerate(batches):
             micro_step = index % accumulation
+            if micro_step == 0 and stop.requested:  # also a signal before the first step
+                end.status = "interrupted"
+                break
+            end.at_boundary = False
             try:
                 record = train_step(trainer, batch, counter, micro_step)
             except torch.OutOfMemoryError as error:
-                record, status = _oom_record(trainer, batch, error, micro_step), "oom"
+                record, end.status = _oom_record(trainer, batch, error, micro_step), "oom"
             record.epoch = epoch
-            records.append(record)
+            end.records.append(record)
             writer.metric(record)
             writer.plan({"step": record.step, "micro_step": micro_step,
                          "input_size": record.input_size, "plan": record.plan})
             view.update(record)
-            if status == "oom":
+            if end.status == "oom":
+                end.error = record.error
                 view.message(f"[red]step {record.step} ran out of memory[/red]: {record.error}")
                 break
-            if not math.isfinite(record.loss):
-                status = "diverged"
-                view.message(f"[red]{divergence_error(record, trainer.recipe)}[/red]")
+            if not math.isfinite(record.loss):  # before any checkpoint: never save NaN weights
+                end.status, end.at_boundary = "diverged", False
+                end.error = divergence_error(record, trainer.recipe)
+                view.message(f"[red]{end.error}[/red]")
                 break
             if micro_step == accumulation - 1:
                 trainer.step += 1
+                end.at_boundary = True
+                if every and trainer.step % every == 0:
+                    checkpoint()
     except KeyboardInterrupt:
-        status = "interrupted"
-        view.message("[yellow]interrupted: the run directory holds every step so far[/yellow]")
-    return records, status
+        end.status = "interrupted"
+    except OSError as error:
+        end.status, end.at_boundary = "failed", False
+        end.error = f"writing {writer.path} failed: {error}"
+        view.message(f"[red]{end.error}[/red]")
+    return end
 
 
-def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=None,
-                 recipe_name: str = "run") -> RunResult:
-    """Train ``recipe`` and write ``runs/<id>/``; out of memory ends the run with status 'oom', a
-    loss that is not finite with 'diverged' (summary.json's ``error`` says why)."""
-    from mimose_cli.summary import summarize, summary_tables
+@dataclass
+class Run:
+    """One run's parts, built before the first step: a new run, or one resumed from a checkpoint."""
 
-    check_view(view)
-    out_root = check_out_dir(out_dir or recipe.out_dir)  # before anything slow is built
+    recipe: Recipe
+    config: object
+    dataset: object
+    first_loader: object
+    total_steps: int
+    trainer: Trainer
+    run_dir: Path
+    start: Progress
+    """Where training starts: step 0, or the checkpoint's position."""
+    checkpoint: dict | None = None
+    records: list = field(default_factory=list)
+    """Records of the steps before ``start`` (a resumed run's earlier segments)."""
+    checkpoint_step: int | None = None
+    """The step of the run directory's checkpoint (None: it has none yet)."""
+    preflight: BudgetRange | None = None
+    """The budgets the recipe needs, measured before the first step (``preflight``)."""
+    saves: bool = True
+    """Whether checkpoints and the trained model are written (not for ``compare``'s runs)."""
+
+    @property
+    def resumed_from_steps(self) -> list:
+        """The step each resume of this run started from, this one included."""
+        return self.start.resumed_from_steps + ([self.start.step] if self.checkpoint else [])
+
+    def save_checkpoint(self, segment_s: float) -> None:
+        """Checkpoint the trainer where it stands (an optimizer-step boundary), ``segment_s``
+        seconds into this segment of the run."""
+        progress = Progress.at_step(
+            self.trainer.step, self.recipe.training.gradient_accumulation_steps,
+            self.first_loader.batches_per_epoch, wall_s=self.start.wall_s + segment_s,
+            resumed_from_steps=self.resumed_from_steps)
+        save_checkpoint(self.run_dir, self.trainer, progress)
+        self.checkpoint_step = self.trainer.step
+
+
+def _setup(recipe: Recipe, out_dir, recipe_name: str, resume) -> Run:
+    """Build the run; when resuming, load the checkpoint into it and cut the run directory's
+    records back to it (the steps after it are trained again)."""
     config = model_config(recipe)
     dataset = build_dataset(recipe, config)
     first_loader = build_dataloader(recipe, dataset, config, epoch=0)
     total = total_steps_of(recipe, len(first_loader))
     trainer = build_trainer(recipe, config, total)
-    run_dir = new_run_dir(out_root, recipe_name, recipe.planner.name)
-    writer = RunWriter(run_dir, recipe, environment(trainer.device))
-    progress = ProgressView(f"mimose train {recipe_name} [{recipe.planner.name}]", recipe.budget_bytes,
-                            total, recipe.training.log_every, view, console)
-    start = time.perf_counter()
-    needs = None
-    try:
-        with trainer.meter.activate():
-            state_bytes, error = check_model_state(trainer)
-            if error is None:
-                needs = _preflight(trainer, config, state_bytes)
-                error = budget_error(recipe.budget_bytes, needs)
-                progress.message(f"pre-flight: {needs.describe()}")
-            if error is not None:
-                progress.message(f"[red]out of memory before the first step[/red]: {error}")
-                records, status = [], "oom"
-            else:
-                trainer.planner.prepare(lambda size: make_batch(recipe, config, size),
-                                        max_input_size(recipe), state_bytes)
-                micro_batches = total * recipe.training.gradient_accumulation_steps
-                records, status = _loop(trainer, _data_batches(recipe, dataset, config, micro_batches, first_loader),
-                                        writer, progress)
-    finally:
-        progress.close()
-        writer.close()
-    summary = summarize(records, status=status, budget_bytes=recipe.budget_bytes,
-                        wall_s=time.perf_counter() - start, planner_stats=trainer.planner.stats)
-    if needs is not None:
-        summary["preflight"] = asdict(needs)
-    if error is not None:
-        summary.update(error=error, oom_steps=1)
-    elif status == "oom":
-        summary["error"] = records[-1].error
-    elif status == "diverged":
-        summary.update(error=divergence_error(records[-1], recipe), diverged_step=records[-1].step)
-    writer.write_json("summary.json", summary)
-    _save_planner_state(trainer.planner, writer)
-    trainer.planner.close()
-    if progress.mode != "none":
+    if resume is None:
+        run_dir = new_run_dir(out_dir or recipe.out_dir, recipe_name, recipe.planner.name)
+        return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, Progress())
+    run_dir = Path(resume)
+    checkpoint = load_checkpoint(run_dir)
+    start = restore_trainer(trainer, checkpoint)
+    if start.step >= total:
+        raise ValueError(f"{run_dir} has trained {start.step} of training.max_steps={total} steps already; "
+                         "raise training.max_steps to train further")
+    records = cut_records(run_dir, start.step, recipe.training.gradient_accumulation_steps)
+    return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, start, checkpoint, records,
+               checkpoint_step=start.step)
+
+
+def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, clock: float) -> LoopEnd:
+    """Check the model's state and the largest step fit (pre-flight), let the planner prepare,
+    and run the loop."""
+    trainer, recipe = run.trainer, run.recipe
+    with trainer.meter.activate():
+        state_bytes, error = check_model_state(trainer)
+        if error is None:
+            run.preflight = _preflight(trainer, run.config, state_bytes)
+            error = budget_error(recipe.budget_bytes, run.preflight)
+            view.message(f"pre-flight: {run.preflight.describe()}")
+        if error is not None:
+            view.message(f"[red]out of memory before the first step[/red]: {error}")
+            return LoopEnd(status="oom", at_boundary=False, error=error)
+        trainer.planner.prepare(lambda size: make_batch(recipe, run.config, size),
+                                max_input_size(recipe), state_bytes)
+        if run.checkpoint is not None:
+            restore_step_state(trainer, run.checkpoint)
+        accumulation = recipe.training.gradient_accumulation_steps
+        micro_batches = (run.total_steps - run.start.step) * accumulation
+        batches = _data_batches(recipe, run.dataset, run.config, micro_batches, run.first_loader, run.start)
+        checkpoint = (lambda: run.save_checkpoint(time.perf_counter() - clock)) if run.saves else None
+        return _loop(trainer, batches, writer, view, stop, checkpoint)
+
+
+def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=None,
+                 recipe_name: str = "run", resume=None, save: bool = True) -> RunResult:
+    """Train ``recipe`` and write ``runs/<id>/``, or continue the run directory ``resume`` from
+    its checkpoint. Out of memory ends the run with status 'oom'; SIGTERM or Ctrl-C stops it after
+    the current step with status 'interrupted', a checkpoint and the model saved. ``save=False``
+    writes neither checkpoints nor the model (runs that are measurements)."""
+    check_view(view)
+    if resume is None:
+        out_dir = check_out_dir(out_dir or recipe.out_dir)  # before anything slow is built
+    with StopRequest() as stop:
+        run = _setup(recipe, out_dir, recipe_name, resume)
+        run.saves = save
+        writer = RunWriter(run.run_dir, recipe, environment(run.trainer.device))
+        name = run.run_dir.name if resume else recipe_name
+        live = ProgressView(f"mimose train {name} [{recipe.planner.name}]", recipe.budget_bytes,
+                            run.total_steps, recipe.training.log_every, view, console)
+        clock = time.perf_counter()
+        try:
+            end = _train(run, writer, live, stop, clock)
+        finally:
+            live.close()
+            writer.close()
+        summary = _finish(run, end, writer, stop, time.perf_counter() - clock)
+    if live.mode != "none":
+        from mimose_cli.summary import summary_tables
+
         for table in summary_tables(summary):
-            progress.console.print(table)
-        progress.console.print(f"run directory: {run_dir}")
-    return RunResult(run_dir, summary, records)
+            live.console.print(table)
+        if summary["status"] in ("interrupted", "failed") and run.checkpoint_step is not None:
+            live.console.print(f"checkpoint at step {run.checkpoint_step}: continue with "
+                               f"mimose train --resume {run.run_dir}", highlight=False, soft_wrap=True)
+        live.console.print(f"run directory: {run.run_dir}")
+    return RunResult(run.run_dir, summary, run.records + end.records)
+
+
+def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segment_s: float) -> dict:
+    """Cleanup: the last checkpoint when the run stands at a step boundary, the planner's state
+    file, the model, then summary.json (over every segment of the run). A write that fails here
+    (a full disk) turns the status to 'failed'; the earlier checkpoint stays whole."""
+    from mimose_cli.summary import summarize
+
+    trainer = run.trainer
+    keep = run.saves and end.status in ("completed", "interrupted") and end.at_boundary
+    stats = trainer.planner.stats
+
+    def written(action) -> bool:
+        try:
+            action()
+            return True
+        except OSError as error:
+            end.status, end.error = "failed", f"writing {run.run_dir} failed: {error}"
+            return False
+
+    if keep and run.checkpoint_step != trainer.step:
+        keep = written(lambda: run.save_checkpoint(segment_s))
+    written(lambda: _save_planner_state(trainer.planner, writer))
+    trainer.planner.close()  # puts back the model's own forwards and config before saving it
+    keep = keep and written(lambda: save_model(trainer.model, run.run_dir))
+    summary = summarize(run.records + end.records, status=end.status, budget_bytes=run.recipe.budget_bytes,
+                        wall_s=run.start.wall_s + segment_s, planner_stats=stats)
+    summary.update(signal=stop.signal_name, checkpoint_step=run.checkpoint_step,
+                   resumed_from_steps=run.resumed_from_steps, model_dir=MODEL_DIR if keep else None)
+    if run.preflight is not None:
+        summary["preflight"] = asdict(run.preflight)
+    if end.error is not None:
+        summary["error"] = end.error
+    if end.status == "oom" and end.error is not None:
+        summary["oom_steps"] = max(summary["oom_steps"], 1)  # also when no step started
+    if end.status == "diverged":
+        summary["diverged_step"] = end.records[-1].step
+    if not written(lambda: writer.write_json("summary.json", summary)):
+        summary.update(status=end.status, error=end.error)
+    return summary
 
 
 def _preflight(trainer: Trainer, config, state_bytes: int) -> BudgetRange:
@@ -360,7 +507,7 @@ def dry_run(recipe: Recipe, console=None) -> BudgetRange:
     config = model_config(recipe)
     trainer = build_trainer(recipe, config, total_steps=1)
     try:
-        with trainer.meter.activate(), trainer.meter.unlimited():  # weights past the budget: still measured
+        with trainer.meter.activate():
             trainer.meter.track(trainer.model, trainer.optimizer)
             state_bytes = optimizer_state_bytes(trainer.optimizer)
             needs = _preflight(trainer, config, state_bytes)

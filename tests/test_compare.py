@@ -22,7 +22,7 @@ TIMES = {"mimose": 11.0, "sublinear": 14.0, "dtr": 15.0, "none": 10.0, "oracle":
 def fake_training(monkeypatch, tmp_path):
     calls = []
 
-    def run_training(recipe, *, out_dir=None, view="auto", console=None, recipe_name="run"):
+    def run_training(recipe, *, out_dir=None, view="auto", console=None, recipe_name="run", save=True):
         calls.append((recipe.planner.name, recipe.budget, recipe.training.max_steps,
                       dict(recipe.planner.options), recipe.seed))
         run_dir = out_dir / f"{recipe_name}"
@@ -95,7 +95,7 @@ def test_render_reads_the_compare_directory(fake_training, tmp_path):
 def test_repeats_rotate_the_order_and_report_the_median(monkeypatch, tmp_path):
     order, times = [], {"mimose": iter([12.0, 9.0, 11.0]), "none": iter([10.0, 10.0, 30.0])}
 
-    def run_training(recipe, *, out_dir=None, view="auto", console=None, recipe_name="run"):
+    def run_training(recipe, *, out_dir=None, view="auto", console=None, recipe_name="run", save=True):
         name = recipe.planner.name
         order.append(name)
         run_dir = out_dir / f"{recipe_name}-{len(order)}"
@@ -119,6 +119,26 @@ def test_repeats_rotate_the_order_and_report_the_median(monkeypatch, tmp_path):
     assert rows["oracle"]["status"] == "oom" and len(rows["oracle"]["run_dirs"]) == 3
     assert rows["none"]["peak_bytes"] == 900_009  # the largest of the rounds
     assert "median of 3 rounds" in result.output and "1.50" in result.output
+
+
+def test_an_interrupted_run_stops_the_comparison_and_no_run_keeps_checkpoints(monkeypatch, tmp_path):
+    calls = []
+
+    def run_training(recipe, *, out_dir=None, view="auto", console=None, recipe_name="run", save=True):
+        calls.append(save)
+        run_dir = out_dir / f"{recipe_name}-{len(calls)}"
+        run_dir.mkdir(parents=True)
+        summary = {"status": "interrupted" if len(calls) == 2 else "completed", "steps": 5, "oom_steps": 0,
+                   "train_time_s": 10.0, "peak_bytes": 900_000, "budget_bytes": 10**6, "planner": {}}
+        return mimose_cli.train.RunResult(run_dir, summary)
+
+    monkeypatch.setattr(mimose_cli.train, "run_training", run_training)
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines", "sublinear,dtr",
+                                      "--budgets", "1MB,2MB", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert calls == [False, False] and "the comparison stops here" in result.output
+    entry = json.loads((tmp_path / "c" / "compare.json").read_text())["budgets"]
+    assert len(entry) == 1 and [r["status"] for r in entry[0]["runs"]] == ["completed", "interrupted"]
 
 
 def test_repeats_must_be_positive():

@@ -1,4 +1,5 @@
-"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [--dry-run] [key=value ...]"""
+"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [--dry-run] [key=value ...]
+mimose train --resume RUN_DIR [--max-steps N]"""
 
 from pathlib import Path
 from typing import List, Optional
@@ -9,7 +10,8 @@ from mimose_cli.units import SIZE_HELP
 
 
 def train(
-    recipe: Path = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml."),
+    recipe: Optional[Path] = typer.Argument(
+        None, help="Recipe YAML, e.g. recipes/quickstart.yaml (none with --resume)."),
     overrides: Optional[List[str]] = typer.Argument(
         None, help="Recipe overrides key=value, e.g. training.max_steps=20 model.size=tiny."),
     budget: Optional[str] = typer.Option(None, help=f"Device memory budget. {SIZE_HELP}"),
@@ -20,14 +22,28 @@ def train(
     view: str = typer.Option("auto", help="auto (live table on a terminal), plain or none."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Measure the budgets the recipe needs at its largest "
                                  "input (every block checkpointed, and none) and exit without training."),
+    resume: Optional[Path] = typer.Option(
+        None, help="Continue the run directory runs/<id> from its last checkpoint, with its own "
+                   "recipe (only training.max_steps may change)."),
 ):
     """Train a recipe under a memory budget; writes runs/<id>/."""
-    from mimose_cli.cli import EXIT_INTERRUPTED, EXIT_RUNTIME, fail
-    from mimose_cli.recipe import load_recipe
+    from mimose_cli.cli import fail
+    from mimose_cli.recipe import RecipeError, load_recipe
+    from mimose_cli.resume import resume_recipe
 
     flags = {"budget": budget, "planner.name": planner, "device": device,
              "training.max_steps": max_steps, "out_dir": str(out) if out else None}
-    resolved = load_recipe(recipe, overrides or [], flags)
+    if resume is not None:
+        # With --resume every positional argument is an override.
+        if recipe is not None and "=" not in str(recipe):
+            raise RecipeError(f"--resume {resume} continues that run with its own recipe.yaml; "
+                              f"leave out {recipe}")
+        extra = [str(recipe)] if recipe is not None else []
+        resolved = resume_recipe(resume, extra + (overrides or []), flags)
+    elif recipe is None:
+        raise RecipeError("missing RECIPE: give a recipe file, e.g. recipes/quickstart.yaml, or --resume RUN_DIR")
+    else:
+        resolved = load_recipe(recipe, overrides or [], flags)
     from mimose_cli.train import dry_run as measure_only, run_training  # after the recipe: its mistakes need no transformers
 
     if dry_run:
@@ -35,9 +51,8 @@ def train(
 
         needs = measure_only(resolved)
         raise typer.Exit(1 if budget_error(resolved.budget_bytes, needs) else 0)
-    result = run_training(resolved, view=view, recipe_name=recipe.stem)
-    status = result.summary["status"]
-    if status == "interrupted":
-        raise typer.Exit(EXIT_INTERRUPTED)
-    if status != "completed":  # oom, diverged: the run directory holds every step until then
-        fail(f"{result.summary.get('error') or status} (run directory {result.run_dir})", EXIT_RUNTIME)
+    result = run_training(resolved, view=view, recipe_name=recipe.stem if recipe else "run", resume=resume)
+    if result.summary["status"] not in ("completed", "interrupted"):  # oom, diverged, failed
+        fail(f"{result.summary.get('error') or result.summary['status']} (run directory {result.run_dir})",
+             result.exit_code)
+    raise typer.Exit(result.exit_code)

@@ -351,10 +351,17 @@ class Planner:
                 "full_sizes": len(self.full_sizes)}
 
     def state_dict(self) -> dict:
-        return {"name": self.name, "steps": self.steps}
+        """What the planner learned and counted, as JSON-ready data: enough to continue a run
+        (``mimose train --resume``) deciding as it would have, and with its counters."""
+        return {"name": self.name, "steps": self.steps, "retries": self.retries_total,
+                "planning_ms_total": self.total_planning_ms,
+                "full_sizes": sorted(list(size) for size in self.full_sizes)}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = state.get("steps", 0)
+        self.retries_total = state.get("retries", 0)
+        self.total_planning_ms = state.get("planning_ms_total", 0.0)
+        self.full_sizes = {tuple(size) for size in state.get("full_sizes", [])}
 
     def save(self, path) -> None:
         """Write ``state_dict()`` as JSON (a run keeps it as ``state_file``), atomically."""

@@ -278,17 +278,28 @@ class Mimose(Planner):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "num_blocks": self.num_blocks, "granularity": self.granularity,
-                "sheltered_done": self.sheltered_done, "estimator": self.estimator.state_dict(),
-                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits] for k, v in self.cache.items()]}
+                "sheltered_done": self.sheltered_done, "sheltered_attempts": self.sheltered_attempts,
+                "estimator": self.estimator.state_dict(),
+                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits] for k, v in self.cache.items()],
+                "recovery_margins": [[list(k), v] for k, v in self.recovery_margins.items()],
+                "counts": dict(self.counts), "fit_ms": self.fit_ms,
+                "untrusted_reasons": dict(self.untrusted_reasons), "warnings": list(self.warnings)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the fitted estimator and plan cache; a fitted one skips the sheltered phase.
         Cached plans are kept only when the granularity is unchanged."""
         if state.get("name", self.name) != self.name:
             raise ValueError(f"this state was written by planner {state.get('name')!r}, not mimose")
+        super().load_state_dict(state)
         self.estimator.load_state_dict(state["estimator"])
         self.sheltered_done = state.get("sheltered_done", 0)
+        self.sheltered_attempts = state.get("sheltered_attempts", self.sheltered_done)
         self.cache = {}
         if state.get("granularity") == self.granularity:
             self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits))
                           for k, p, peak, fits in state.get("cache", [])}
+        self.recovery_margins = {tuple(k): v for k, v in state.get("recovery_margins", [])}
+        self.counts.update(state.get("counts", {}))
+        self.fit_ms = state.get("fit_ms", 0.0)
+        self.untrusted_reasons = dict(state.get("untrusted_reasons", {}))
+        self.warnings = list(state.get("warnings", []))

@@ -33,7 +33,8 @@ def test_train_out_of_memory_exits_nonzero_with_message(tmp_path):
                                  "--budget", "5MB", "--out", str(tmp_path), "--view", "plain",
                                  *ROOT_ARGS])
     assert result.exit_code == 1
-    assert "ran out of memory" in result.output
+    # 5MB is below what the step needs with every block checkpointed: the pre-flight says so.
+    assert "out of memory before the first step" in result.output and "too small" in result.output
 
 
 def test_bad_recipe_key_exits_2_naming_the_key(tmp_path):
@@ -61,7 +62,7 @@ def test_python_dash_m_entry_point():
 
 @pytest.mark.parametrize("args, named", [
     (["train", QUICK, "--bogus"], "No such option: --bogus"),
-    (["train"], "Missing argument 'recipe'"),
+    (["train"], "missing RECIPE"),
     (["compare", QUICK, "--steps", "abc"], "Invalid value for '--steps'"),
     (["nope"], "No such command 'nope'"),
 ])
@@ -69,3 +70,29 @@ def test_usage_errors_of_the_entry_point_are_one_line(args, named):
     out = subprocess.run([sys.executable, "-m", "mimose_cli", *args], capture_output=True, text=True)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith(f"error: {named}") and out.stderr.count("\n") == 1
+
+
+def test_resume_continues_a_run_and_rejects_what_would_change_it(tmp_path):
+    first = runner.invoke(app, ["train", QUICK, "--planner", "full", "--budget", "200MB", "--out", str(tmp_path),
+                                "--view", "none", *ROOT_ARGS])
+    assert first.exit_code == 0, first.output
+    (run_dir,) = list(tmp_path.iterdir())
+    changed = runner.invoke(app, ["train", "--resume", str(run_dir), "--budget", "300MB"])
+    assert changed.exit_code == 2 and changed.output.count("\n") == 1
+    assert "error: --resume" in changed.output and "budget is '200MB' in that run" in changed.output
+    with_recipe = runner.invoke(app, ["train", QUICK, "--resume", str(run_dir)])
+    assert with_recipe.exit_code == 2 and "leave out" in with_recipe.output
+    done = runner.invoke(app, ["train", "--resume", str(run_dir)])
+    assert done.exit_code == 2 and "raise training.max_steps" in done.output
+    more = runner.invoke(app, ["train", "--resume", str(run_dir), "training.max_steps=5", "--view", "none"])
+    assert more.exit_code == 0, more.output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["resumed_from_steps"] == [3]
+
+
+def test_resume_without_checkpoint_and_train_without_recipe_say_so(tmp_path):
+    (tmp_path / "recipe.yaml").write_text("budget: 40MB\n")
+    result = runner.invoke(app, ["train", "--resume", str(tmp_path)])
+    assert result.exit_code == 2 and "no checkpoint.pt" in result.output and result.output.count("\n") == 1
+    result = runner.invoke(app, ["train"])
+    assert result.exit_code == 2 and "missing RECIPE" in result.output

@@ -1,0 +1,117 @@
+"""Faults injected into real runs, and how many the runs survived.
+
+Signal trials: the tiny recipe of tests/faults (quickstart cut to 16 steps of a tiny BERT, a
+checkpoint every 3 steps) runs as ``python -m mimose_cli train`` in a subprocess; up to --faults
+signals, each drawn from SIGTERM, SIGINT and SIGKILL, are sent at random steps (each beyond the
+last step recorded, the first from step 3 on, once a checkpoint exists), the run being resumed
+with ``--resume`` after each, and finally resumed to its end. Full-disk trials run in this
+process: metrics.jsonl (at a random line) or a checkpoint (a random one but the first) fails with
+ENOSPC part-way through its write, then the run is resumed to its end.
+
+A fault is survived when its exit status is the expected one (143 SIGTERM, 130 SIGINT, killed,
+1 full disk), the directory is readable by ``mimose report`` right after it, and the run, once
+resumed to its end, has trained every batch exactly once with the uninterrupted run's losses bit
+for bit. Writes benchmarks/results/fault_injection.json.
+
+    python benchmarks/fault_injection.py [--trials 6] [--faults 3] [--disk-trials 6] [--seed 0]
+"""
+
+import argparse
+import random
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+
+from _results import write_results  # noqa: E402
+from faults.driver import (QUICKSTART, SIGNALS, TINY, full_disk, interrupt, last_step, records,  # noqa: E402
+                           resume, run_dir_in, summary, train)
+from mimose_cli.recipe import load_recipe  # noqa: E402
+from mimose_cli.report import load_run  # noqa: E402
+from mimose_cli.resume import resume_recipe  # noqa: E402
+from mimose_cli.train import run_training  # noqa: E402
+
+EXPECTED = {"SIGTERM": 143, "SIGINT": 130, "SIGKILL": -9}
+LAST_STEP = 15
+
+
+def signal_trial(rng: random.Random, out: Path, faults: int, reference: list) -> list:
+    """One run hit by up to ``faults`` signals, resumed after each; one row per signal sent."""
+    rows, run_dir = [], None
+    for _ in range(faults):
+        low = max(3, last_step(run_dir / "metrics.jsonl") + 1 if run_dir else 3)
+        if low > LAST_STEP - 1:
+            break
+        kind, at_step = rng.choice(sorted(SIGNALS)), rng.randrange(low, min(low + 5, LAST_STEP))
+        code, _, sent = interrupt(SIGNALS[kind], at_step, out=out, resume_dir=run_dir)
+        run_dir = run_dir or run_dir_in(out)
+        if not sent:
+            break
+        load_run(run_dir)  # raises when the directory is not readable
+        rows.append({"fault": kind, "at_step": at_step, "exit_code": code, "expected": code == EXPECTED[kind]})
+        if (run_dir / "summary.json").exists() and summary(run_dir)["status"] == "completed":
+            break  # the signal landed after the last step: nothing to resume
+    if run_dir is not None and summary_status(run_dir) != "completed":
+        resume(run_dir)
+    same = run_dir is not None and summary_status(run_dir) == "completed" and records(run_dir) == reference
+    for row in rows:
+        row["survived"] = row["expected"] and same
+    return rows
+
+
+def summary_status(run_dir: Path):
+    return summary(run_dir)["status"] if (run_dir / "summary.json").exists() else None
+
+
+def disk_trial(rng: random.Random, out: Path, reference: list) -> dict:
+    where = rng.choice(["metrics", "checkpoint"])
+    # metrics: from line 3 on (the first checkpoint is written before it); checkpoint: not the first.
+    after = rng.randrange(3, LAST_STEP + 1) if where == "metrics" else rng.randrange(2, 7)
+    with full_disk(where, after):
+        failed = run_training(load_recipe(QUICKSTART, TINY + [f"out_dir={out}"]), view="none")
+    load_run(failed.run_dir)
+    again = run_training(resume_recipe(failed.run_dir), view="none", resume=failed.run_dir)
+    same = again.summary["status"] == "completed" and records(failed.run_dir) == reference
+    expected = failed.exit_code == 1 and "No space left" in failed.summary["error"]
+    return {"fault": f"full disk ({where})", "at": after, "exit_code": failed.exit_code,
+            "expected": expected, "survived": expected and same}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=6)
+    parser.add_argument("--faults", type=int, default=3, help="signals per signal trial, at most")
+    parser.add_argument("--disk-trials", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        done = train(tmp / "reference")
+        assert done.returncode == 0, done.stderr
+        reference = records(run_dir_in(tmp / "reference"))
+        for trial in range(args.trials):
+            rows += signal_trial(rng, tmp / f"signals-{trial}", args.faults, reference)
+        torch.set_num_threads(1)  # as the subprocesses run (OMP_NUM_THREADS=1)
+        disk_reference = records(run_training(load_recipe(QUICKSTART, TINY + [f"out_dir={tmp / 'disk-ref'}"]),
+                                              view="none").run_dir)
+        for trial in range(args.disk_trials):
+            rows.append(disk_trial(rng, tmp / f"disk-{trial}", disk_reference))
+    kinds = sorted({row["fault"] for row in rows})
+    injected, survived = Counter(r["fault"] for r in rows), Counter(r["fault"] for r in rows if r["survived"])
+    print(f"{'fault':<26} {'injected':>8} {'survived':>8}")
+    for kind in kinds:
+        print(f"{kind:<26} {injected[kind]:>8} {survived[kind]:>8}")
+    print(f"{'total':<26} {sum(injected.values()):>8} {sum(survived.values()):>8}")
+    write_results("fault_injection", rows, seed=args.seed, trials=args.trials, faults_per_trial=args.faults,
+                  disk_trials=args.disk_trials, injected=sum(injected.values()), survived=sum(survived.values()),
+                  recipe=["recipes/quickstart.yaml", *TINY])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""A full disk, injected in-process by a patched writer: the run ends with a clear error and a
+directory ``mimose report`` reads, and ``--resume`` finishes it as if nothing had happened."""
+
+import pytest
+import torch
+
+from faults.driver import QUICKSTART, TINY, full_disk, records
+from mimose_cli.recipe import load_recipe
+from mimose_cli.report import load_run
+from mimose_cli.resume import resume_recipe
+from mimose_cli.train import run_training
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    result = run_training(load_recipe(QUICKSTART, TINY + [f"out_dir={out}"]), view="none")
+    return records(result.run_dir)
+
+
+@pytest.mark.parametrize("where", ["metrics", "checkpoint"])
+def test_full_disk_ends_the_run_readably_and_resume_finishes_it(tmp_path, reference, where):
+    with full_disk(where, 8 if where == "metrics" else 2):  # checkpoint 2: the one after step 6
+        result = run_training(load_recipe(QUICKSTART, TINY + [f"out_dir={tmp_path}"]), view="none")
+    run_dir = result.run_dir
+    assert result.summary["status"] == "failed" and result.exit_code == 1
+    assert "No space left on device" in result.summary["error"] and str(run_dir) in result.summary["error"]
+    assert not (run_dir / ".checkpoint.pt.tmp").exists() and not (run_dir / "model").exists()
+    assert result.summary["checkpoint_step"] == (6 if where == "metrics" else 3)
+    summary, seen = load_run(run_dir)  # mimose report's reading: the torn line is skipped
+    assert summary["status"] == "failed" and len(seen) == (8 if where == "metrics" else 6)
+    kept = torch.load(run_dir / "checkpoint.pt", weights_only=True)  # the earlier one, whole
+    assert kept["progress"]["step"] == result.summary["checkpoint_step"]
+
+    again = run_training(resume_recipe(run_dir), view="none", resume=run_dir)
+    assert again.summary["status"] == "completed"
+    assert records(run_dir) == reference  # every batch once, the same losses bit for bit
+    assert again.summary["resumed_from_steps"] == [result.summary["checkpoint_step"]]
