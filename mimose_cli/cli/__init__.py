@@ -30,8 +30,18 @@ app = typer.Typer(
 _options = {"debug": False}
 
 
+def _version(value: bool) -> None:
+    if value:
+        from mimose_cli import __version__
+
+        typer.echo(f"mimose {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def options(debug: bool = typer.Option(False, "--debug", help="On an error, show the traceback too.")):
+def options(debug: bool = typer.Option(False, "--debug", help="On an error, show the traceback too."),
+            version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                         help="Print the version and exit.")):
     """Options for every command (before the command's name)."""
     _options["debug"] = debug  # set on every invocation, before the command runs
 
@@ -58,11 +68,12 @@ def user_errors(command):
 
 
 def _register() -> None:
-    from mimose_cli.cli import compare, report, train
+    from mimose_cli.cli import compare, recipes, report, train
 
     app.command("train")(user_errors(train.train))
     app.command("compare")(user_errors(compare.compare))
     app.command("report")(user_errors(report.report))
+    app.command("recipes")(user_errors(recipes.recipes))
 
 
 _register()

@@ -1,4 +1,4 @@
-"""mimose compare RECIPE [--baselines sublinear,dtr] [--budgets 4GB,6GB] [--steps N] [--repeats N] [--out DIR] [key=value ...]"""
+"""mimose compare [RECIPE] [--baselines sublinear,dtr] [--budgets 4GB,6GB] [--steps N] [--repeats N] [--out DIR] [key=value ...]"""
 
 from pathlib import Path
 from typing import List, Optional
@@ -9,7 +9,8 @@ from mimose_cli.units import SIZE_HELP
 
 
 def compare(
-    recipe: Path = typer.Argument(..., help="Recipe YAML, e.g. recipes/mc_roberta.yaml."),
+    recipe: Optional[Path] = typer.Argument(
+        None, help="Recipe YAML, e.g. recipes/mc_roberta.yaml (default: recipes/quickstart.yaml)."),
     overrides: Optional[List[str]] = typer.Argument(
         None, help="Recipe overrides key=value, applied to every run."),
     baselines: str = typer.Option(
@@ -24,8 +25,13 @@ def compare(
                                                "the tables show the median (for a shared or noisy machine)."),
 ):
     """Run mimose, the baselines, none and oracle on the same data at each budget; one table per budget."""
+    from mimose_cli.cli.recipes import DEFAULT_RECIPE
     from mimose_cli.compare import run_compare
     from mimose_cli.recipe import load_recipe
+
+    if recipe is None:
+        recipe = DEFAULT_RECIPE
+        typer.echo(f"no recipe given: comparing on the default, {recipe}", err=True)
 
     run_compare(load_recipe(recipe, overrides or []),
                 baselines=[b for b in baselines.split(",") if b.strip()],

@@ -96,3 +96,23 @@ def test_resume_without_checkpoint_and_train_without_recipe_say_so(tmp_path):
     assert result.exit_code == 2 and "no checkpoint.pt" in result.output and result.output.count("\n") == 1
     result = runner.invoke(app, ["train"])
     assert result.exit_code == 2 and "missing RECIPE" in result.output
+
+
+def test_version_recipes_and_compare_without_a_recipe(monkeypatch, tmp_path):
+    from mimose_cli import __version__
+    from mimose_cli import compare as compare_module
+
+    assert runner.invoke(app, ["--version"]).output.strip() == f"mimose {__version__}"
+    listing = runner.invoke(app, ["recipes"])
+    assert listing.exit_code == 0
+    lines = listing.output.splitlines()
+    assert len(lines) == len(list((ROOT / "recipes").glob("*.yaml"))) >= 5
+    assert any(line.startswith("recipes/quickstart.yaml") and "tiny BERT" in line for line in lines)
+    seen = {}
+    monkeypatch.setattr(compare_module, "run_compare",
+                        lambda recipe, **kw: seen.update(recipe=recipe, **kw))
+    result = runner.invoke(app, ["compare", "--baselines", "sublinear,dtr", "--steps", "2",
+                                 "--out", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert "default" in result.output and "quickstart.yaml" in result.output
+    assert seen["recipe_name"] == "quickstart" and seen["baselines"] == ["sublinear", "dtr"]
