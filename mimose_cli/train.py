@@ -10,7 +10,6 @@ import contextlib
 import math
 import os
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,10 +19,10 @@ from transformers import get_linear_schedule_with_warmup
 from mimose_cli.checkpoint import (MODEL_DIR, Progress, load_checkpoint, restore_step_state, restore_trainer,
                                    save_checkpoint, save_model)
 from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
-from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
+from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, synchronize
 from mimose_cli.models import build_model, model_config
 from mimose_cli.planners import Planner, build_planner
-from mimose_cli.preflight import BudgetRange, budget_error, measure_range
+from mimose_cli.preflight import BudgetRange, budget_error, check_model_state, optimizer_state_bytes, preflight
 from mimose_cli.recipe import Recipe
 from mimose_cli.records import StepRecord, completed_step, oom_step
 from mimose_cli.resume import cut_records
@@ -145,59 +144,6 @@ def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
         safety_margin=recipe.planner.safety_margin_bytes, meter=meter, **planner_options(recipe))
     scaler = torch.amp.GradScaler(device.type) if recipe.training.precision == "fp16" else None
     return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler)
-
-
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes the optimizer's state will take once its first step allocates it: Adam and AdamW
-    keep two moments per parameter (three with amsgrad; plus a step count, not counted), SGD one
-    momentum buffer when momentum is on. Other optimizers are not known here: 0, and a warning."""
-    per_param = None
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        per_param = 2 + int(any(group.get("amsgrad") for group in optimizer.param_groups))
-    if per_param is None and isinstance(optimizer, torch.optim.SGD):
-        per_param = int(any(group.get("momentum", 0) for group in optimizer.param_groups))
-    if per_param is None:
-        warnings.warn(f"cannot size the state of {type(optimizer).__name__}; static plans "
-                      "(sublinear) will not leave room for it", stacklevel=2)
-        return 0
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    return per_param * sum(p.numel() * p.element_size() for p in params)
-
-
-def model_state_error(trainer: Trainer, state_bytes: int) -> str | None:
-    """Why the budget cannot hold what every iteration keeps whatever the plan — the weights
-    (already on the meter), their gradients and the optimizer's ``state_bytes`` — or None when it
-    can. Checkpointing only shrinks activations, so no planner could help."""
-    budget = trainer.recipe.budget_bytes
-    weights = trainer.meter.current_bytes()
-    params = param_bytes(trainer.model)
-    # With accumulation a micro-batch holds the gradients set aside (``StepGuard``) and its own.
-    grads = params * (2 if trainer.recipe.training.gradient_accumulation_steps > 1 else 1)
-    # The optimizer step runs after the activations are freed, on top of weights, gradients and
-    # state; its scratch (AdamW: about one copy of the parameters, measured on the simulated
-    # device) is what the loop must leave room for, since no plan changes it.
-    scratch = params if state_bytes else 0
-    total = weights + grads + state_bytes + scratch
-    if budget is None or total <= budget:
-        return None
-    return (f"budget {format_bytes(budget)} cannot hold the model's state before any activation: "
-            f"weights {format_bytes(weights)} + gradients {format_bytes(grads)} + "
-            f"{type(trainer.optimizer).__name__} state {format_bytes(state_bytes)} + its step's scratch "
-            f"{format_bytes(scratch)} = {format_bytes(total)}; no checkpointing plan reduces these. Raise "
-            "--budget well above that (activations come on top) or use a smaller model")
-
-
-def check_model_state(trainer: Trainer) -> tuple[int, str | None]:
-    """Put the weights and optimizer on the meter; returns (optimizer state bytes, why the budget
-    cannot hold the model's state or None). Weights alone over the budget are such a reason."""
-    try:
-        trainer.meter.track(trainer.model, trainer.optimizer)
-    except torch.OutOfMemoryError:
-        return 0, (f"budget {format_bytes(trainer.recipe.budget_bytes)} cannot hold the model's weights "
-                   f"({format_bytes(param_bytes(trainer.model))}); raise the budget well above that "
-                   "or use a smaller model")
-    state_bytes = optimizer_state_bytes(trainer.optimizer)
-    return state_bytes, model_state_error(trainer, state_bytes)
 
 
 def divergence_error(record: StepRecord, recipe: Recipe) -> str:
@@ -396,7 +342,7 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
     with trainer.meter.activate():
         state_bytes, error = check_model_state(trainer)
         if error is None:
-            run.preflight = _preflight(trainer, run.config, state_bytes)
+            run.preflight = preflight(trainer, run.config, state_bytes)
             error = budget_error(recipe.budget_bytes, run.preflight)
             view.message(f"pre-flight: {run.preflight.describe()}")
         if error is not None:
@@ -488,16 +434,6 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
     return summary
 
 
-def _preflight(trainer: Trainer, config, state_bytes: int) -> BudgetRange:
-    """The budgets the recipe needs at its largest input (``preflight``): besides the step, the
-    optimizer's state and, with accumulation, the gradients set aside during a micro-batch."""
-    recipe = trainer.recipe
-    size = max_input_size(recipe)
-    batch = trainer.to_device(make_batch(recipe, config, size))
-    later = state_bytes + (param_bytes(trainer.model) if recipe.training.gradient_accumulation_steps > 1 else 0)
-    return measure_range(trainer.planner, batch, size, later)
-
-
 def dry_run(recipe: Recipe, console=None) -> BudgetRange:
     """Build the recipe's model and measure the budgets it needs (``preflight``) without training
     or writing a run directory; prints them."""
@@ -510,7 +446,7 @@ def dry_run(recipe: Recipe, console=None) -> BudgetRange:
         with trainer.meter.activate():
             trainer.meter.track(trainer.model, trainer.optimizer)
             state_bytes = optimizer_state_bytes(trainer.optimizer)
-            needs = _preflight(trainer, config, state_bytes)
+            needs = preflight(trainer, config, state_bytes)
     finally:
         trainer.planner.close()
     console.print(f"{recipe.model.type} ({recipe.model.size}): {needs.describe()}", highlight=False, soft_wrap=True)

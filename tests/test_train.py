@@ -107,7 +107,7 @@ def test_cuda_device_without_gpu_is_a_clear_error(quick_recipe):
     (lambda params: torch.optim.SGD(params, lr=0.1), 0),
 ])
 def test_optimizer_state_bytes_matches_the_state_its_first_step_allocates(make, moments):
-    from mimose_cli.train import optimizer_state_bytes
+    from mimose_cli.preflight import optimizer_state_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
     optimizer = make(model.parameters())
@@ -120,7 +120,7 @@ def test_optimizer_state_bytes_matches_the_state_its_first_step_allocates(make, 
 
 
 def test_optimizer_state_bytes_warns_for_an_unknown_optimizer():
-    from mimose_cli.train import optimizer_state_bytes
+    from mimose_cli.preflight import optimizer_state_bytes
 
     optimizer = torch.optim.Adagrad(torch.nn.Linear(2, 2).parameters())
     with pytest.warns(UserWarning, match="Adagrad"):
