@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mimose_cli.resume import CHECKPOINT
+from mimose_cli.rundir import file_mode
 
 MODEL_DIR = "model"
 FORMAT = 1
@@ -152,6 +153,8 @@ def save_model(model, run_dir: Path) -> Path:
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+    for path in tmp.iterdir():  # transformers writes some files 0600 (through a temporary file)
+        os.chmod(path, file_mode())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final

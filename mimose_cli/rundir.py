@@ -111,13 +111,22 @@ def write_json(path, data) -> None:
     write_text(path, json.dumps(data, indent=2, default=str))
 
 
+def file_mode() -> int:
+    """The mode a plainly created file gets under the process's umask (``mkstemp`` makes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_text(path, text: str) -> None:
-    """Replace ``path`` by ``text`` atomically (see ``write_json``)."""
+    """Replace ``path`` by ``text`` atomically (see ``write_json``), readable as any file the user
+    writes (others on a shared machine read the summary as they read the metrics)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as file:
             file.write(text)
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -59,3 +59,12 @@ def test_report_says_where_the_model_and_the_checkpoint_are(finished):
 def test_a_run_without_checkpoint_cannot_be_loaded(tmp_path):
     with pytest.raises(ValueError, match="no checkpoint.pt"):
         load_checkpoint(tmp_path)
+
+
+def test_every_file_of_a_run_is_as_readable_as_its_metrics(finished):
+    """Atomic writes go through temporary files (0600); the run's files still get the umask's mode."""
+    run_dir = finished.run_dir
+    mode = (run_dir / "metrics.jsonl").stat().st_mode & 0o777
+    written = [run_dir / name for name in ("summary.json", "recipe.yaml", "env.json")]
+    written += list((run_dir / "model").iterdir())
+    assert {path.name: path.stat().st_mode & 0o777 for path in written} == {path.name: mode for path in written}

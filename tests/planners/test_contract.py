@@ -42,19 +42,25 @@ def _step(model, planner, length):
     return planner.run(lambda batch: model(batch).sum().backward(), x, input_size=(8, length))
 
 
-def test_the_example_planner_learns_to_fit_through_the_contract(example_planner):
-    model = _model()
+def _none_peak(model, length=64) -> int:
+    """The step's peak at ``length`` with nothing checkpointed (weights included)."""
     meter = build_meter("simulated", None)
     with meter.activate():
         meter.track(model)
-        probe = build_planner("none", model, None, meter=meter, blocks="*")  # its peak, unplanned
-        meter.reset_peak()
-        _step(model, probe, 64)
-        none_peak = meter.peak_bytes()
+        probe = build_planner("none", model, None, meter=meter, blocks="*")
+        _step(model, probe, length)
         probe.close()
         for p in model.parameters():
             p.grad = None
-        meter.budget_bytes = int(none_peak * 1.05)
+        return meter.peak_bytes()
+
+
+def test_the_example_planner_learns_to_fit_through_the_contract(example_planner):
+    model = _model()
+    none_peak = _none_peak(model)
+    meter = build_meter("simulated", int(none_peak * 1.05))
+    with meter.activate():
+        meter.track(model)
         planner = build_planner("cautious", model, meter.budget_bytes, meter=meter, blocks="*")
         plans, peaks = [], []
         for _ in range(6):
@@ -93,3 +99,18 @@ def test_every_planner_is_importable_from_the_package_without_importing_torch_fi
             "assert {c.name for c in (Mimose, Sublinear, DTR, FullCheckpointing, NoCheckpointing, Oracle)} == set(PLANNERS)")
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_the_example_planner_measures_in_a_loop_of_ones_own(example_planner):
+    """Without a meter passed, it builds its own (the README's own-loop use) and learns from it."""
+    model = _model()
+    planner = build_planner("cautious", model, int(_none_peak(model) * 1.05), blocks="*")
+    try:
+        for _ in range(3):
+            _step(model, planner, 64)
+            for p in model.parameters():
+                p.grad = None
+        assert planner.meter is not None and planner.meter.peak_bytes() > 0
+        assert planner.blocks_at.get(64, 0) >= 1  # the budget binds at length 64
+    finally:
+        planner.close()
