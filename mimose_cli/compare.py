@@ -11,11 +11,10 @@ import time
 from pathlib import Path
 
 from pydantic import TypeAdapter
-from rich.console import Console
 from rich.table import Table
 from typing_extensions import Required, TypedDict
 
-from mimose_cli.live import check_view
+from mimose_cli.live import check_view, new_console
 from mimose_cli.recipe import Recipe, recipe_from_dict, recipe_to_dict
 from mimose_cli.rundir import check_out_dir, read_json, unique_dir, write_json
 from mimose_cli.units import format_bytes
@@ -162,7 +161,7 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     at_budgets = [_at_budget(recipe, budget) for budget in budgets]
     for spec in specs:
         _run_recipe(at_budgets[0], spec, steps)
-    console = console or Console()
+    console = console or new_console()
     data = {"recipe": recipe_name, "planners": specs, "steps": steps or recipe.training.max_steps,
             "seed": recipe.seed, "repeats": repeats, "budgets": []}
     compare_dir = _claim_compare_dir(out, recipe, recipe_name, data)
@@ -248,7 +247,7 @@ def compare_table(entry: dict) -> Table:
 def render_compare(compare_dir, console=None) -> None:
     """Print one table per budget from ``compare_dir/compare.json`` (``mimose report`` calls
     this when a directory holds one)."""
-    console = console or Console()
+    console = console or new_console()
     data = read_json(Path(compare_dir) / "compare.json", COMPARE_FILE)
     repeats = data.get("repeats", 1)
     console.print(f"compare {data.get('recipe')}: {data.get('steps')} steps, seed {data.get('seed')}"

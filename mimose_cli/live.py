@@ -14,6 +14,14 @@ from mimose_cli.records import StepRecord
 from mimose_cli.units import format_bytes
 
 ROWS_SHOWN = 12
+PLAIN_WIDTH = 200
+
+
+def new_console() -> Console:
+    """A console for tables: the terminal's width, or when the output is a file or a pipe (a log,
+    ``| tee``) wide enough that no cell is cut (rich assumes 80 columns there)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=PLAIN_WIDTH)
 VIEWS = ("auto", "live", "plain", "none")
 
 
@@ -67,7 +75,7 @@ class ProgressView:
 
     def __init__(self, title: str, budget_bytes, total_steps, log_every=1, mode="auto", console=None):
         check_view(mode)
-        self.console = console or Console()
+        self.console = console or new_console()
         self.mode = ("live" if self.console.is_terminal else "plain") if mode == "auto" else mode
         self.title, self.budget_bytes, self.total_steps = title, budget_bytes, total_steps
         self.log_every = log_every

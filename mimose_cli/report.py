@@ -7,7 +7,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from mimose_cli.live import step_table
+from mimose_cli.live import new_console, step_table
 from mimose_cli.records import read_records
 from mimose_cli.resume import CHECKPOINT
 from mimose_cli.rundir import read_json, read_text
@@ -96,7 +96,7 @@ def _outputs(run_dir: Path, summary: dict) -> list:
 
 def render(path, console: Console | None = None) -> None:
     """Render a run directory, or a compare directory (one holding compare.json)."""
-    console = console or Console()
+    console = console or new_console()
     path = Path(path)
     if not path.is_dir():
         what = "a file" if path.exists() else "no such directory"

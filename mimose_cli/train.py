@@ -29,7 +29,7 @@ from mimose_cli.resume import cut_records
 from mimose_cli.rundir import RunWriter, check_out_dir, environment, new_run_dir
 from mimose_cli.signals import EXIT_CODES, StopRequest
 from mimose_cli.units import format_bytes
-from mimose_cli.live import ProgressView, check_view
+from mimose_cli.live import ProgressView, check_view, new_console
 
 
 @dataclass
@@ -437,9 +437,7 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
 def dry_run(recipe: Recipe, console=None) -> BudgetRange:
     """Build the recipe's model and measure the budgets it needs (``preflight``) without training
     or writing a run directory; prints them."""
-    from rich.console import Console
-
-    console = console or Console()
+    console = console or new_console()
     config = model_config(recipe)
     trainer = build_trainer(recipe, config, total_steps=1)
     try:

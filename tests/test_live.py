@@ -32,3 +32,10 @@ def test_pipe_gets_plain_lines_every_log_every_steps_and_on_oom():
     lines = out.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["0/5", "2/5", "3/5"]
     assert "loss OOM" in lines[-1] and "(75%)" in lines[0]
+
+
+def test_tables_are_not_cut_when_the_output_is_not_a_terminal(capsys):
+    from mimose_cli.live import PLAIN_WIDTH, new_console
+
+    console = new_console()  # pytest captures: not a terminal
+    assert not console.is_terminal and console.width == PLAIN_WIDTH
