@@ -129,6 +129,8 @@ class Trainer:
 def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
     """Setup: seed, device, model, optimizer, meter, planner."""
     device = resolve_device(recipe.device)
+    if device.type == "cpu" and recipe.training.cpu_threads is not None:
+        torch.set_num_threads(recipe.training.cpu_threads)
     torch.manual_seed(recipe.seed)
     model = build_model(recipe).to(device)
     model.train()

@@ -256,3 +256,17 @@ def test_a_loss_that_is_not_finite_ends_the_run_as_diverged(quick_recipe):
     render(result.run_dir, console)
     text = console.export_text()
     assert "diverged" in text and "lower training.lr" in text
+
+
+def test_cpu_threads_sets_torchs_intra_op_threads_on_the_cpu(quick_recipe):
+    from mimose_cli.models import model_config
+    from mimose_cli.train import build_trainer
+
+    before = torch.get_num_threads()
+    try:
+        recipe = quick_recipe("training.cpu_threads=2")
+        trainer = build_trainer(recipe, model_config(recipe), total_steps=1)
+        trainer.planner.close()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
