@@ -346,7 +346,8 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         if error is None:
             run.preflight = preflight(trainer, run.config, state_bytes)
             error = budget_error(recipe.budget_bytes, run.preflight)
-            view.message(f"pre-flight: {run.preflight.describe()}")
+            if error is None:  # else the error says it
+                view.message(f"pre-flight: {run.preflight.describe()}")
         if error is not None:
             view.message(f"[red]out of memory before the first step[/red]: {error}")
             return LoopEnd(status="oom", at_boundary=False, error=error)
@@ -377,6 +378,8 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
         name = run.run_dir.name if resume else recipe_name
         live = ProgressView(f"mimose train {name} [{recipe.planner.name}]", recipe.budget_bytes,
                             run.total_steps, recipe.training.log_every, view, console)
+        if resume is not None:
+            live.message(f"resuming {run.run_dir} at step {run.start.step} of {run.total_steps}")
         clock = time.perf_counter()
         try:
             end = _train(run, writer, live, stop, clock)

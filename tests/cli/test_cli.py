@@ -84,8 +84,9 @@ def test_resume_continues_a_run_and_rejects_what_would_change_it(tmp_path):
     assert with_recipe.exit_code == 2 and "leave out" in with_recipe.output
     done = runner.invoke(app, ["train", "--resume", str(run_dir)])
     assert done.exit_code == 2 and "raise training.max_steps" in done.output
-    more = runner.invoke(app, ["train", "--resume", str(run_dir), "training.max_steps=5", "--view", "none"])
+    more = runner.invoke(app, ["train", "--resume", str(run_dir), "training.max_steps=5", "--view", "plain"])
     assert more.exit_code == 0, more.output
+    assert f"resuming {run_dir} at step 3 of 5" in more.output
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["resumed_from_steps"] == [3]
 
