@@ -21,7 +21,7 @@ import torch
 from mimose_cli.data import make_batch, max_input_size
 from mimose_cli.memory import param_bytes
 from mimose_cli.planners import Planner
-from mimose_cli.planners.probe import probe_step
+from mimose_cli.planners.probe import probe_with_plan
 from mimose_cli.units import format_bytes
 
 
@@ -48,19 +48,11 @@ def _fmt(value) -> str:
 def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) -> BudgetRange:
     """Measure the step's peak on ``batch`` with every block checkpointed and with none, through
     ``planner``'s router (its own runner and measurer set aside meanwhile), plus ``later_bytes``."""
-    meter = planner.meter
-    saved = planner.runner, planner.measurer, planner.plan
-    planner.runner, planner.measurer = planner.plan_runner, None
     peaks = []
-    try:
-        with meter.unlimited():
-            for plan in (tuple(range(planner.num_blocks)), ()):
-                planner.set_plan(plan)
-                peak = probe_step(planner, batch)
-                peaks.append(None if peak is None else peak + later_bytes)
-    finally:
-        planner.runner, planner.measurer = saved[:2]
-        planner.set_plan(saved[2])
+    with planner.meter.unlimited():
+        for plan in (tuple(range(planner.num_blocks)), ()):
+            peak = probe_with_plan(planner, batch, plan)
+            peaks.append(None if peak is None else peak + later_bytes)
     return BudgetRange(tuple(input_size), *peaks)
 
 

@@ -32,29 +32,32 @@ class CudaMeter(Meter):
         if self.budget_bytes is None:
             yield self
             return
+        self._cap()
+        try:
+            yield self
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    def _cap(self) -> None:
+        """Cap the allocator at ``budget_bytes`` (a fraction of the device's memory)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
         if self.budget_bytes > total:
             raise ValueError(
                 f"budget of {self.budget_bytes} bytes exceeds the {total} bytes of {self.device}"
             )
         torch.cuda.set_per_process_memory_fraction(self.budget_bytes / total, self.device)
-        try:
-            yield self
-        finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     @contextlib.contextmanager
     def unlimited(self):
         if self.budget_bytes is None:
             yield self
             return
-        total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.set_per_process_memory_fraction(1.0, self.device)
         try:
             yield self
         finally:
             torch.cuda.empty_cache()  # what the measurement reserved must not count against the budget
-            torch.cuda.set_per_process_memory_fraction(self.budget_bytes / total, self.device)
+            self._cap()
 
     def track(self, *objects) -> None:
         """Nothing to do: the allocator already knows every storage on the device."""

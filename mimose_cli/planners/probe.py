@@ -69,3 +69,17 @@ def probe_step(planner, batch):
             p.grad = g
         if meter is not None:
             meter.reset_peak()
+
+
+def probe_with_plan(planner, batch, plan):
+    """``probe_step`` with ``plan`` checkpointed through the planner's own router (its runner and
+    measurer set aside meanwhile); the plan in force, runner and measurer are put back after.
+    Returns what ``probe_step`` returns."""
+    saved = planner.runner, planner.measurer, planner.plan
+    planner.runner, planner.measurer = planner.plan_runner, None
+    planner.set_plan(plan)
+    try:
+        return probe_step(planner, batch)
+    finally:
+        planner.runner, planner.measurer = saved[:2]
+        planner.set_plan(saved[2])

@@ -23,7 +23,7 @@ import torch
 
 from mimose_cli.memory.profiler import BlockProfiler
 from mimose_cli.planners.base import Decision, Planner
-from mimose_cli.planners.probe import model_device, probe_step, run_model, side_effect_free, to_model_device
+from mimose_cli.planners.probe import model_device, probe_with_plan, run_model, side_effect_free, to_model_device
 from mimose_cli.planners.scheduler import greedy_plan_checked
 
 Variant = Literal["greedy", "sqrt", "chen"]
@@ -79,12 +79,7 @@ def measure_fixed_bytes(planner, batch, act_bytes) -> int:
     if planner.meter is None:
         return 0
     plan = probe_plan(planner.num_blocks)
-    saved_plan = planner.plan
-    planner.set_plan(plan)
-    try:
-        peak = probe_step(planner, batch)
-    finally:
-        planner.set_plan(saved_plan)
+    peak = probe_with_plan(planner, batch, plan)
     if peak is None:  # nothing fits: make every plan but "all" look infeasible
         return planner.limit_bytes or 0
     return peak - BlockProfile((), act_bytes, [0.0] * len(act_bytes)).peak_bytes(plan)
