@@ -94,8 +94,9 @@ def _outputs(run_dir: Path, summary: dict) -> list:
     return lines
 
 
-def render(path, console: Console | None = None) -> None:
-    """Render a run directory, or a compare directory (one holding compare.json)."""
+def render(path, console: Console | None = None, plots: bool = True) -> None:
+    """Render a run directory, or a compare directory (one holding compare.json); with ``plots``
+    also write its PNGs into ``path/plots/`` and print their paths."""
     console = console or new_console()
     path = Path(path)
     if not path.is_dir():
@@ -105,5 +106,17 @@ def render(path, console: Console | None = None) -> None:
         from mimose_cli.compare import render_compare
 
         render_compare(path, console)
-        return
-    render_run(path, console)
+    else:
+        render_run(path, console)
+    if plots:
+        _render_plots(path, console)
+
+
+def _render_plots(path: Path, console: Console) -> None:
+    from mimose_cli.plots import write_plots  # matplotlib: imported only when plotting
+
+    written = write_plots(path)
+    for png in written.written:
+        console.print(f"plot: {png}", highlight=False, soft_wrap=True)
+    for name, reason in written.skipped:
+        console.print(f"plot not drawn: {name} ({reason})", highlight=False, soft_wrap=True)

@@ -1,12 +1,14 @@
-"""mimose report RUN_DIR"""
+"""mimose report RUN_DIR [--no-plots]"""
 
 from pathlib import Path
 
 import typer
 
 
-def report(run_dir: Path = typer.Argument(..., help="A runs/<id> directory, or a compare directory.")):
-    """Show a run's summary and per-iteration statistics from its directory alone."""
+def report(run_dir: Path = typer.Argument(..., help="A runs/<id> directory, or a compare directory."),
+           no_plots: bool = typer.Option(False, "--no-plots", help="Print the tables only; write no PNGs.")):
+    """Show a run's summary and per-iteration statistics from its directory alone, and write its
+    plots (PNG) into RUN_DIR/plots/."""
     from mimose_cli.report import render
 
-    render(run_dir)
+    render(run_dir, plots=not no_plots)

@@ -35,6 +35,31 @@ def test_train_out_of_memory_exits_nonzero_with_message(tmp_path):
     assert result.exit_code == 1
     # 5MB is below what the step needs with every block checkpointed: the pre-flight says so.
     assert "out of memory before the first step" in result.output and "too small" in result.output
+    (run_dir,) = list(tmp_path.iterdir())
+    report = runner.invoke(app, ["report", str(run_dir)])  # no step to plot: said, not a traceback
+    assert report.exit_code == 0, report.output
+    assert "plot not drawn: memory.png (no step recorded in metrics.jsonl)" in report.output
+
+
+def test_report_plots_a_run_that_ran_out_of_memory(tmp_path):
+    from mimose_cli.plots import run_figures
+
+    result = runner.invoke(app, ["train", QUICK, "--planner", "none", "--budget", "30MB", "--out", str(tmp_path),
+                                 "training.max_steps=6", "training.batch_size=4", "data.num_examples=48"])
+    assert result.exit_code == 1 and "step 3 ran out of memory" in result.output
+    (run_dir,) = list(tmp_path.iterdir())
+    report = runner.invoke(app, ["report", str(run_dir), "--no-plots"])
+    assert report.exit_code == 0 and "plot" not in report.output and not (run_dir / "plots").exists()
+    report = runner.invoke(app, ["report", str(run_dir)])
+    assert report.exit_code == 0, report.output
+    lines = report.output.splitlines()
+    for name in ("memory.png", "input_size.png", "plan.png"):
+        assert f"plot: {run_dir / 'plots' / name}" in lines and (run_dir / "plots" / name).stat().st_size > 8_000
+    assert ("plot not drawn: estimator.png (no estimator.json in the run directory (only the mimose planner "
+            "keeps one))") in lines
+    memory = run_figures(run_dir)["memory.png"].axes[0]
+    oom = [c for c in memory.collections if c.get_label() == "out of memory (bytes reached)"]
+    assert len(oom) == 1 and list(oom[0].get_offsets()[:, 0]) == [3]  # the fourth step
 
 
 def test_bad_recipe_key_exits_2_naming_the_key(tmp_path):
