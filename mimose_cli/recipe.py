@@ -11,6 +11,7 @@ before anything is built. YAML is read by ``StrictLoader``: a key given twice, a
 or a ``!!python`` tag is an error, and ``1e-4`` is a number (YAML 1.2's reading).
 """
 
+import importlib.util
 import re
 from collections.abc import Hashable
 from dataclasses import field
@@ -216,6 +217,15 @@ class TrainingConfig:
     """Torch intra-op threads when the run is on the CPU; null: torch's default (one per core).
     Tiny models gain nothing from more than one, and on cores shared with other jobs the threads
     of one op wait on each other (the quickstart: 13 s idle either way, 73 s vs 16 s under load)."""
+    tensorboard: StrictBool = False
+    """Also log each step's loss, lr, peak and predicted memory, iteration time, blocks
+    checkpointed and retries to runs/<id>/tensorboard/ (needs ``pip install tensorboard``)."""
+
+    def __post_init__(self):
+        # Checked with the recipe, before anything is built; find_spec does not import it.
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise _Invalid("tensorboard", True, "false: the tensorboard package is not installed "
+                                                "(pip install tensorboard)")
 
 
 @dataclass(config=FORBID_UNKNOWN_KEYS)

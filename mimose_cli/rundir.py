@@ -76,7 +76,8 @@ def environment(device) -> dict:
 
 
 class RunWriter:
-    """Appends per-iteration metrics and plans; writes summary and JSON side files."""
+    """Appends per-iteration metrics and plans (and, with ``training.tensorboard``, logs each
+    step's scalars for TensorBoard); writes summary and JSON side files."""
 
     def __init__(self, path: Path, recipe: Recipe, env: dict):
         self.path = Path(path)
@@ -84,9 +85,16 @@ class RunWriter:
         self.write_json("env.json", env)
         self._metrics = open(self.path / "metrics.jsonl", "a", buffering=1)
         self._plans = open(self.path / "plans.jsonl", "a", buffering=1)
+        self._tensorboard = None
+        if recipe.training.tensorboard:
+            from mimose_cli.tblog import TensorBoardLog
+
+            self._tensorboard = TensorBoardLog(self.path, recipe.training.gradient_accumulation_steps)
 
     def metric(self, record: "StepRecord") -> None:
         _append_line(self._metrics, record.to_json())
+        if self._tensorboard is not None:
+            self._tensorboard.add(record)
 
     def plan(self, record: dict) -> None:
         _append_line(self._plans, record)
@@ -97,6 +105,8 @@ class RunWriter:
     def close(self) -> None:
         self._metrics.close()
         self._plans.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
 def _append_line(file, data) -> None:
