@@ -35,6 +35,12 @@ def new_figure(rows: int = 1, cols: int = 1, size=WIDE, **subplots) -> tuple:
     return fig, fig.subplots(rows, cols, **subplots)
 
 
+def _legend(ax, **options) -> None:
+    """The axes' legend, when something on them has a label (matplotlib warns otherwise)."""
+    if ax.get_legend_handles_labels()[0] or "handles" in options:
+        ax.legend(**options)
+
+
 def byte_unit(values) -> tuple:
     """(divisor, name) to show byte figures up to the largest of ``values`` in: KiB, MiB or GiB."""
     largest = max((v for v in values if v is not None), default=0)
@@ -96,7 +102,7 @@ def memory_figure(records, budget_bytes=None, title: str = "memory per step") ->
     ax.set_xlabel(_step_axis(records))
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(title)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return fig
 
 
@@ -120,7 +126,7 @@ def input_size_figure(records, title: str = "input size per step") -> Figure:
     top.set_title(title)
     for ax in (top, bottom):
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize="small")
+        _legend(ax, fontsize="small")
     return fig
 
 
@@ -145,7 +151,7 @@ def plan_figure(records, title: str = "blocks checkpointed per step", what: str 
     ax.set_xlabel(_step_axis(records))
     ax.set_ylabel("block")
     ax.set_title(title)
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    _legend(ax, handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return fig
 
 
@@ -203,42 +209,48 @@ def _fit_sizes(estimator, planned) -> list:
     return [(batch, int(length)) for batch in sorted({s[0] for s in estimator.sizes}) for length in grid]
 
 
+def _block_panel(ax, estimator, block: int, fits: list, divisor: float) -> None:
+    """One block's samples (dots) and fitted curves (``fits``: (size, prediction) pairs), solid
+    between the lengths sampled and dotted outside them."""
+    low, high = min(map(_length, estimator.sizes)), max(map(_length, estimator.sizes))
+    batches = sorted({size[0] for size, _ in fits})
+    for quantity, label, colour in FITTED:
+        points = _samples(estimator, quantity, block)
+        if points:
+            ax.scatter(*zip(*[(x, v / divisor) for x, v in points]), s=14, color=colour, label=f"{label}: samples")
+        for batch in batches:
+            curve = [(_length(size), pred.blocks[quantity][block] / divisor) for size, pred in fits
+                     if size[0] == batch]
+            inside = [c for c in curve if low <= c[0] <= high]
+            ax.plot(*zip(*inside), color=colour, linewidth=1, label=f"{label}: fit" if batch == batches[0] else None)
+            for outside in ([c for c in curve if c[0] <= low], [c for c in curve if c[0] >= high]):
+                if len(outside) > 1:
+                    ax.plot(*zip(*outside), color=colour, linewidth=1, linestyle=":")
+    ax.set_title(f"block {block}", fontsize="medium")
+    ax.set_ylim(bottom=0)
+
+
 def estimator_figure(estimator, planned=()) -> Figure:
-    """One panel per block: the estimator's samples (dots) and fitted curves, drawn across the
-    lengths the run ``planned`` for too: solid between the samples, dotted outside them."""
+    """One panel per block: the estimator's samples and fitted curves, drawn across the lengths
+    the run ``planned`` for too; samples alone while it is not fitted."""
     n = estimator.num_blocks
     cols = min(4, n)
     rows = -(-n // cols)
     fig, axes = new_figure(rows, cols, size=(3.0 * cols + 0.6, 2.4 * rows + 0.8), squeeze=False)
     sizes = _fit_sizes(estimator, planned) if estimator.fitted else []
-    predictions = [estimator.predict(s) for s in sizes]
+    fits = [(size, estimator.predict(size)) for size in sizes]
     values = [v for q, _, _ in FITTED for b in range(n) for _, v in _samples(estimator, q, b)]
-    divisor, unit = byte_unit(values + [float(p.blocks[q].max()) for p in predictions for q, _, _ in FITTED])
-    low, high = min(map(_length, estimator.sizes)), max(map(_length, estimator.sizes))
+    divisor, unit = byte_unit(values + [float(p.blocks[q].max()) for _, p in fits for q, _, _ in FITTED])
     for block, ax in enumerate(axes.flat):
         if block >= n:
             ax.set_visible(False)
             continue
-        for quantity, label, colour in FITTED:
-            points = _samples(estimator, quantity, block)
-            if points:
-                ax.scatter(*zip(*[(x, v / divisor) for x, v in points]), s=14, color=colour,
-                           label=f"{label}: samples")
-            for batch in sorted({s[0] for s in sizes}):
-                curve = [(_length(s), p.blocks[quantity][block] / divisor) for s, p in zip(sizes, predictions)
-                         if s[0] == batch]
-                inside = [c for c in curve if low <= c[0] <= high]
-                ax.plot(*zip(*inside), color=colour, linewidth=1, label=f"{label}: fit")
-                for outside in ([c for c in curve if c[0] <= low], [c for c in curve if c[0] >= high]):
-                    if len(outside) > 1:
-                        ax.plot(*zip(*outside), color=colour, linewidth=1, linestyle=":")
-        ax.set_title(f"block {block}", fontsize="medium")
-        ax.set_ylim(bottom=0)
+        _block_panel(ax, estimator, block, fits, divisor)
         if block % cols == 0:
             ax.set_ylabel(f"held until backward ({unit})")
         if block >= n - cols:
             ax.set_xlabel("length L (tokens)" if len(estimator.sizes[0]) == 2 else "L: product of the lengths")
-    axes.flat[0].legend(fontsize="x-small")
+    _legend(axes.flat[0], fontsize="x-small")
     state = "fits dotted outside the samples" if estimator.fitted else "not fitted yet (sheltered phase)"
     fig.suptitle(f"estimator: per-block samples and fits, {len(estimator.sizes)} samples; {state}")
     return fig
@@ -277,7 +289,7 @@ def compare_time_figure(data: dict) -> Figure:
     ax.set_ylabel("training time (s)")
     ax.set_title(f"{data.get('recipe', 'compare')}: time per planner against budget, "
                  f"{data.get('steps')} steps each")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return fig
 
 
@@ -308,7 +320,7 @@ def compare_memory_figure(data: dict) -> Figure:
     ax.set_xlabel("budget")
     ax.set_ylabel(f"peak memory ({unit})")
     ax.set_title("peak memory per planner")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return fig
 
 
@@ -316,8 +328,8 @@ def compare_memory_figure(data: dict) -> Figure:
 class Plots:
     """What ``write_plots`` did: the PNGs written, and each one not drawn with the reason."""
 
-    written: list = field(default_factory=list)
-    skipped: list = field(default_factory=list)
+    written: list[Path] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
     """(file name, reason) pairs."""
 
 

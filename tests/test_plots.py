@@ -11,7 +11,7 @@ import mimose_cli.train
 from mimose_cli.compare import run_compare
 from mimose_cli.plots import compare_figures, load_estimator, run_figures, write_plots
 from mimose_cli.recipe import load_recipe
-from mimose_cli.records import read_records
+from mimose_cli.records import StepRecord, read_records
 
 from helpers import QUICK_OVERRIDES, QUICKSTART
 
@@ -106,6 +106,18 @@ def test_a_run_of_one_step_plots_what_it_has(quick_recipe):
     assert "1 samples; not fitted yet" in figure.get_suptitle()
     ax = figure.axes[0]
     assert len(ax.collections) == 2 and not ax.get_lines()  # the samples, no fit
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_first_step_out_of_memory_before_any_plan_is_still_drawn():
+    from mimose_cli.plots import input_size_figure, memory_figure, plan_figure
+
+    records = [StepRecord(step=0, oom=True, peak_bytes=None, reached_bytes=3 * 2**20, error="out of memory")]
+    ax = memory_figure(records, budget_bytes=2**21).axes[0]
+    (cross,) = [c for c in ax.collections if c.get_label() == "out of memory (bytes reached)"]
+    assert list(cross.get_offsets()[0]) == [0, 3.0] and ax.get_ylabel() == "memory (MiB)"
+    assert input_size_figure(records).axes[1].get_xlabel() == "step"
+    assert np.asarray(plan_figure(records).axes[0].images[0].get_array()).shape == (1, 1)
 
 
 def test_a_run_without_estimator_or_with_a_corrupt_one_still_plots(mimose_run, tmp_path):
