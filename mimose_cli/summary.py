@@ -7,7 +7,7 @@ from pydantic import TypeAdapter
 from rich.table import Table
 from typing_extensions import Required, TypedDict
 
-from mimose_cli.units import format_bytes
+from mimose_cli.units import format_budget, format_bytes, format_duration
 
 TAIL = 10
 
@@ -68,6 +68,7 @@ class SummaryFile(TypedDict, total=False):
     oom_steps: int
     retries: int
     retried_steps: int
+    budget: str | None
     budget_bytes: int | None
     train_time_s: float | None
     mean_iter_ms: float | None
@@ -95,7 +96,7 @@ def _fmt(value, kind):
     if kind == "bytes":
         return format_bytes(value)
     if kind == "ms":
-        return f"{value:.1f} ms"
+        return format_duration(value)
     if kind == "float":
         return f"{value:.4f}"
     return str(value)
@@ -104,7 +105,7 @@ def _fmt(value, kind):
 SUMMARY_ROWS = (
     ("status", "status", "str"), ("steps completed", "steps", "str"),
     ("out-of-memory steps", "oom_steps", "str"), ("retried steps / retries", None, "retries"),
-    ("budget", "budget_bytes", "bytes"),
+    ("budget", "budget_bytes", "budget"),
     ("peak memory", "peak_bytes", "bytes"), ("mean peak memory", "mean_peak_bytes", "bytes"),
     ("steps over budget", "over_budget_steps", "str"),
     ("training time", "train_time_s", "seconds"), ("mean iteration", "mean_iter_ms", "ms"),
@@ -124,11 +125,19 @@ def _summary_value(summary, key, kind):
     if kind == "retries":
         return f"{summary.get('retried_steps', 0)} / {summary.get('retries', 0)}"
     value = summary.get(key)
+    if kind == "budget":
+        return format_budget(summary.get("budget"), value)
     if kind == "seconds":
         return "-" if value is None else f"{value:.2f} s"
     if kind == "blocks":
         return "-" if value is None else f"{value:.2f} of {summary.get('num_blocks')}"
     return _fmt(value, kind)
+
+
+def _planner_value(key: str, value) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith("_ms"):
+        return format_duration(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def summary_tables(summary: dict) -> list:
@@ -148,6 +157,6 @@ def summary_tables(summary: dict) -> list:
         planner.add_column("value", justify="right")
         for key, value in stats.items():
             if key != "planner":
-                planner.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+                planner.add_row(key, _planner_value(key, value))
         tables.append(planner)
     return tables

@@ -19,7 +19,7 @@ from transformers import get_linear_schedule_with_warmup
 from mimose_cli.checkpoint import (MODEL_DIR, Progress, load_checkpoint, restore_step_state, restore_trainer,
                                    save_checkpoint, save_model)
 from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
-from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, synchronize
+from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.models import build_model, model_config
 from mimose_cli.planners import Planner, build_planner
 from mimose_cli.preflight import BudgetRange, budget_error, check_model_state, optimizer_state_bytes, preflight
@@ -28,7 +28,7 @@ from mimose_cli.records import StepRecord, completed_step, oom_step
 from mimose_cli.resume import cut_records
 from mimose_cli.rundir import RunWriter, check_out_dir, environment, new_run_dir
 from mimose_cli.signals import EXIT_CODES, StopRequest
-from mimose_cli.units import format_bytes
+from mimose_cli.units import format_budget, format_bytes
 from mimose_cli.live import ProgressView, check_view, new_console
 
 
@@ -126,14 +126,35 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
-    """Setup: seed, device, model, optimizer, meter, planner."""
+def describe_device(device: torch.device, recipe: Recipe) -> str:
+    """The device a run picked, for its first setup line."""
+    budget = format_budget(recipe.budget, recipe.budget_bytes)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return f"device: {device} ({torch.cuda.get_device_name(device)}, {format_bytes(total)}), budget {budget}"
+    threads = torch.get_num_threads()
+    cpu = f"device: cpu, {threads} thread{'s' if threads != 1 else ''}"
+    return f"{cpu}; the simulated device holds the budget {budget}" if recipe.budget_bytes is not None else cpu
+
+
+def describe_model(model: torch.nn.Module, recipe: Recipe) -> str:
+    """The model a run built, with its parameter count and size."""
+    count = sum(p.numel() for p in model.parameters())
+    source = recipe.model.pretrained or f"{recipe.model.type} ({recipe.model.size}) from its config, random init"
+    return f"model built: {source}, {count / 1e6:.2f} M parameters ({format_bytes(param_bytes(model))} trainable)"
+
+
+def build_trainer(recipe: Recipe, config, total_steps: int, say=None) -> Trainer:
+    """Setup: seed, device, model, optimizer, meter, planner; ``say(line)`` hears each phase."""
+    say = say or (lambda line: None)
     device = resolve_device(recipe.device)
     if device.type == "cpu" and recipe.training.cpu_threads is not None:
         torch.set_num_threads(recipe.training.cpu_threads)
+    say(describe_device(device, recipe))
     torch.manual_seed(recipe.seed)
     model = build_model(recipe).to(device)
     model.train()
+    say(describe_model(model, recipe))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -315,14 +336,16 @@ class Run:
         self.checkpoint_step = self.trainer.step
 
 
-def _setup(recipe: Recipe, out_dir, recipe_name: str, resume) -> Run:
+def _setup(recipe: Recipe, out_dir, recipe_name: str, resume, view: ProgressView) -> Run:
     """Build the run; when resuming, load the checkpoint into it and cut the run directory's
     records back to it (the steps after it are trained again)."""
     config = model_config(recipe)
     dataset = build_dataset(recipe, config)
     first_loader = build_dataloader(recipe, dataset, config, epoch=0)
     total = total_steps_of(recipe, len(first_loader))
-    trainer = build_trainer(recipe, config, total)
+    view.setup(f"data ready: {recipe.data.source} {recipe.task}, {len(dataset)} examples, "
+               f"{len(first_loader)} batches of {recipe.training.batch_size} per epoch; {total} steps")
+    trainer = build_trainer(recipe, config, total, say=view.setup)
     if resume is None:
         run_dir = new_run_dir(out_dir or recipe.out_dir, recipe_name, recipe.planner.name)
         return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, Progress())
@@ -347,7 +370,7 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
             run.preflight = preflight(trainer, run.config, state_bytes)
             error = budget_error(recipe.budget_bytes, run.preflight)
             if error is None:  # else the error says it
-                view.message(f"pre-flight: {run.preflight.describe()}")
+                view.setup(f"pre-flight: {run.preflight.describe()}")
         if error is not None:
             view.message(f"[red]out of memory before the first step[/red]: {error}")
             return LoopEnd(status="oom", at_boundary=False, error=error)
@@ -359,6 +382,7 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         micro_batches = (run.total_steps - run.start.step) * accumulation
         batches = _data_batches(recipe, run.dataset, run.config, micro_batches, run.first_loader, run.start)
         checkpoint = (lambda: run.save_checkpoint(time.perf_counter() - clock)) if run.saves else None
+        view.begin(run.total_steps, run.start.step)
         return _loop(trainer, batches, writer, view, stop, checkpoint)
 
 
@@ -372,12 +396,12 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
     if resume is None:
         out_dir = check_out_dir(out_dir or recipe.out_dir)  # before anything slow is built
     with StopRequest() as stop:
-        run = _setup(recipe, out_dir, recipe_name, resume)
+        live = ProgressView(f"mimose train {Path(resume).name if resume else recipe_name} [{recipe.planner.name}]",
+                            format_budget(recipe.budget, recipe.budget_bytes), recipe.budget_bytes,
+                            recipe.training.log_every, view, console)
+        run = _setup(recipe, out_dir, recipe_name, resume, live)
         run.saves = save
         writer = RunWriter(run.run_dir, recipe, environment(run.trainer.device))
-        name = run.run_dir.name if resume else recipe_name
-        live = ProgressView(f"mimose train {name} [{recipe.planner.name}]", recipe.budget_bytes,
-                            run.total_steps, recipe.training.log_every, view, console)
         if resume is not None:
             live.message(f"resuming {run.run_dir} at step {run.start.step} of {run.total_steps}")
         clock = time.perf_counter()
@@ -424,7 +448,7 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
     keep = keep and written(lambda: save_model(trainer.model, run.run_dir))
     summary = summarize(run.records + end.records, status=end.status, budget_bytes=run.recipe.budget_bytes,
                         wall_s=run.start.wall_s + segment_s, planner_stats=stats)
-    summary.update(signal=stop.signal_name, checkpoint_step=run.checkpoint_step,
+    summary.update(budget=run.recipe.budget, signal=stop.signal_name, checkpoint_step=run.checkpoint_step,
                    resumed_from_steps=run.resumed_from_steps, model_dir=MODEL_DIR if keep else None)
     if run.preflight is not None:
         summary["preflight"] = asdict(run.preflight)
@@ -458,7 +482,7 @@ def dry_run(recipe: Recipe, console=None) -> BudgetRange:
         console.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
     elif recipe.budget_bytes is not None:
         enough = needs.none_bytes is not None and recipe.budget_bytes >= needs.none_bytes
-        console.print(f"budget {recipe.budget} ({format_bytes(recipe.budget_bytes)}): fits; "
+        console.print(f"budget {format_budget(recipe.budget, recipe.budget_bytes)}: fits; "
                       + ("no checkpointing needed" if enough else "the planner checkpoints the longer batches"),
                       highlight=False, soft_wrap=True)
     return needs

@@ -92,7 +92,7 @@ def test_metrics_of_a_real_run_parse_into_records_of_both_shapes(quick_recipe):
     assert [r.to_json() for r in records] == lines
     again = summarize(records, status="oom", budget_bytes=result.summary["budget_bytes"])
     # What the records cannot tell: the time, the planner's counters, the pre-flight and the run's own facts.
-    run_only = ("wall_s", "planner", "preflight", "signal", "checkpoint_step", "resumed_from_steps", "model_dir",
+    run_only = ("wall_s", "planner", "preflight", "signal", "checkpoint_step", "resumed_from_steps", "model_dir", "budget",
                 "error")
     assert {k: v for k, v in again.items() if k not in run_only} == \
         {k: v for k, v in result.summary.items() if k not in run_only}

@@ -26,14 +26,16 @@ def compare(
 ):
     """Run mimose, the baselines, none and oracle on the same data at each budget; one table per budget."""
     from mimose_cli.cli.recipes import DEFAULT_RECIPE
-    from mimose_cli.compare import run_compare
+    from mimose_cli.compare import read_compare, run_compare, timing_noise
     from mimose_cli.recipe import load_recipe
 
     if recipe is None:
         recipe = DEFAULT_RECIPE
         typer.echo(f"no recipe given: comparing on the default, {recipe}", err=True)
 
-    run_compare(load_recipe(recipe, overrides or []),
+    compare_dir = run_compare(load_recipe(recipe, overrides or []),
                 baselines=[b for b in baselines.split(",") if b.strip()],
                 budgets=[b.strip() for b in budgets.split(",") if b.strip()] if budgets else None,
                 steps=steps, out=out, view=view, recipe_name=recipe.stem, repeats=repeats)
+    note, more = timing_noise(read_compare(compare_dir))
+    typer.echo(note + (f"; run with --repeats {max(3, repeats + 2)} for medians over rotated rounds" if more else ""))

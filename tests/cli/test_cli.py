@@ -110,8 +110,14 @@ def test_version_recipes_and_compare_without_a_recipe(monkeypatch, tmp_path):
     assert len(lines) == len(list((ROOT / "recipes").glob("*.yaml"))) >= 5
     assert any(line.startswith("recipes/quickstart.yaml") and "tiny BERT" in line for line in lines)
     seen = {}
-    monkeypatch.setattr(compare_module, "run_compare",
-                        lambda recipe, **kw: seen.update(recipe=recipe, **kw))
+
+    def run_compare(recipe, **kw):
+        seen.update(recipe=recipe, **kw)
+        kw["out"].mkdir()
+        (kw["out"] / "compare.json").write_text('{"repeats": 1, "budgets": []}')
+        return kw["out"]
+
+    monkeypatch.setattr(compare_module, "run_compare", run_compare)
     result = runner.invoke(app, ["compare", "--baselines", "sublinear,dtr", "--steps", "2",
                                  "--out", str(tmp_path / "c")])
     assert result.exit_code == 0, result.output
