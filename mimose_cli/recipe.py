@@ -288,9 +288,11 @@ def _section_keys(loc: tuple) -> list:
     return [name for name, info in cls.__pydantic_fields__.items() if info.init is not False]
 
 
-def _recipe_error(err: ValidationError, where: str) -> RecipeError:
+def _recipe_error(err: ValidationError, where: str, origins: dict) -> RecipeError:
     """One of pydantic's errors as one line naming file, dotted key, value and expectation: an
-    unknown key first (a misspelt key is the likelier cause of the rest), else the first."""
+    unknown key first (a misspelt key is the likelier cause of the rest), else the first.
+    ``origins`` maps keys set by an override or a flag to where they came from, named instead of
+    the file."""
     errors = err.errors()
     first = next((e for e in errors if e["type"] in UNKNOWN_KEY), errors[0])
     loc = tuple(str(part) for part in first["loc"])
@@ -302,6 +304,7 @@ def _recipe_error(err: ValidationError, where: str) -> RecipeError:
         return RecipeError(f"{where}: unknown key {'.'.join(loc)}; expected one of {keys}")
     else:
         key, value, expected = ".".join(loc), first["input"], first["msg"].removeprefix("Input should be ")
+    where = origins.get(key, where)
     return RecipeError(f"{where}: {key}={_shown(value)} is invalid; expected {expected}")
 
 
@@ -338,16 +341,19 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
     data = yaml.safe_load(yaml.safe_dump(data or {}))  # deep copy, plain types
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
+    origins = {}
     for text in overrides:
         key, value = _parse_override(text)
+        origins[key.strip()] = f"override {text!r}"
         _set_dotted(data, key, value, f"{where} (override {text!r})")
     for key, value in (flags or {}).items():
         if value is not None:
+            origins[key] = "the command line"
             _set_dotted(data, key, value, f"{where} (flag)")
     try:
         return _RECIPE.validate_python(data)
     except ValidationError as err:
-        raise _recipe_error(err, where) from None
+        raise _recipe_error(err, where, origins) from None
 
 
 def load_recipe(path, overrides=(), flags=None) -> Recipe:

@@ -368,11 +368,10 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         state_bytes, error = check_model_state(trainer)
         if error is None:
             run.preflight = preflight(trainer, run.config, state_bytes)
-            error = budget_error(recipe.budget_bytes, run.preflight)
+            error = budget_error(recipe.budget_bytes, run.preflight, recipe.budget)
             if error is None:  # else the error says it
                 view.setup(f"pre-flight: {run.preflight.describe()}")
-        if error is not None:
-            view.message(f"[red]out of memory before the first step[/red]: {error}")
+        if error is not None:  # the run's error: the command prints it
             return LoopEnd(status="oom", at_boundary=False, error=error)
         trainer.planner.prepare(lambda size: make_batch(recipe, run.config, size),
                                 max_input_size(recipe), state_bytes)
@@ -414,7 +413,7 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
     if live.mode != "none":
         from mimose_cli.summary import summary_tables
 
-        for table in summary_tables(summary):
+        for table in summary_tables(summary) if end.records else ():  # no step, no figures
             live.console.print(table)
         if summary["status"] in ("interrupted", "failed") and run.checkpoint_step is not None:
             live.console.print(f"checkpoint at step {run.checkpoint_step}: continue with "
@@ -477,7 +476,7 @@ def dry_run(recipe: Recipe, console=None) -> BudgetRange:
     finally:
         trainer.planner.close()
     console.print(f"{recipe.model.type} ({recipe.model.size}): {needs.describe()}", highlight=False, soft_wrap=True)
-    error = budget_error(recipe.budget_bytes, needs)
+    error = budget_error(recipe.budget_bytes, needs, recipe.budget)
     if error is not None:
         console.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
     elif recipe.budget_bytes is not None:

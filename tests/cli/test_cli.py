@@ -34,7 +34,8 @@ def test_train_out_of_memory_exits_nonzero_with_message(tmp_path):
                                  *ROOT_ARGS])
     assert result.exit_code == 1
     # 5MB is below what the step needs with every block checkpointed: the pre-flight says so.
-    assert "out of memory before the first step" in result.output and "too small" in result.output
+    assert result.output.count("budget 5MB (4.77 MiB) is too small") == 1  # said once, as written
+    assert "summary" not in result.output  # no step ran: no table of zeros
 
 
 def test_bad_recipe_key_exits_2_naming_the_key(tmp_path):
