@@ -21,7 +21,7 @@ def error_of(action):
     """(type, message) of what ``action()`` raises."""
     try:
         action()
-    except Exception as error:  # noqa: BLE001 - any error: it must be the same with the planner open
+    except Exception as error:  # any error: it must be the same with the planner open
         return type(error), str(error)
     raise AssertionError("expected an error")
 
