@@ -32,15 +32,17 @@ def planner_specs(baselines) -> list:
             continue
         name = spec.partition(":")[0]
         if name not in PLANNERS:
-            raise ValueError(f"--baselines: unknown planner {name!r}; choose from "
+            raise ValueError(f"unknown planner {name!r} among the baselines; choose from "
                              f"{', '.join(sorted(PLANNERS))}")
         specs.append(spec)
     return specs
 
 
 def _at_budget(recipe: Recipe, budget: str) -> Recipe:
-    """The recipe at one of ``--budgets``, validated (and its size parsed) like ``--budget``."""
-    return recipe_from_dict(recipe_to_dict(recipe), "--budgets", flags={"budget": budget})
+    """The recipe at one of the budgets to compare, validated (and its size parsed) as the
+    recipe's own ``budget``."""
+    return recipe_from_dict(recipe_to_dict(recipe), "budgets to compare", flags={"budget": budget},
+                            flags_from="budgets to compare")
 
 
 def _run_recipe(recipe: Recipe, spec: str, steps) -> Recipe:
@@ -180,7 +182,7 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     specs = planner_specs(baselines)
     budgets = list(budgets or ([recipe.budget] if recipe.budget else []))
     if not budgets:
-        raise ValueError("compare needs a budget: set `budget` in the recipe or pass --budgets")
+        raise ValueError("compare needs a budget: set `budget` in the recipe or pass budgets=[...]")
     # Every budget and every planner's recipe checked before the first run.
     at_budgets = [_at_budget(recipe, budget) for budget in budgets]
     for spec in specs:

@@ -103,7 +103,7 @@ def model_state_error(trainer, state_bytes: int) -> str | None:
             f"weights {format_bytes(weights)} + gradients {format_bytes(grads)} + "
             f"{type(trainer.optimizer).__name__} state {format_bytes(state_bytes)} + its step's scratch "
             f"{format_bytes(scratch)} = {format_bytes(total)}; no checkpointing plan reduces these. Raise "
-            "--budget well above that (activations come on top) or use a smaller model")
+            "the budget well above that (activations come on top) or use a smaller model")
 
 
 def check_model_state(trainer) -> tuple[int, str | None]:

@@ -336,8 +336,10 @@ def _set_dotted(data: dict, key: str, value, where: str) -> None:
     node[parts[-1]] = value
 
 
-def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=None) -> Recipe:
-    """Build and validate a Recipe from a mapping, overrides ``key=value`` and flag values."""
+def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=None,
+                     flags_from: str = "the command line") -> Recipe:
+    """Build and validate a Recipe from a mapping, overrides ``key=value`` and flag values (an
+    invalid one is blamed on ``flags_from``)."""
     data = yaml.safe_load(yaml.safe_dump(data or {}))  # deep copy, plain types
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
@@ -348,7 +350,7 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
         _set_dotted(data, key, value, f"{where} (override {text!r})")
     for key, value in (flags or {}).items():
         if value is not None:
-            origins[key] = "the command line"
+            origins[key] = flags_from
             _set_dotted(data, key, value, f"{where} (flag)")
     try:
         return _RECIPE.validate_python(data)

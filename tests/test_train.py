@@ -161,7 +161,7 @@ def test_a_budget_below_the_model_state_fails_before_the_first_step(quick_recipe
     run = next((tmp_path / "runs").iterdir())
     summary, records = load_run(run)
     assert records == [] and summary["status"] == "oom" and summary["steps"] == 0
-    assert "raise --budget" in summary["error"].lower()
+    assert "raise the budget" in summary["error"].lower()
 
 
 def test_gradient_accumulation_plans_every_micro_batch_and_steps_once_per_window(quick_recipe):

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import mimose_cli.train
 from mimose_cli.cli import app
 
-from conftest import QUICKSTART
+from helpers import QUICKSTART
 
 runner = CliRunner()
 FAST = ["training.max_steps=2", "training.batch_size=2", "data.num_examples=8", "--view", "none"]
@@ -188,7 +188,7 @@ MODEL_AND_DEVICE = [
           stage="model"),  # resolve_device, the trainer's first step
     train("no-multiple-choice-head", "model.type=gpt2", named="model.type='gpt2' has no multiple_choice",
           stage="model"),
-    train("blocks-match-nothing", "model.blocks=encoder.zzz.*", named="model.blocks='encoder.zzz.*'",
+    train("blocks-match-nothing", "model.blocks=encoder.zzz.*", named="blocks='encoder.zzz.*' (model.blocks in a recipe) matches no module",
           stage="model"),
     train("budget-below-the-weights", "--budget", "1", named="budget 1 B cannot hold the model's weights",
           code=1, stage="model"),
@@ -320,7 +320,8 @@ COMPARES = [
     compare("compare-out-is-a-file", "--out", "{tmp}/f", named="'{tmp}/f' is a file", files={"f": "x"}),
     compare("compare-out-dir-key-is-a-file", "out_dir={tmp}/f", named="out_dir='{tmp}/f' is a file",
             files={"f": "x"}),
-    Case("compare-without-a-budget", ["compare", "{quick}", "budget=null"], "compare needs a budget"),
+    Case("compare-without-a-budget", ["compare", "{quick}", "budget=null"],
+         "compare needs a budget: set `budget` in the recipe or pass --budgets"),
 ]
 
 CASES = RECIPE_FILES + OVERRIDES + VALUES + OUT_DIRS + MODEL_AND_DEVICE + HF_DATA + REPORTS + COMPARES

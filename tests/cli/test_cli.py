@@ -80,7 +80,7 @@ def test_resume_continues_a_run_and_rejects_what_would_change_it(tmp_path):
     (run_dir,) = list(tmp_path.iterdir())
     changed = runner.invoke(app, ["train", "--resume", str(run_dir), "--budget", "300MB"])
     assert changed.exit_code == 2 and changed.output.count("\n") == 1
-    assert "error: --resume" in changed.output and "budget is '200MB' in that run" in changed.output
+    assert "error: cannot resume" in changed.output and "budget is '200MB' in that run" in changed.output
     with_recipe = runner.invoke(app, ["train", QUICK, "--resume", str(run_dir)])
     assert with_recipe.exit_code == 2 and "leave out" in with_recipe.output
     done = runner.invoke(app, ["train", "--resume", str(run_dir)])
