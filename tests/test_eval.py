@@ -138,6 +138,13 @@ def test_evaluation_out_of_memory_ends_the_run_with_one_line(tmp_path, monkeypat
     assert [d["step"] for d in _lines(result.run_dir)] == [0, 1]  # the step trained is recorded
 
 
+def test_with_gradient_accumulation_evaluation_follows_the_optimizer_step(tmp_path):
+    recipe = _recipe(tmp_path, "data.validation_examples=4", "training.eval_every=1", "training.max_steps=2",
+                     "training.gradient_accumulation_steps=2")
+    lines = _lines(run_training(recipe, view="none").run_dir)
+    assert [(d["step"], d["micro_step"]) for d in lines if d["eval_loss"] is not None] == [(0, 1), (1, 1)]
+
+
 class _Drawing(torch.nn.Module):
     """A model that draws from torch's RNG in every forward and records how it was called."""
 
