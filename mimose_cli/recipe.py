@@ -154,6 +154,12 @@ class DataConfig:
     """hf: data set configuration (e.g. 'regular' for swag)."""
     split: str = "train"
     """hf: split to train on."""
+    validation_examples: Optional[StrictInt] = Field(None, ge=1)
+    """Synthetic: validation examples to generate (the training data's task and lengths, a seed
+    stream of their own); null: no validation split."""
+    validation_split: Optional[str] = None
+    """hf: split to evaluate on, a split name of data.name ('validation') or a local file of the
+    same layout; null: no validation split."""
     tokenizer: Optional[str] = None
     """hf: tokenizer by local path or hub id (defaults to model.pretrained)."""
     text_fields: list = field(default_factory=list)
@@ -173,6 +179,17 @@ class DataConfig:
             raise _Invalid("name", self.name, "a data set name or local file when data.source is hf")
         if self.source == "synthetic":
             self._check_lengths()
+        if self.source == "synthetic" and self.validation_split is not None:
+            raise _Invalid("validation_split", self.validation_split,
+                           "null when data.source is synthetic (set data.validation_examples)")
+        if self.source == "hf" and self.validation_examples is not None:
+            raise _Invalid("validation_examples", self.validation_examples,
+                           "null when data.source is hf (set data.validation_split)")
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether the recipe names a validation split (synthetic or hf)."""
+        return self.validation_examples is not None or self.validation_split is not None
 
     def _check_lengths(self):
         from mimose_cli.data.synthetic import LENGTH_PRESETS, MIN_SYNTHETIC_LENGTH  # local: imports torch
@@ -212,6 +229,9 @@ class TrainingConfig:
     checkpoint_every: Optional[StrictInt] = Field(500, ge=1)
     """Write runs/<id>/checkpoint.pt every N optimizer steps (and always at the end and on
     SIGTERM/Ctrl-C), for ``mimose train --resume``; null: only at the end."""
+    eval_every: Optional[StrictInt] = Field(None, ge=1)
+    """Evaluate on the validation split every N optimizer steps; with a validation split it is
+    evaluated after the last step too, also when this is null."""
     cpu_threads: Optional[StrictInt] = Field(None, ge=1)
     """Torch intra-op threads when the run is on the CPU; null: torch's default (one per core).
     Tiny models gain nothing from more than one, and on cores shared with other jobs the threads
@@ -275,6 +295,10 @@ class Recipe:
         if self.budget_bytes is not None and margin is not None and margin >= self.budget_bytes:
             raise _Invalid("planner.safety_margin", self.planner.safety_margin,
                            f"less than the budget ({self.budget})")
+        if self.training.eval_every is not None and not self.data.has_validation:
+            raise _Invalid("training.eval_every", self.training.eval_every,
+                           "null without a validation split; set data.validation_examples (synthetic "
+                           "data) or data.validation_split (hf)")
 
 
 _RECIPE = TypeAdapter(Recipe)

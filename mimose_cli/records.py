@@ -71,6 +71,16 @@ class StepRecord:
     """Peak bytes the CUDA caching allocator reserved (``memory/reserved_peak_bytes``; CUDA only)."""
     epoch: int | None = None
     """Pass over the data set, from 0 (set by the training loop)."""
+    eval_loss: float | None = None
+    """Mean loss per example on the validation split, evaluated after this step's optimizer step
+    (every ``training.eval_every`` steps and after the last); None on the other steps."""
+    eval_accuracy: float | None = None
+    """Fraction of the validation examples predicted right in that evaluation (``evaluate.py``);
+    None also for a task without accuracy (causal_lm)."""
+    eval_ms: float | None = None
+    """Wall time of that evaluation, in ms; not part of ``iter_ms``."""
+    eval_peak_bytes: int | None = None
+    """Highest live bytes during that evaluation (``memory/eval_peak_bytes``)."""
 
     @property
     def train_ms(self) -> float:
@@ -104,7 +114,8 @@ class StepRecord:
 
 COMPLETED_STEP_KEYS = ("loss", "peak_bytes")
 """Figures every step that did not run out of memory has (summaries and reports use them)."""
-_MEMORY = frozenset({"peak_bytes", "fwd_bwd_peak_bytes", "start_bytes", "activation_bytes", "reserved_peak_bytes"})
+_MEMORY = frozenset({"peak_bytes", "fwd_bwd_peak_bytes", "start_bytes", "activation_bytes", "reserved_peak_bytes",
+                     "eval_peak_bytes"})
 
 
 def _key(name: str) -> str:

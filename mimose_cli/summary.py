@@ -56,7 +56,21 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
         "recompute_ms_total": _sum_known(r.recompute_ms for r in done),
         "loss_first": _mean(losses[:TAIL]),
         "loss_last": _mean(losses[-TAIL:]),
+        **_eval_summary([r for r in done if r.eval_loss is not None]),
         "planner": planner_stats or {},
+    }
+
+
+def _eval_summary(evaluated) -> dict:
+    """The last evaluation's figures (None without a validation split), every one's time and the
+    highest peak."""
+    last = evaluated[-1] if evaluated else None
+    return {
+        "eval_loss": last.eval_loss if last else None,
+        "eval_accuracy": last.eval_accuracy if last else None,
+        "eval_step": last.step if last else None,
+        "eval_time_s": sum(r.eval_ms for r in evaluated) / 1e3 if last else None,
+        "eval_peak_bytes": max(r.eval_peak_bytes for r in evaluated) if last else None,
     }
 
 
@@ -83,6 +97,11 @@ class SummaryFile(TypedDict, total=False):
     recompute_ms_total: float | None
     loss_first: float | None
     loss_last: float | None
+    eval_loss: float | None
+    eval_accuracy: float | None
+    eval_step: int | None
+    eval_time_s: float | None
+    eval_peak_bytes: int | None
     planner: dict
     error: str | None
 
@@ -147,6 +166,11 @@ def summary_tables(summary: dict) -> list:
     table.add_column("value", justify="right")
     for label, key, kind in SUMMARY_ROWS:
         table.add_row(label, _summary_value(summary, key, kind))
+    if summary.get("eval_step") is not None:  # a run with a validation split
+        table.add_row(f"eval loss / accuracy (after step {summary['eval_step']})",
+                      f"{_fmt(summary.get('eval_loss'), 'float')} / {_fmt(summary.get('eval_accuracy'), 'float')}")
+        table.add_row("eval time total / peak memory",
+                      f"{summary.get('eval_time_s') or 0:.2f} s / {_fmt(summary.get('eval_peak_bytes'), 'bytes')}")
     if summary.get("error"):  # why a run that did not complete ended
         table.add_row("error", str(summary["error"]))
     tables = [table]

@@ -18,7 +18,9 @@ from transformers import get_linear_schedule_with_warmup
 
 from mimose_cli.checkpoint import (MODEL_DIR, Progress, load_checkpoint, restore_step_state, restore_trainer,
                                    save_checkpoint, save_model)
-from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
+from mimose_cli.data import (build_dataloader, build_dataset, build_eval_loader, build_validation, make_batch,
+                             max_input_size)
+from mimose_cli.evaluate import eval_line, evaluate
 from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.models import build_model, model_config
 from mimose_cli.planners import Planner, build_planner
@@ -248,11 +250,12 @@ class LoopEnd:
 
 
 def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop: StopRequest,
-          checkpoint) -> LoopEnd:
-    """Train until the data ends, a step runs out of memory for good, a signal asks to stop, or
-    the run directory cannot be written. ``batches`` yields micro-batches; every
-    ``gradient_accumulation_steps`` of them make a step, after which ``checkpoint()`` (when given)
-    is called every ``training.checkpoint_every`` steps; a stop request is honoured between steps."""
+          checkpoint, evaluate=None) -> LoopEnd:
+    """Train until the data ends, a step (or an evaluation) runs out of memory for good, a signal
+    asks to stop, or the run directory cannot be written. ``batches`` yields micro-batches; every
+    ``gradient_accumulation_steps`` of them make a step, after which ``evaluate(record)`` (when
+    given) may fill the step's record before it is written, and ``checkpoint()`` (when given) is
+    called every ``training.checkpoint_every`` steps; a stop request is honoured between steps."""
     end = LoopEnd()
     counter = SavedBytesCounter(exclude=trainer.model.parameters())
     accumulation = trainer.recipe.training.gradient_accumulation_steps
@@ -269,14 +272,20 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop
             except torch.OutOfMemoryError as error:
                 record, end.status = _oom_record(trainer, batch, error, micro_step), "oom"
             record.epoch = epoch
+            view.update(record)
+            if evaluate is not None and end.status != "oom" and micro_step == accumulation - 1:
+                end.error = evaluate(record)  # None, or why evaluating ran out of memory
             end.records.append(record)
             writer.metric(record)
             writer.plan({"step": record.step, "micro_step": micro_step,
                          "input_size": record.input_size, "plan": record.plan})
-            view.update(record)
             if end.status == "oom":
                 end.error = record.error
                 view.message(f"[red]step {record.step} ran out of memory[/red]: {record.error}")
+                break
+            if end.error is not None:
+                end.status = "oom"
+                view.message(f"[red]{end.error}[/red]")
                 break
             if not math.isfinite(record.loss):  # before any checkpoint: never save NaN weights
                 end.status, end.at_boundary = "diverged", False
@@ -319,6 +328,8 @@ class Run:
     """The budgets the recipe needs, measured before the first step (``preflight``)."""
     saves: bool = True
     """Whether checkpoints and the trained model are written (not for ``compare``'s runs)."""
+    validation: object = None
+    """The validation batches (``build_eval_loader``); None without a validation split."""
 
     @property
     def resumed_from_steps(self) -> list:
@@ -341,14 +352,18 @@ def _setup(recipe: Recipe, out_dir, recipe_name: str, resume, view: ProgressView
     records back to it (the steps after it are trained again)."""
     config = model_config(recipe)
     dataset = build_dataset(recipe, config)
+    examples = build_validation(recipe, config)
+    validation = None if examples is None else build_eval_loader(recipe, examples, config)
     first_loader = build_dataloader(recipe, dataset, config, epoch=0)
     total = total_steps_of(recipe, len(first_loader))
     view.setup(f"data ready: {recipe.data.source} {recipe.task}, {len(dataset)} examples, "
-               f"{len(first_loader)} batches of {recipe.training.batch_size} per epoch; {total} steps")
+               f"{len(first_loader)} batches of {recipe.training.batch_size} per epoch; {total} steps"
+               + ("" if examples is None else f"; {len(examples)} validation examples"))
     trainer = build_trainer(recipe, config, total, say=view.setup)
     if resume is None:
         run_dir = new_run_dir(out_dir or recipe.out_dir, recipe_name, recipe.planner.name)
-        return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, Progress())
+        return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, Progress(),
+                   validation=validation)
     run_dir = Path(resume)
     checkpoint = load_checkpoint(run_dir)
     start = restore_trainer(trainer, checkpoint)
@@ -357,7 +372,7 @@ def _setup(recipe: Recipe, out_dir, recipe_name: str, resume, view: ProgressView
                          "raise training.max_steps to train further")
     records = cut_records(run_dir, start.step, recipe.training.gradient_accumulation_steps)
     return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, start, checkpoint, records,
-               checkpoint_step=start.step)
+               checkpoint_step=start.step, validation=validation)
 
 
 def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, clock: float) -> LoopEnd:
@@ -382,7 +397,30 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         batches = _data_batches(recipe, run.dataset, run.config, micro_batches, run.first_loader, run.start)
         checkpoint = (lambda: run.save_checkpoint(time.perf_counter() - clock)) if run.saves else None
         view.begin(run.total_steps, run.start.step)
-        return _loop(trainer, batches, writer, view, stop, checkpoint)
+        evaluation = (lambda record: _evaluate(run, record, view)) if run.validation is not None else None
+        return _loop(trainer, batches, writer, view, stop, checkpoint, evaluation)
+
+
+def _evaluate(run: Run, record: StepRecord, view: ProgressView) -> str | None:
+    """Evaluate on the validation split after the step of ``record`` when it is due (every
+    ``training.eval_every`` steps, and after the last), its figures into the record and a line to
+    the view; returns why the run must end when evaluating ran out of memory, else None. The
+    step's ``iter_ms`` stays the step's alone, so planners compare as without evaluation."""
+    done, every = record.step + 1, run.recipe.training.eval_every
+    due = done == run.total_steps or (every is not None and done % every == 0)
+    if not due or not math.isfinite(record.loss):  # a diverged run ends; nothing worth evaluating
+        return None
+    trainer = run.trainer
+    try:
+        result = evaluate(trainer.model, run.validation, run.recipe.task, device=trainer.device,
+                          meter=trainer.meter, autocast=lambda: _autocast(run.recipe, trainer.device))
+    except torch.OutOfMemoryError as error:
+        return (f"evaluating on the validation split after step {record.step} ran out of memory "
+                f"({str(error).splitlines()[0]}); raise the budget")
+    record.eval_loss, record.eval_accuracy = result.loss, result.accuracy
+    record.eval_ms, record.eval_peak_bytes = result.ms, result.peak_bytes
+    view.message(eval_line(record.step, result))
+    return None
 
 
 def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=None,

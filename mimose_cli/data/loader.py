@@ -124,6 +124,13 @@ def build_dataloader(recipe, dataset, config, epoch: int = 0, skip_batches: int 
     return BatchLoader(dataset, batches, Collator(recipe.task, config), epoch, skip_batches)
 
 
+def build_eval_loader(recipe, dataset, config) -> BatchLoader:
+    """The validation batches: ``training.batch_size`` examples each, in the data set's order."""
+    size = recipe.training.batch_size
+    batches = [list(range(i, min(i + size, len(dataset)))) for i in range(0, len(dataset), size)]
+    return BatchLoader(dataset, batches, Collator(recipe.task, config))
+
+
 def max_input_size(recipe) -> tuple:
     """The largest planner input size (B_eff, L) the recipe allows; B_eff counts every choice."""
     batch = recipe.training.batch_size

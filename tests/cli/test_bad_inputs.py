@@ -163,6 +163,14 @@ VALUES = [
     train("model-size-huge", "model.size=huge", named="model.size='huge'"),
     train("max-steps-flag-zero", "--max-steps", "0", named="training.max_steps=0"),
     train("view-bogus", "--view", "bogus", named="view='bogus'"),
+    train("eval-every-without-validation", "training.eval_every=2",
+          named="training.eval_every=2 is invalid; expected null without a validation split"),
+    train("eval-every-zero", "data.validation_examples=8", "training.eval_every=0", named="training.eval_every=0"),
+    train("validation-examples-zero", "data.validation_examples=0", named="data.validation_examples=0"),
+    train("validation-split-of-synthetic-data", "data.validation_split=validation",
+          named="data.validation_split='validation' is invalid; expected null when data.source is synthetic"),
+    train("validation-examples-of-hf-data", "data.source=hf", "data.name=d.csv", "data.validation_examples=8",
+          named="data.validation_examples=8 is invalid; expected null when data.source is hf"),
 ]
 
 OUT_DIRS = [
@@ -253,6 +261,15 @@ HF_DATA = [
        named="data.tokenizer='someone/no-tok' cannot be loaded", files={"d.csv": CSV}),
     hf("hf-tokenizer-over-vocabulary", "data.name={tmp}/d.csv", "model.config_overrides={vocab_size: 4}",
        named="vocab_size", files={"d.csv": CSV}),
+    hf("hf-validation-split-of-one-file", "data.name={tmp}/d.csv", "data.validation_split=validation",
+       named="data.validation_split='validation': data.name='{tmp}/d.csv' is one file", files={"d.csv": CSV}),
+    hf("hf-validation-file-missing", "data.name={tmp}/d.csv", "data.validation_split={tmp}/v.csv",
+       named="data.validation_split='{tmp}/v.csv': no such file", files={"d.csv": CSV}),
+    hf("hf-validation-split-not-in-directory", "data.name={tmp}/d", "data.validation_split=validation",
+       named="data.validation_split='validation' of data.name='{tmp}/d' cannot be read (Unknown split",
+       files={"d/train.csv": CSV}),
+    hf("hf-validation-label-out-of-range", "data.name={tmp}/d.csv", "data.validation_split={tmp}/v.csv",
+       named="label 5 is out of range", files={"d.csv": CSV, "v.csv": "text,label\na dog,5\n"}),
 ]
 
 REPORTS = [
