@@ -12,7 +12,7 @@ from mimose_cli.train import run_training
 KEYS = ["step", "micro_step", "input_shape", "input_size", "loss", "lr", "iter_ms", "memory/peak_bytes",
         "memory/fwd_bwd_peak_bytes", "memory/start_bytes", "memory/activation_bytes", "plan", "num_blocks",
         "planner_ms", "phase", "cache_hit", "predicted_peak_bytes", "reached_bytes", "retries", "excluded_ms",
-        "recompute_ms", "oom", "error", "memory/reserved_peak_bytes", "epoch"]
+        "recompute_ms", "oom", "error", "memory/reserved_peak_bytes", "epoch", "rank", "ranks"]
 
 
 def _info(**timings) -> StepInfo:
