@@ -47,14 +47,12 @@ class World:
 
     rank: int = 0
     size: int = 1
-    local_rank: int = 0
 
     @classmethod
     def from_env(cls) -> "World":
-        """The world torchrun set up (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``); one process
-        without it."""
-        env = os.environ
-        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+        """The world torchrun set up (``RANK``, ``WORLD_SIZE``; the device comes from
+        ``LOCAL_RANK``, ``train.resolve_device``); one process without it."""
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
 
     @property
     def distributed(self) -> bool:
