@@ -14,6 +14,7 @@ from pydantic import TypeAdapter
 from rich.table import Table
 from typing_extensions import Required, TypedDict
 
+from mimose_cli.launch import under_torchrun
 from mimose_cli.live import check_view, new_console
 from mimose_cli.recipe import Recipe, recipe_from_dict, recipe_to_dict
 from mimose_cli.rundir import check_out_dir, read_json, unique_dir, write_json
@@ -174,6 +175,8 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     round so that a slow stretch of a shared machine does not always hit the same planner; each
     row then reports the median (``train_times_s`` keeps every round's time).
     """
+    if under_torchrun():  # N copies would race for one compare directory and one machine's timings
+        raise ValueError("compare runs its planners one after another in one process; start it without torchrun")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} is invalid; expected an integer >= 1")
     if steps is not None and (not isinstance(steps, int) or steps < 1):

@@ -48,9 +48,10 @@ def _blocks(record: StepRecord) -> str:
 
 def _peak(record: StepRecord, budget_bytes) -> str:
     peak = record.peak_bytes
+    where = "" if record.rank is None else f" rank {record.rank}"  # a multi-process run's worst rank
     if budget_bytes:
-        return f"{format_bytes(peak)} ({100 * peak / budget_bytes:.0f}%)" if peak is not None else "-"
-    return format_bytes(peak)
+        return f"{format_bytes(peak)} ({100 * peak / budget_bytes:.0f}%){where}" if peak is not None else "-"
+    return format_bytes(peak) + where
 
 
 def _loss(record: StepRecord) -> str:

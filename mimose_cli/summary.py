@@ -58,6 +58,8 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
         "loss_last": _mean(losses[-TAIL:]),
         **_eval_summary([r for r in done if r.eval_loss is not None]),
         "planner": planner_stats or {},
+        "world_size": len(records[0].ranks) if records and records[0].ranks else 1,
+        "ranks": rank_totals(records, budget_bytes),
     }
 
 
@@ -72,6 +74,22 @@ def _eval_summary(evaluated) -> dict:
         "eval_time_s": sum(r.eval_ms for r in evaluated) / 1e3 if last else None,
         "eval_peak_bytes": max(r.eval_peak_bytes for r in evaluated) if last else None,
     }
+
+
+def rank_totals(records, budget_bytes) -> list | None:
+    """Per rank of a multi-process run: its highest peak, retries, micro-batches out of memory
+    and over the budget (None for one process)."""
+    per_rank = [figures for r in records for figures in (r.ranks or [])]
+    if not per_rank:
+        return None
+    totals = []
+    for rank in sorted({f.rank for f in per_rank}):
+        mine = [f for f in per_rank if f.rank == rank]
+        peaks = [f.peak_bytes for f in mine if f.peak_bytes is not None and not f.oom]
+        totals.append({"rank": rank, "peak_bytes": max(peaks) if peaks else None,
+                       "retries": sum(f.retries for f in mine), "oom_steps": sum(1 for f in mine if f.oom),
+                       "over_budget_steps": sum(1 for p in peaks if budget_bytes and p > budget_bytes)})
+    return totals
 
 
 class SummaryFile(TypedDict, total=False):
@@ -104,6 +122,8 @@ class SummaryFile(TypedDict, total=False):
     eval_peak_bytes: int | None
     planner: dict
     error: str | None
+    world_size: int
+    ranks: list | None
 
 
 SUMMARY_FILE = TypeAdapter(SummaryFile)
@@ -133,6 +153,7 @@ SUMMARY_ROWS = (
     ("planning time total", "planning_ms_total", "ms"),
     ("recompute time total", "recompute_ms_total", "ms"),
     ("loss first / last 10 steps", None, "loss"),
+    ("peak memory per rank", None, "ranks"),
 )
 
 
@@ -143,6 +164,8 @@ def _summary_value(summary, key, kind):
         return f"{_fmt(summary.get('loss_first'), 'float')} / {_fmt(summary.get('loss_last'), 'float')}"
     if kind == "retries":
         return f"{summary.get('retried_steps', 0)} / {summary.get('retries', 0)}"
+    if kind == "ranks":
+        return " / ".join(_fmt(r.get("peak_bytes"), "bytes") for r in summary["ranks"])
     value = summary.get(key)
     if kind == "budget":
         return format_budget(summary.get("budget"), value)
@@ -165,7 +188,8 @@ def summary_tables(summary: dict) -> list:
     table.add_column("what")
     table.add_column("value", justify="right")
     for label, key, kind in SUMMARY_ROWS:
-        table.add_row(label, _summary_value(summary, key, kind))
+        if kind != "ranks" or summary.get("ranks"):  # per rank: multi-process runs only
+            table.add_row(label, _summary_value(summary, key, kind))
     if summary.get("eval_step") is not None:  # a run with a validation split
         table.add_row(f"eval loss / accuracy (after step {summary['eval_step']})",
                       f"{_fmt(summary.get('eval_loss'), 'float')} / {_fmt(summary.get('eval_accuracy'), 'float')}")

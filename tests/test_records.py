@@ -13,7 +13,7 @@ KEYS = ["step", "micro_step", "input_shape", "input_size", "loss", "lr", "iter_m
         "memory/fwd_bwd_peak_bytes", "memory/start_bytes", "memory/activation_bytes", "plan", "num_blocks",
         "planner_ms", "phase", "cache_hit", "predicted_peak_bytes", "reached_bytes", "retries", "excluded_ms",
         "recompute_ms", "oom", "error", "memory/reserved_peak_bytes", "epoch", "eval_loss", "eval_accuracy",
-        "eval_ms", "memory/eval_peak_bytes"]
+        "eval_ms", "memory/eval_peak_bytes", "rank", "ranks"]
 
 
 def _info(**timings) -> StepInfo:
