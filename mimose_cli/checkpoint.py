@@ -12,6 +12,11 @@ the planner's state is kept as the JSON text ``planner.save`` would write.
 RNG: only torch's generators (CPU, and every CUDA device in use) are saved. The data order is
 drawn from generators seeded by (seed, epoch) (``data.synthetic.data_rng``), not from numpy's or
 Python's global state, which nothing in a run draws from.
+
+A multi-process run (``torchrun``) is checkpointed by rank 0: the weights, optimizer and
+scheduler are the same on every rank after a step, while the RNG and the planner are each rank's
+own, so the other ranks' (``rank_state``) go in ``other_ranks``, and ``world_size`` says how many
+processes a resume needs.
 """
 
 import json
@@ -58,21 +63,32 @@ def _rng_state(device: torch.device) -> dict:
     return state
 
 
-def restore_step_state(trainer, checkpoint: dict) -> None:
+def rank_state(trainer) -> dict:
+    """What is a rank's own in a checkpoint: its RNG and its planner's state (as JSON text)."""
+    return {"rng": _rng_state(trainer.device),
+            "planner": json.dumps(trainer.planner.state_dict(), allow_nan=False)}
+
+
+def _rank_part(checkpoint: dict, rank: int) -> dict:
+    return checkpoint if rank == 0 else checkpoint["other_ranks"][rank - 1]
+
+
+def restore_step_state(trainer, checkpoint: dict, rank: int = 0) -> None:
     """Put back what the next step reads besides the weights: the optimizer's state and the RNG.
     Called right before the first step, after the budget checks and ``planner.prepare``, which
     then see the optimizer's state as still to come, as in a new run (it is counted once it is
     here), and may draw from the RNG."""
     trainer.optimizer.load_state_dict(checkpoint["optimizer"])
     trainer.meter.track(trainer.optimizer)
-    rng = checkpoint["rng"]
+    rng = _rank_part(checkpoint, rank)["rng"]
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def save_checkpoint(run_dir: Path, trainer, progress: Progress) -> Path:
-    """Write the trainer's state at ``progress`` (an optimizer-step boundary) atomically."""
+def save_checkpoint(run_dir: Path, trainer, progress: Progress, other_ranks: list = ()) -> Path:
+    """Write the trainer's state at ``progress`` (an optimizer-step boundary) atomically, with
+    the ``rank_state`` of every other rank of a multi-process run."""
     state = {
         "format": FORMAT,
         "progress": asdict(progress),
@@ -80,8 +96,9 @@ def save_checkpoint(run_dir: Path, trainer, progress: Progress) -> Path:
         "optimizer": trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
-        "rng": _rng_state(trainer.device),
-        "planner": json.dumps(trainer.planner.state_dict(), allow_nan=False),
+        **rank_state(trainer),
+        "world_size": 1 + len(other_ranks),
+        "other_ranks": list(other_ranks),
     }
     path = Path(run_dir) / CHECKPOINT
     tmp = path.with_name(f".{CHECKPOINT}.tmp")
@@ -124,15 +141,20 @@ def load_checkpoint(run_dir: Path) -> dict:
     return state
 
 
-def restore_trainer(trainer, checkpoint: dict) -> Progress:
-    """Load the checkpoint's weights, scheduler, scaler and planner state into a freshly built
-    trainer; returns where the run stands. The optimizer's state and the RNG come back just before
-    the first step (``restore_step_state``)."""
+def restore_trainer(trainer, checkpoint: dict, rank: int = 0, world_size: int = 1) -> Progress:
+    """Load the checkpoint's weights, scheduler, scaler and rank ``rank``'s planner state into a
+    freshly built trainer; returns where the run stands. The optimizer's state and the RNG come
+    back just before the first step (``restore_step_state``). ValueError when the checkpoint was
+    written by another number of processes (the global batch, and each rank's state, depend on it)."""
+    saved = checkpoint.get("world_size", 1)
+    if saved != world_size:
+        raise ValueError(f"the checkpoint was written by a run of {saved} process(es) and this run has "
+                         f"{world_size}; resume it with {saved} (torchrun --nproc_per_node {saved})")
     trainer.model.load_state_dict(checkpoint["model"])
     trainer.scheduler.load_state_dict(checkpoint["scheduler"])
     if trainer.scaler is not None and checkpoint["scaler"] is not None:
         trainer.scaler.load_state_dict(checkpoint["scaler"])
-    trainer.planner.load_state_dict(json.loads(checkpoint["planner"]))
+    trainer.planner.load_state_dict(json.loads(_rank_part(checkpoint, rank)["planner"]))
     progress = Progress(**checkpoint["progress"])
     trainer.step = progress.step
     return progress

@@ -14,10 +14,11 @@ from pydantic import TypeAdapter
 from rich.table import Table
 from typing_extensions import Required, TypedDict
 
+from mimose_cli.launch import under_torchrun
 from mimose_cli.live import check_view, new_console
 from mimose_cli.recipe import Recipe, recipe_from_dict, recipe_to_dict
 from mimose_cli.rundir import check_out_dir, read_json, unique_dir, write_json
-from mimose_cli.units import format_bytes
+from mimose_cli.units import format_budget, format_bytes, format_duration
 
 
 def planner_specs(baselines) -> list:
@@ -32,15 +33,17 @@ def planner_specs(baselines) -> list:
             continue
         name = spec.partition(":")[0]
         if name not in PLANNERS:
-            raise ValueError(f"--baselines: unknown planner {name!r}; choose from "
+            raise ValueError(f"unknown planner {name!r} among the baselines; choose from "
                              f"{', '.join(sorted(PLANNERS))}")
         specs.append(spec)
     return specs
 
 
 def _at_budget(recipe: Recipe, budget: str) -> Recipe:
-    """The recipe at one of ``--budgets``, validated (and its size parsed) like ``--budget``."""
-    return recipe_from_dict(recipe_to_dict(recipe), "--budgets", flags={"budget": budget})
+    """The recipe at one of the budgets to compare, validated (and its size parsed) as the
+    recipe's own ``budget``."""
+    return recipe_from_dict(recipe_to_dict(recipe), "budgets to compare", flags={"budget": budget},
+                            flags_from="budgets to compare")
 
 
 def _run_recipe(recipe: Recipe, spec: str, steps) -> Recipe:
@@ -86,6 +89,30 @@ def merge_repeats(rows: list) -> dict:
         for key in ("train_time_s", "recompute_ms", "planning_ms_total", "mean_checkpointed_blocks"):
             merged[key] = _median(r.get(key) for r in rows)
     return merged
+
+
+NOISE = 0.05
+"""Timings on a shared machine swing by this much run to run (docs/BENCHMARKS.md)."""
+
+
+def timing_noise(data: dict) -> tuple[str, bool]:
+    """How far a compare's timings can be trusted, and whether more rounds would help: one round
+    each cannot tell a difference under ``NOISE`` from noise; with several, the widest spread of
+    one planner's times across rounds is the noise floor."""
+    repeats = data.get("repeats", 1)
+    if repeats == 1:
+        return (f"timings are from one round each; differences under {NOISE:.0%} are within the noise "
+                "of a shared machine", True)
+    spreads = [(max(times) / min(times) - 1, row["planner"], entry["budget"])
+               for entry in data["budgets"] for row in entry["runs"]
+               if len(times := [t for t in row.get("train_times_s") or [] if t]) > 1]
+    if not spreads:
+        return f"timings are medians of {repeats} rounds", False
+    spread, planner, budget = max(spreads)
+    if spread <= NOISE:
+        return f"timings are medians of {repeats} rounds, each planner's within {spread:.1%} across rounds", False
+    return (f"timings are medians of {repeats} rounds but noisy: {planner} at {budget} spread {spread:.0%} "
+            "across rounds; differences smaller than that are noise", True)
 
 
 def normalise(rows: list) -> str | None:
@@ -148,6 +175,8 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     round so that a slow stretch of a shared machine does not always hit the same planner; each
     row then reports the median (``train_times_s`` keeps every round's time).
     """
+    if under_torchrun():  # N copies would race for one compare directory and one machine's timings
+        raise ValueError("compare runs its planners one after another in one process; start it without torchrun")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} is invalid; expected an integer >= 1")
     if steps is not None and (not isinstance(steps, int) or steps < 1):
@@ -156,7 +185,7 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None,
     specs = planner_specs(baselines)
     budgets = list(budgets or ([recipe.budget] if recipe.budget else []))
     if not budgets:
-        raise ValueError("compare needs a budget: set `budget` in the recipe or pass --budgets")
+        raise ValueError("compare needs a budget: set `budget` in the recipe or pass budgets=[...]")
     # Every budget and every planner's recipe checked before the first run.
     at_budgets = [_at_budget(recipe, budget) for budget in budgets]
     for spec in specs:
@@ -195,6 +224,7 @@ class _RunRow(TypedDict, total=False):
     steps: Required[int | None]
     normalised_time: float | None
     train_time_s: float | None
+    train_times_s: list[float | None]
     peak_bytes: int | None
     oom_steps: int
     mean_checkpointed_blocks: float | None
@@ -220,13 +250,13 @@ COMPARE_FILE = TypeAdapter(_CompareFile)
 
 
 def _fmt_ms(value) -> str:
-    return "-" if value is None else f"{value:.0f} ms"
+    return format_duration(value)
 
 
 def compare_table(entry: dict) -> Table:
     """One budget's rows as a rich table."""
     reference = entry.get("reference")
-    table = Table(title=f"budget {entry['budget']} ({format_bytes(entry['budget_bytes'])}); "
+    table = Table(title=f"budget {format_budget(entry['budget'], entry['budget_bytes'])}; "
                         f"time relative to {reference or '-'}", title_justify="left")
     for column in ("planner", "status", "time", "train time", "peak memory", "OOM",
                    "blocks", "recompute", "planning", "cache hits"):
@@ -244,11 +274,16 @@ def compare_table(entry: dict) -> Table:
     return table
 
 
+def read_compare(compare_dir) -> dict:
+    """``compare_dir/compare.json``, checked for what the views read of it."""
+    return read_json(Path(compare_dir) / "compare.json", COMPARE_FILE)
+
+
 def render_compare(compare_dir, console=None) -> None:
     """Print one table per budget from ``compare_dir/compare.json`` (``mimose report`` calls
     this when a directory holds one)."""
     console = console or new_console()
-    data = read_json(Path(compare_dir) / "compare.json", COMPARE_FILE)
+    data = read_compare(compare_dir)
     repeats = data.get("repeats", 1)
     console.print(f"compare {data.get('recipe')}: {data.get('steps')} steps, seed {data.get('seed')}"
                   + (f", median of {repeats} rounds" if repeats > 1 else "")

@@ -22,7 +22,7 @@ from mimose_cli.data import make_batch, max_input_size
 from mimose_cli.memory import param_bytes
 from mimose_cli.planners import Planner
 from mimose_cli.planners.probe import probe_with_plan
-from mimose_cli.units import format_bytes
+from mimose_cli.units import format_budget, format_bytes
 
 
 @dataclass
@@ -56,12 +56,12 @@ def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) 
     return BudgetRange(tuple(input_size), *peaks)
 
 
-def budget_error(budget_bytes: int | None, needs: BudgetRange) -> str | None:
-    """Why ``budget_bytes`` cannot run the recipe (below what every block checkpointed needs), or
-    None when it can."""
+def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:
+    """Why ``budget_bytes`` (``written`` so by the user) cannot run the recipe (below what every
+    block checkpointed needs), or None when it can."""
     if budget_bytes is None or (needs.full_bytes is not None and budget_bytes >= needs.full_bytes):
         return None
-    return (f"budget {format_bytes(budget_bytes)} is too small for this recipe: {needs.describe()}. "
+    return (f"budget {format_budget(written, budget_bytes)} is too small for this recipe: {needs.describe()}. "
             f"Raise the budget to at least {_fmt(needs.full_bytes)}, or lower training.batch_size or "
             "data.max_length")
 
@@ -103,7 +103,7 @@ def model_state_error(trainer, state_bytes: int) -> str | None:
             f"weights {format_bytes(weights)} + gradients {format_bytes(grads)} + "
             f"{type(trainer.optimizer).__name__} state {format_bytes(state_bytes)} + its step's scratch "
             f"{format_bytes(scratch)} = {format_bytes(total)}; no checkpointing plan reduces these. Raise "
-            "--budget well above that (activations come on top) or use a smaller model")
+            "the budget well above that (activations come on top) or use a smaller model")
 
 
 def check_model_state(trainer) -> tuple[int, str | None]:

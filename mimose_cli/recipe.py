@@ -155,6 +155,12 @@ class DataConfig:
     """hf: data set configuration (e.g. 'regular' for swag)."""
     split: str = "train"
     """hf: split to train on."""
+    validation_examples: Optional[StrictInt] = Field(None, ge=1)
+    """Synthetic: validation examples to generate (the training data's task and lengths, a seed
+    stream of their own); null: no validation split."""
+    validation_split: Optional[str] = None
+    """hf: split to evaluate on, a split name of data.name ('validation') or a local file of the
+    same layout; null: no validation split."""
     tokenizer: Optional[str] = None
     """hf: tokenizer by local path or hub id (defaults to model.pretrained)."""
     text_fields: list = field(default_factory=list)
@@ -174,6 +180,17 @@ class DataConfig:
             raise _Invalid("name", self.name, "a data set name or local file when data.source is hf")
         if self.source == "synthetic":
             self._check_lengths()
+        if self.source == "synthetic" and self.validation_split is not None:
+            raise _Invalid("validation_split", self.validation_split,
+                           "null when data.source is synthetic (set data.validation_examples)")
+        if self.source == "hf" and self.validation_examples is not None:
+            raise _Invalid("validation_examples", self.validation_examples,
+                           "null when data.source is hf (set data.validation_split)")
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether the recipe names a validation split (synthetic or hf)."""
+        return self.validation_examples is not None or self.validation_split is not None
 
     def _check_lengths(self):
         from mimose_cli.data.synthetic import LENGTH_PRESETS, MIN_SYNTHETIC_LENGTH  # local: imports torch
@@ -213,6 +230,9 @@ class TrainingConfig:
     checkpoint_every: Optional[StrictInt] = Field(500, ge=1)
     """Write runs/<id>/checkpoint.pt every N optimizer steps (and always at the end and on
     SIGTERM/Ctrl-C), for ``mimose train --resume``; null: only at the end."""
+    eval_every: Optional[StrictInt] = Field(None, ge=1)
+    """Evaluate on the validation split every N optimizer steps; with a validation split it is
+    evaluated after the last step too, also when this is null."""
     cpu_threads: Optional[StrictInt] = Field(None, ge=1)
     """Torch intra-op threads when the run is on the CPU; null: torch's default (one per core).
     Tiny models gain nothing from more than one, and on cores shared with other jobs the threads
@@ -285,6 +305,10 @@ class Recipe:
         if self.budget_bytes is not None and margin is not None and margin >= self.budget_bytes:
             raise _Invalid("planner.safety_margin", self.planner.safety_margin,
                            f"less than the budget ({self.budget})")
+        if self.training.eval_every is not None and not self.data.has_validation:
+            raise _Invalid("training.eval_every", self.training.eval_every,
+                           "null without a validation split; set data.validation_examples (synthetic "
+                           "data) or data.validation_split (hf)")
 
 
 _RECIPE = TypeAdapter(Recipe)
@@ -298,9 +322,11 @@ def _section_keys(loc: tuple) -> list:
     return [name for name, info in cls.__pydantic_fields__.items() if info.init is not False]
 
 
-def _recipe_error(err: ValidationError, where: str) -> RecipeError:
+def _recipe_error(err: ValidationError, where: str, origins: dict) -> RecipeError:
     """One of pydantic's errors as one line naming file, dotted key, value and expectation: an
-    unknown key first (a misspelt key is the likelier cause of the rest), else the first."""
+    unknown key first (a misspelt key is the likelier cause of the rest), else the first.
+    ``origins`` maps keys set by an override or a flag to where they came from, named instead of
+    the file."""
     errors = err.errors()
     first = next((e for e in errors if e["type"] in UNKNOWN_KEY), errors[0])
     loc = tuple(str(part) for part in first["loc"])
@@ -312,6 +338,7 @@ def _recipe_error(err: ValidationError, where: str) -> RecipeError:
         return RecipeError(f"{where}: unknown key {'.'.join(loc)}; expected one of {keys}")
     else:
         key, value, expected = ".".join(loc), first["input"], first["msg"].removeprefix("Input should be ")
+    where = origins.get(key, where)
     return RecipeError(f"{where}: {key}={_shown(value)} is invalid; expected {expected}")
 
 
@@ -343,21 +370,26 @@ def _set_dotted(data: dict, key: str, value, where: str) -> None:
     node[parts[-1]] = value
 
 
-def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=None) -> Recipe:
-    """Build and validate a Recipe from a mapping, overrides ``key=value`` and flag values."""
+def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=None,
+                     flags_from: str = "the command line") -> Recipe:
+    """Build and validate a Recipe from a mapping, overrides ``key=value`` and flag values (an
+    invalid one is blamed on ``flags_from``)."""
     data = yaml.safe_load(yaml.safe_dump(data or {}))  # deep copy, plain types
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
+    origins = {}
     for text in overrides:
         key, value = _parse_override(text)
+        origins[key.strip()] = f"override {text!r}"
         _set_dotted(data, key, value, f"{where} (override {text!r})")
     for key, value in (flags or {}).items():
         if value is not None:
+            origins[key] = flags_from
             _set_dotted(data, key, value, f"{where} (flag)")
     try:
         return _RECIPE.validate_python(data)
     except ValidationError as err:
-        raise _recipe_error(err, where) from None
+        raise _recipe_error(err, where, origins) from None
 
 
 def load_recipe(path, overrides=(), flags=None) -> Recipe:

@@ -7,12 +7,30 @@ has every key; the keys are the ones the file has always had (``memory/peak_byte
 ``peak_bytes``...), so old run directories (whose out-of-memory lines lack some) still read.
 """
 
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
 from mimose_cli.rundir import read_jsonl
+
+
+@dataclass(kw_only=True)
+class RankFigures:
+    """One rank's own figures for a micro-batch of a multi-process run (``StepRecord.ranks``)."""
+
+    rank: int
+    input_shape: list | None = None
+    loss: float | None = None
+    iter_ms: float = 0.0
+    peak_bytes: int | None = None
+    fwd_bwd_peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    plan: list = field(default_factory=list)
+    phase: str | None = None
+    retries: int = 0
+    oom: bool = False
 
 
 @dataclass(kw_only=True)
@@ -71,6 +89,22 @@ class StepRecord:
     """Peak bytes the CUDA caching allocator reserved (``memory/reserved_peak_bytes``; CUDA only)."""
     epoch: int | None = None
     """Pass over the data set, from 0 (set by the training loop)."""
+    eval_loss: float | None = None
+    """Mean loss per example on the validation split, evaluated after this step's optimizer step
+    (every ``training.eval_every`` steps and after the last); None on the other steps."""
+    eval_accuracy: float | None = None
+    """Fraction of the validation examples predicted right in that evaluation (``evaluate.py``);
+    None also for a task without accuracy (causal_lm)."""
+    eval_ms: float | None = None
+    """Wall time of that evaluation, in ms; not part of ``iter_ms``."""
+    eval_peak_bytes: int | None = None
+    """Highest live bytes during that evaluation (``memory/eval_peak_bytes``)."""
+    rank: int | None = None
+    """Multi-process runs: the rank whose figures these are, the one with the highest peak (or
+    the one out of memory); ``loss`` is the mean over the ranks, ``retries`` their sum, ``oom``
+    whether any rank ran out, ``iter_ms`` the slowest rank's. None for one process."""
+    ranks: list[RankFigures] | None = None
+    """Multi-process runs: every rank's own figures, in rank order. None for one process."""
 
     @property
     def train_ms(self) -> float:
@@ -79,7 +113,7 @@ class StepRecord:
 
     def to_json(self) -> dict:
         """The record as a ``metrics.jsonl`` line's object, with that file's keys."""
-        return {_key(f.name): getattr(self, f.name) for f in fields(self)}
+        return {_key(name): value for name, value in asdict(self).items()}
 
     @classmethod
     def from_json(cls, data: dict) -> "StepRecord":
@@ -104,7 +138,8 @@ class StepRecord:
 
 COMPLETED_STEP_KEYS = ("loss", "peak_bytes")
 """Figures every step that did not run out of memory has (summaries and reports use them)."""
-_MEMORY = frozenset({"peak_bytes", "fwd_bwd_peak_bytes", "start_bytes", "activation_bytes", "reserved_peak_bytes"})
+_MEMORY = frozenset({"peak_bytes", "fwd_bwd_peak_bytes", "start_bytes", "activation_bytes", "reserved_peak_bytes",
+                     "eval_peak_bytes"})
 
 
 def _key(name: str) -> str:
@@ -154,3 +189,29 @@ def read_records(path) -> list:
         except ValueError as err:
             raise ValueError(f"{path} record {number}: {err}; the file is corrupt") from None
     return records
+
+
+def rank_figures(record: StepRecord, rank: int) -> RankFigures:
+    """A rank's own record as its entry in the merged record's ``ranks``."""
+    return RankFigures(rank=rank, input_shape=record.input_shape, loss=record.loss, iter_ms=record.iter_ms,
+                       peak_bytes=record.peak_bytes, fwd_bwd_peak_bytes=record.fwd_bwd_peak_bytes,
+                       predicted_peak_bytes=record.predicted_peak_bytes, plan=record.plan, phase=record.phase,
+                       retries=record.retries, oom=record.oom)
+
+
+def merge_ranks(records: list) -> StepRecord:
+    """One micro-batch's record from every rank's (in rank order): the worst rank's figures (out
+    of memory first, else the highest peak) with the global loss (the ranks' losses weighted by
+    their rows), the slowest rank's time, the retries of all and every rank's own figures."""
+    worst = max(range(len(records)), key=lambda r: (records[r].oom, records[r].peak_bytes or 0, -r))
+    merged = StepRecord(**{f.name: getattr(records[worst], f.name) for f in fields(StepRecord)})
+    merged.rank, merged.ranks = worst, [rank_figures(record, rank) for rank, record in enumerate(records)]
+    merged.oom = any(record.oom for record in records)
+    merged.retries = sum(record.retries for record in records)
+    merged.iter_ms = max(record.iter_ms for record in records)
+    if not merged.oom:
+        rows = [record.input_shape[0] for record in records]
+        merged.loss = math.fsum(r * record.loss for r, record in zip(rows, records)) / sum(rows)
+    if merged.error is not None:
+        merged.error = f"rank {worst}: {merged.error}"
+    return merged

@@ -68,12 +68,30 @@ def length_table(records) -> Table:
     return table
 
 
+def eval_table(records) -> Table | None:
+    """Every evaluation on the validation split; None when the run has none."""
+    evaluated = [r for r in records if r.eval_loss is not None]
+    if not evaluated:
+        return None
+    table = Table(title="evaluations on the validation split", title_justify="left")
+    for name in ("after step", "loss", "accuracy", "ms", "peak"):
+        table.add_column(name, justify="right")
+    for r in evaluated:
+        accuracy = "-" if r.eval_accuracy is None else f"{r.eval_accuracy:.4f}"
+        ms = "-" if r.eval_ms is None else f"{r.eval_ms:.0f}"
+        table.add_row(str(r.step), f"{r.eval_loss:.4f}", accuracy, ms, format_bytes(r.eval_peak_bytes))
+    return table
+
+
 def render_run(run_dir, console: Console) -> dict:
     summary, records = load_run(run_dir)
     console.print(f"run {Path(run_dir).name}")
     for table in summary_tables(summary):
         console.print(table)
     console.print(length_table(records))
+    evaluations = eval_table(records)
+    if evaluations is not None:
+        console.print(evaluations)
     console.print(step_table(records[-10:], summary.get("budget_bytes"), "last steps"))
     for line in _outputs(Path(run_dir), summary):
         console.print(line, highlight=False, soft_wrap=True)

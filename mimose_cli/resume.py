@@ -37,9 +37,9 @@ def resume_recipe(run_dir, overrides=(), flags=None):
     run_dir = Path(run_dir)
     saved = run_dir / "recipe.yaml"
     if not saved.is_file():
-        raise RecipeError(f"--resume {run_dir}: not a run directory (no recipe.yaml)")
+        raise RecipeError(f"cannot resume {run_dir}: not a run directory (no recipe.yaml)")
     if not (run_dir / CHECKPOINT).is_file():
-        raise RecipeError(f"--resume {run_dir}: no {CHECKPOINT}, the run stopped before its first "
+        raise RecipeError(f"cannot resume {run_dir}: no {CHECKPOINT}, the run stopped before its first "
                           "checkpoint (training.checkpoint_every); start it again instead")
     before = _flat(recipe_to_dict(load_recipe(saved)))
     recipe = load_recipe(saved, overrides, flags)
@@ -47,7 +47,7 @@ def resume_recipe(run_dir, overrides=(), flags=None):
     for key in sorted(set(before) | set(after)):
         if key not in RESUMABLE_KEYS and before.get(key) != after.get(key):
             raise RecipeError(
-                f"--resume {run_dir}: {key} is {before.get(key)!r} in that run, not {after.get(key)!r}; "
+                f"cannot resume {run_dir}: {key} is {before.get(key)!r} in that run, not {after.get(key)!r}; "
                 f"a resumed run keeps its recipe (only {', '.join(RESUMABLE_KEYS)} may change)")
     return recipe
 

@@ -19,8 +19,10 @@ class StopRequest:
     previous handlers are put back on exit. Off the main thread (where Python cannot install
     handlers) it installs nothing and a signal keeps its default effect."""
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
         self.signal_name: str | None = None
+        self.announce = announce
+        """Whether to say on stderr that the run will stop (not on torchrun's ranks other than 0)."""
         self._previous: dict = {}
 
     @property
@@ -33,10 +35,11 @@ class StopRequest:
             raise KeyboardInterrupt
         if not self.requested:
             self.signal_name = name
-            # A raw write: printing through Python's buffered streams from a handler can
-            # re-enter a print the loop was in the middle of.
-            os.write(2, f"{name}: stopping after this step and writing a checkpoint "
-                        "(Ctrl-C again to stop now)\n".encode())
+            if self.announce:
+                # A raw write: printing through Python's buffered streams from a handler can
+                # re-enter a print the loop was in the middle of.
+                os.write(2, f"{name}: stopping after this step and writing a checkpoint "
+                            "(Ctrl-C again to stop now)\n".encode())
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():

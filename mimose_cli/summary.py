@@ -7,7 +7,7 @@ from pydantic import TypeAdapter
 from rich.table import Table
 from typing_extensions import Required, TypedDict
 
-from mimose_cli.units import format_bytes
+from mimose_cli.units import format_budget, format_bytes, format_duration
 
 TAIL = 10
 
@@ -56,8 +56,40 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
         "recompute_ms_total": _sum_known(r.recompute_ms for r in done),
         "loss_first": _mean(losses[:TAIL]),
         "loss_last": _mean(losses[-TAIL:]),
+        **_eval_summary([r for r in done if r.eval_loss is not None]),
         "planner": planner_stats or {},
+        "world_size": len(records[0].ranks) if records and records[0].ranks else 1,
+        "ranks": rank_totals(records, budget_bytes),
     }
+
+
+def _eval_summary(evaluated) -> dict:
+    """The last evaluation's figures (None without a validation split), every one's time and the
+    highest peak."""
+    last = evaluated[-1] if evaluated else None
+    return {
+        "eval_loss": last.eval_loss if last else None,
+        "eval_accuracy": last.eval_accuracy if last else None,
+        "eval_step": last.step if last else None,
+        "eval_time_s": sum(r.eval_ms for r in evaluated) / 1e3 if last else None,
+        "eval_peak_bytes": max(r.eval_peak_bytes for r in evaluated) if last else None,
+    }
+
+
+def rank_totals(records, budget_bytes) -> list | None:
+    """Per rank of a multi-process run: its highest peak, retries, micro-batches out of memory
+    and over the budget (None for one process)."""
+    per_rank = [figures for r in records for figures in (r.ranks or [])]
+    if not per_rank:
+        return None
+    totals = []
+    for rank in sorted({f.rank for f in per_rank}):
+        mine = [f for f in per_rank if f.rank == rank]
+        peaks = [f.peak_bytes for f in mine if f.peak_bytes is not None and not f.oom]
+        totals.append({"rank": rank, "peak_bytes": max(peaks) if peaks else None,
+                       "retries": sum(f.retries for f in mine), "oom_steps": sum(1 for f in mine if f.oom),
+                       "over_budget_steps": sum(1 for p in peaks if budget_bytes and p > budget_bytes)})
+    return totals
 
 
 class SummaryFile(TypedDict, total=False):
@@ -68,6 +100,7 @@ class SummaryFile(TypedDict, total=False):
     oom_steps: int
     retries: int
     retried_steps: int
+    budget: str | None
     budget_bytes: int | None
     train_time_s: float | None
     mean_iter_ms: float | None
@@ -82,8 +115,15 @@ class SummaryFile(TypedDict, total=False):
     recompute_ms_total: float | None
     loss_first: float | None
     loss_last: float | None
+    eval_loss: float | None
+    eval_accuracy: float | None
+    eval_step: int | None
+    eval_time_s: float | None
+    eval_peak_bytes: int | None
     planner: dict
     error: str | None
+    world_size: int
+    ranks: list | None
 
 
 SUMMARY_FILE = TypeAdapter(SummaryFile)
@@ -95,7 +135,7 @@ def _fmt(value, kind):
     if kind == "bytes":
         return format_bytes(value)
     if kind == "ms":
-        return f"{value:.1f} ms"
+        return format_duration(value)
     if kind == "float":
         return f"{value:.4f}"
     return str(value)
@@ -104,7 +144,7 @@ def _fmt(value, kind):
 SUMMARY_ROWS = (
     ("status", "status", "str"), ("steps completed", "steps", "str"),
     ("out-of-memory steps", "oom_steps", "str"), ("retried steps / retries", None, "retries"),
-    ("budget", "budget_bytes", "bytes"),
+    ("budget", "budget_bytes", "budget"),
     ("peak memory", "peak_bytes", "bytes"), ("mean peak memory", "mean_peak_bytes", "bytes"),
     ("steps over budget", "over_budget_steps", "str"),
     ("training time", "train_time_s", "seconds"), ("mean iteration", "mean_iter_ms", "ms"),
@@ -113,6 +153,7 @@ SUMMARY_ROWS = (
     ("planning time total", "planning_ms_total", "ms"),
     ("recompute time total", "recompute_ms_total", "ms"),
     ("loss first / last 10 steps", None, "loss"),
+    ("peak memory per rank", None, "ranks"),
 )
 
 
@@ -123,12 +164,22 @@ def _summary_value(summary, key, kind):
         return f"{_fmt(summary.get('loss_first'), 'float')} / {_fmt(summary.get('loss_last'), 'float')}"
     if kind == "retries":
         return f"{summary.get('retried_steps', 0)} / {summary.get('retries', 0)}"
+    if kind == "ranks":
+        return " / ".join(_fmt(r.get("peak_bytes"), "bytes") for r in summary["ranks"])
     value = summary.get(key)
+    if kind == "budget":
+        return format_budget(summary.get("budget"), value)
     if kind == "seconds":
         return "-" if value is None else f"{value:.2f} s"
     if kind == "blocks":
         return "-" if value is None else f"{value:.2f} of {summary.get('num_blocks')}"
     return _fmt(value, kind)
+
+
+def _planner_value(key: str, value) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith("_ms"):
+        return format_duration(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def summary_tables(summary: dict) -> list:
@@ -137,7 +188,13 @@ def summary_tables(summary: dict) -> list:
     table.add_column("what")
     table.add_column("value", justify="right")
     for label, key, kind in SUMMARY_ROWS:
-        table.add_row(label, _summary_value(summary, key, kind))
+        if kind != "ranks" or summary.get("ranks"):  # per rank: multi-process runs only
+            table.add_row(label, _summary_value(summary, key, kind))
+    if summary.get("eval_step") is not None:  # a run with a validation split
+        table.add_row(f"eval loss / accuracy (after step {summary['eval_step']})",
+                      f"{_fmt(summary.get('eval_loss'), 'float')} / {_fmt(summary.get('eval_accuracy'), 'float')}")
+        table.add_row("eval time total / peak memory",
+                      f"{summary.get('eval_time_s') or 0:.2f} s / {_fmt(summary.get('eval_peak_bytes'), 'bytes')}")
     if summary.get("error"):  # why a run that did not complete ended
         table.add_row("error", str(summary["error"]))
     tables = [table]
@@ -148,6 +205,6 @@ def summary_tables(summary: dict) -> list:
         planner.add_column("value", justify="right")
         for key, value in stats.items():
             if key != "planner":
-                planner.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+                planner.add_row(key, _planner_value(key, value))
         tables.append(planner)
     return tables

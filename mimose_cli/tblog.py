@@ -8,8 +8,9 @@ from pathlib import Path
 TENSORBOARD_DIR = "tensorboard"
 SCALARS = (("train/loss", "loss"), ("train/lr", "lr"), ("memory/peak_bytes", "peak_bytes"),
            ("memory/predicted_peak_bytes", "predicted_peak_bytes"), ("time/iter_ms", "iter_ms"),
-           ("planner/retries", "retries"))
-"""(TensorBoard tag, ``StepRecord`` field) logged per step; ``planner/checkpointed_blocks`` too."""
+           ("planner/retries", "retries"), ("eval/loss", "eval_loss"), ("eval/accuracy", "eval_accuracy"))
+"""(TensorBoard tag, ``StepRecord`` field) logged per step where the record has it (the eval ones
+after an evaluation only); ``planner/checkpointed_blocks`` too."""
 
 
 class TensorBoardLog:

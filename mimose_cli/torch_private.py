@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.distributed._tools.common_utils import get_untyped_storages
 
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "get_untyped_storages",
-           "top_saved_tensors_hook_name", "tensor_version"]
+           "top_saved_tensors_hook_name", "tensor_version", "dispatch_modes"]
 
 
 def top_saved_tensors_hook_name() -> str:
@@ -40,3 +40,11 @@ def tensor_version(tensor: torch.Tensor) -> int:
     refuse recomputing a block whose inputs changed. Public replacement: none (autograd checks
     it internally when a saved tensor is unpacked, with no API to ask ahead of time)."""
     return tensor._version
+
+
+def dispatch_modes() -> list:
+    """The ``TorchDispatchMode``s active now, outermost first: a planner's own simulated device
+    must be among them only inside its steps (tests/planners/test_side_effects.py,
+    benchmarks/library_overhead.py). Public replacement: none (torch has no query for the
+    active dispatch modes outside ``torch.utils._python_dispatch``)."""
+    return list(torch.utils._python_dispatch._get_current_dispatch_mode_stack())

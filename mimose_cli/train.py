@@ -3,7 +3,8 @@
 A step has no side effect on the model, optimizer or data position until ``optimizer.step()``,
 so a step that runs out of memory during forward/backward can be redone on the same batch
 (out-of-memory recovery builds on this). Under ``torchrun`` each rank builds its own planner and
-meter for its own device (LOCAL_RANK), the budget being per device.
+meter for its own device (LOCAL_RANK), the budget being per device, and trains its slice of each
+global batch; rank 0 writes the run directory (``distributed.py`` says how the ranks agree).
 """
 
 import contextlib
@@ -16,10 +17,14 @@ from pathlib import Path
 import torch
 from transformers import get_linear_schedule_with_warmup
 
-from mimose_cli.checkpoint import (MODEL_DIR, Progress, load_checkpoint, restore_step_state, restore_trainer,
-                                   save_checkpoint, save_model)
-from mimose_cli.data import build_dataloader, build_dataset, make_batch, max_input_size
-from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, synchronize
+from mimose_cli.checkpoint import (MODEL_DIR, Progress, load_checkpoint, rank_state, restore_step_state,
+                                   restore_trainer, save_checkpoint, save_model)
+from mimose_cli.data import (build_dataloader, build_dataset, build_eval_loader, build_validation, make_batch,
+                             max_input_size)
+from mimose_cli.distributed import (SilentWriter, World, all_ranks, any_rank, broadcast_model, data_parallel_step,
+                                    first_error, from_main, process_group, quiet_unless_main)
+from mimose_cli.evaluate import eval_line, evaluate
+from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.models import build_model, model_config
 from mimose_cli.planners import Planner, build_planner
 from mimose_cli.preflight import BudgetRange, budget_error, check_model_state, optimizer_state_bytes, preflight
@@ -28,7 +33,7 @@ from mimose_cli.records import StepRecord, completed_step, oom_step
 from mimose_cli.resume import cut_records
 from mimose_cli.rundir import RunWriter, check_out_dir, environment, new_run_dir
 from mimose_cli.signals import EXIT_CODES, StopRequest
-from mimose_cli.units import format_bytes
+from mimose_cli.units import format_budget, format_bytes
 from mimose_cli.live import ProgressView, check_view, new_console
 
 
@@ -90,13 +95,15 @@ class Trainer:
     planner: Planner
     scaler: torch.amp.GradScaler | None = None
     step: int = 0
+    world: World = field(default_factory=World)
 
     def to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def forward_backward(self, batch: dict, counter: SavedBytesCounter):
+    def forward_backward(self, batch: dict, counter: SavedBytesCounter, loss_weight: float = 1.0):
         """Planner-controlled forward and backward of one micro-batch, retried by the planner
-        when it runs out of memory (``Planner.run``); no optimizer side effects."""
+        when it runs out of memory (``Planner.run``); no optimizer side effects. ``loss_weight``
+        scales the gradient (a rank's share of a global batch, ``distributed.local_batch``)."""
         accumulation = self.recipe.training.gradient_accumulation_steps
 
         def step_fn(batch):
@@ -105,6 +112,8 @@ class Trainer:
                 loss = self.model(**batch).loss
             activation_bytes = counter.bytes
             scaled = loss / accumulation if accumulation > 1 else loss
+            if loss_weight != 1.0:
+                scaled = scaled * loss_weight
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             return loss.detach(), activation_bytes
 
@@ -126,14 +135,36 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
-    """Setup: seed, device, model, optimizer, meter, planner."""
+def describe_device(device: torch.device, recipe: Recipe) -> str:
+    """The device a run picked, for its first setup line."""
+    budget = format_budget(recipe.budget, recipe.budget_bytes)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return f"device: {device} ({torch.cuda.get_device_name(device)}, {format_bytes(total)}), budget {budget}"
+    threads = torch.get_num_threads()
+    cpu = f"device: cpu, {threads} thread{'s' if threads != 1 else ''}"
+    return f"{cpu}; the simulated device holds the budget {budget}" if recipe.budget_bytes is not None else cpu
+
+
+def describe_model(model: torch.nn.Module, recipe: Recipe) -> str:
+    """The model a run built, with its parameter count and size."""
+    count = sum(p.numel() for p in model.parameters())
+    source = recipe.model.pretrained or f"{recipe.model.type} ({recipe.model.size}) from its config, random init"
+    return f"model built: {source}, {count / 1e6:.2f} M parameters ({format_bytes(param_bytes(model))} trainable)"
+
+
+def build_trainer(recipe: Recipe, config, total_steps: int, world: World = World(), say=None) -> Trainer:
+    """Setup: seed, device, model, optimizer, meter, planner (each rank its own, the same seed);
+    ``say(line)`` hears each phase."""
+    say = say or (lambda line: None)
     device = resolve_device(recipe.device)
     if device.type == "cpu" and recipe.training.cpu_threads is not None:
         torch.set_num_threads(recipe.training.cpu_threads)
+    say(describe_device(device, recipe))
     torch.manual_seed(recipe.seed)
     model = build_model(recipe).to(device)
     model.train()
+    say(describe_model(model, recipe))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -145,7 +176,7 @@ def build_trainer(recipe: Recipe, config, total_steps: int) -> Trainer:
         recipe.planner.name, model, recipe.budget_bytes, blocks=recipe.model.blocks,
         safety_margin=recipe.planner.safety_margin_bytes, meter=meter, **planner_options(recipe))
     scaler = torch.amp.GradScaler(device.type) if recipe.training.precision == "fp16" else None
-    return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler)
+    return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler, world=world)
 
 
 def divergence_error(record: StepRecord, recipe: Recipe) -> str:
@@ -161,20 +192,23 @@ def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
     return max(1, recipe.training.epochs * batches_per_epoch // recipe.training.gradient_accumulation_steps)
 
 
-def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_step: int = 0) -> StepRecord:
+def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_step: int = 0,
+               loss_weight: float = 1.0) -> StepRecord:
     """One micro-batch's forward and backward, and the optimizer step after the last micro-batch
-    of ``training.gradient_accumulation_steps``; returns its record. Raises
-    torch.OutOfMemoryError (``PlanOutOfMemoryError`` once the planner's retries are spent)."""
+    of ``training.gradient_accumulation_steps`` (under torchrun the ranks step together after it:
+    ``distributed.data_parallel_step``); returns its record. Raises torch.OutOfMemoryError
+    (``PlanOutOfMemoryError`` once the planner's retries are spent)."""
     batch = trainer.to_device(batch)
     trainer.meter.track(batch)
     synchronize(trainer.device)
     start = time.perf_counter()
     last_micro = micro_step == trainer.recipe.training.gradient_accumulation_steps - 1
+    steps = last_micro and not trainer.world.distributed
     lr = trainer.scheduler.get_last_lr()[0]  # the rate this step's update uses
     with trainer.meter.step() as mem:
-        loss, info, activation_bytes = trainer.forward_backward(batch, counter)
+        loss, info, activation_bytes = trainer.forward_backward(batch, counter, loss_weight)
         planned_peak = trainer.meter.peak_bytes()  # what the planner plans for: before the optimizer
-        if last_micro:
+        if steps:
             trainer.optimizer_step()
     synchronize(trainer.device)
     iter_ms = (time.perf_counter() - start) * 1e3
@@ -194,13 +228,30 @@ def _oom_record(trainer: Trainer, batch: dict, error: Exception, micro_step: int
                     peak_bytes=trainer.meter.peak_bytes())
 
 
-def _data_batches(recipe: Recipe, dataset, config, micro_batches: int, first_loader, start: Progress):
-    """Yield (epoch, batch) for ``micro_batches`` micro-batches from the data position ``start``;
-    the order depends only on (seed, epoch), so a resumed run sees the batches it would have."""
+def _micro_batch(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_step: int) -> StepRecord:
+    """One micro-batch trained, and its record (out of memory included); under torchrun every
+    rank trains its slice and gets the ranks' records merged (the same on every rank)."""
+    def run(part: dict, loss_weight: float = 1.0) -> StepRecord:
+        try:
+            return train_step(trainer, part, counter, micro_step, loss_weight)
+        except torch.OutOfMemoryError as error:
+            return _oom_record(trainer, part, error, micro_step)
+
+    if not trainer.world.distributed:
+        return run(batch)
+    last_micro = micro_step == trainer.recipe.training.gradient_accumulation_steps - 1
+    return data_parallel_step(trainer, batch, last_micro, run)
+
+
+def _data_batches(recipe: Recipe, dataset, config, micro_batches: int, first_loader, start: Progress,
+                  world_size: int = 1):
+    """Yield (epoch, batch) for ``micro_batches`` micro-batches (global ones under torchrun) from
+    the data position ``start``; the order depends only on (seed, epoch), so a resumed run sees
+    the batches it would have."""
     produced, epoch, skip = 0, start.epoch, start.batch
     while produced < micro_batches:
         fresh = (epoch, skip) == (0, 0)
-        loader = first_loader if fresh else build_dataloader(recipe, dataset, config, epoch, skip)
+        loader = first_loader if fresh else build_dataloader(recipe, dataset, config, epoch, skip, world_size)
         if loader.batches_per_epoch == 0:
             raise ValueError("the data set yields no batch; raise data.num_examples or lower training.batch_size")
         for batch in loader:
@@ -227,35 +278,43 @@ class LoopEnd:
 
 
 def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop: StopRequest,
-          checkpoint) -> LoopEnd:
-    """Train until the data ends, a step runs out of memory for good, a signal asks to stop, or
-    the run directory cannot be written. ``batches`` yields micro-batches; every
-    ``gradient_accumulation_steps`` of them make a step, after which ``checkpoint()`` (when given)
-    is called every ``training.checkpoint_every`` steps; a stop request is honoured between steps."""
+          checkpoint, evaluate=None) -> LoopEnd:
+    """Train until the data ends, a step (or an evaluation) runs out of memory for good, a signal
+    asks to stop, or the run directory cannot be written. ``batches`` yields micro-batches; every
+    ``gradient_accumulation_steps`` of them make a step, after which ``evaluate(record)`` (when
+    given) may fill the step's record before it is written, and ``checkpoint()`` (when given) is
+    called every ``training.checkpoint_every`` steps; a stop request is honoured between steps."""
     end = LoopEnd()
+    world = trainer.world
     counter = SavedBytesCounter(exclude=trainer.model.parameters())
     accumulation = trainer.recipe.training.gradient_accumulation_steps
     every = trainer.recipe.training.checkpoint_every if checkpoint else None
     try:
         for index, (epoch, batch) in enumerate(batches):
             micro_step = index % accumulation
-            if micro_step == 0 and stop.requested:  # also a signal before the first step
+            # Also a signal before the first step; under torchrun, one rank's stops them all.
+            if micro_step == 0 and any_rank(stop.requested, world, trainer.device):
                 end.status = "interrupted"
                 break
             end.at_boundary = False
-            try:
-                record = train_step(trainer, batch, counter, micro_step)
-            except torch.OutOfMemoryError as error:
-                record, end.status = _oom_record(trainer, batch, error, micro_step), "oom"
+            record = _micro_batch(trainer, batch, counter, micro_step)
+            if record.oom:
+                end.status = "oom"
             record.epoch = epoch
+            view.update(record)
+            if evaluate is not None and end.status != "oom" and micro_step == accumulation - 1:
+                end.error = evaluate(record)  # None, or why evaluating ran out of memory
             end.records.append(record)
             writer.metric(record)
             writer.plan({"step": record.step, "micro_step": micro_step,
                          "input_size": record.input_size, "plan": record.plan})
-            view.update(record)
             if end.status == "oom":
                 end.error = record.error
                 view.message(f"[red]step {record.step} ran out of memory[/red]: {record.error}")
+                break
+            if end.error is not None:
+                end.status = "oom"
+                view.message(f"[red]{end.error}[/red]")
                 break
             if not math.isfinite(record.loss):  # before any checkpoint: never save NaN weights
                 end.status, end.at_boundary = "diverged", False
@@ -269,6 +328,9 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop
                     checkpoint()
     except KeyboardInterrupt:
         end.status = "interrupted"
+        # Under torchrun a rank stopped at once may have left the others inside a collective: no
+        # checkpoint (a collective too).
+        end.at_boundary = end.at_boundary and not world.distributed
     except OSError as error:
         end.status, end.at_boundary = "failed", False
         end.error = f"writing {writer.path} failed: {error}"
@@ -298,6 +360,8 @@ class Run:
     """The budgets the recipe needs, measured before the first step (``preflight``)."""
     saves: bool = True
     """Whether checkpoints and the trained model are written (not for ``compare``'s runs)."""
+    validation: object = None
+    """The validation batches (``build_eval_loader``); None without a validation split."""
 
     @property
     def resumed_from_steps(self) -> list:
@@ -311,30 +375,41 @@ class Run:
             self.trainer.step, self.recipe.training.gradient_accumulation_steps,
             self.first_loader.batches_per_epoch, wall_s=self.start.wall_s + segment_s,
             resumed_from_steps=self.resumed_from_steps)
-        save_checkpoint(self.run_dir, self.trainer, progress)
+        world = self.trainer.world
+        others = all_ranks(rank_state(self.trainer), world)[1:] if world.distributed else []
+        if world.is_main:
+            save_checkpoint(self.run_dir, self.trainer, progress, others)
         self.checkpoint_step = self.trainer.step
 
 
-def _setup(recipe: Recipe, out_dir, recipe_name: str, resume) -> Run:
+def _setup(recipe: Recipe, out_dir, recipe_name: str, resume, view: ProgressView, world: World = World()) -> Run:
     """Build the run; when resuming, load the checkpoint into it and cut the run directory's
-    records back to it (the steps after it are trained again)."""
+    records back to it (the steps after it are trained again). Under torchrun every rank builds
+    its own, rank 0 creates the run directory (and cuts its records)."""
     config = model_config(recipe)
     dataset = build_dataset(recipe, config)
-    first_loader = build_dataloader(recipe, dataset, config, epoch=0)
+    examples = build_validation(recipe, config)
+    validation = None if examples is None else build_eval_loader(recipe, examples, config)
+    first_loader = build_dataloader(recipe, dataset, config, epoch=0, world_size=world.size)
     total = total_steps_of(recipe, len(first_loader))
-    trainer = build_trainer(recipe, config, total)
+    view.setup(f"data ready: {recipe.data.source} {recipe.task}, {len(dataset)} examples, "
+               f"{len(first_loader)} batches of {recipe.training.batch_size * world.size} per epoch; {total} steps"
+               + ("" if examples is None else f"; {len(examples)} validation examples"))
+    trainer = build_trainer(recipe, config, total, world, say=view.setup)
     if resume is None:
-        run_dir = new_run_dir(out_dir or recipe.out_dir, recipe_name, recipe.planner.name)
-        return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, Progress())
+        run_dir = new_run_dir(out_dir or recipe.out_dir, recipe_name, recipe.planner.name) if world.is_main else None
+        run_dir = from_main(run_dir, world)
+        return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, Progress(),
+                   validation=validation)
     run_dir = Path(resume)
     checkpoint = load_checkpoint(run_dir)
-    start = restore_trainer(trainer, checkpoint)
+    start = restore_trainer(trainer, checkpoint, world.rank, world.size)
     if start.step >= total:
         raise ValueError(f"{run_dir} has trained {start.step} of training.max_steps={total} steps already; "
                          "raise training.max_steps to train further")
-    records = cut_records(run_dir, start.step, recipe.training.gradient_accumulation_steps)
+    records = cut_records(run_dir, start.step, recipe.training.gradient_accumulation_steps) if world.is_main else []
     return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, start, checkpoint, records,
-               checkpoint_step=start.step)
+               checkpoint_step=start.step, validation=validation)
 
 
 def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, clock: float) -> LoopEnd:
@@ -345,39 +420,79 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         state_bytes, error = check_model_state(trainer)
         if error is None:
             run.preflight = preflight(trainer, run.config, state_bytes)
-            error = budget_error(recipe.budget_bytes, run.preflight)
+            error = budget_error(recipe.budget_bytes, run.preflight, recipe.budget)
             if error is None:  # else the error says it
-                view.message(f"pre-flight: {run.preflight.describe()}")
-        if error is not None:
-            view.message(f"[red]out of memory before the first step[/red]: {error}")
+                view.setup(f"pre-flight: {run.preflight.describe()}")
+        error = first_error(error, trainer.world)  # one rank that cannot train stops them all
+        if error is not None:  # the run's error: the command prints it
             return LoopEnd(status="oom", at_boundary=False, error=error)
         trainer.planner.prepare(lambda size: make_batch(recipe, run.config, size),
                                 max_input_size(recipe), state_bytes)
         if run.checkpoint is not None:
-            restore_step_state(trainer, run.checkpoint)
+            restore_step_state(trainer, run.checkpoint, trainer.world.rank)
         accumulation = recipe.training.gradient_accumulation_steps
         micro_batches = (run.total_steps - run.start.step) * accumulation
-        batches = _data_batches(recipe, run.dataset, run.config, micro_batches, run.first_loader, run.start)
+        batches = _data_batches(recipe, run.dataset, run.config, micro_batches, run.first_loader, run.start,
+                                trainer.world.size)
         checkpoint = (lambda: run.save_checkpoint(time.perf_counter() - clock)) if run.saves else None
-        return _loop(trainer, batches, writer, view, stop, checkpoint)
+        view.begin(run.total_steps, run.start.step)
+        evaluation = (lambda record: _evaluate(run, record, view)) if run.validation is not None else None
+        return _loop(trainer, batches, writer, view, stop, checkpoint, evaluation)
+
+
+def _evaluate(run: Run, record: StepRecord, view: ProgressView) -> str | None:
+    """Evaluate on the validation split after the step of ``record`` when it is due (every
+    ``training.eval_every`` steps, and after the last), its figures into the record and a line to
+    the view; returns why the run must end when evaluating ran out of memory, else None. The
+    step's ``iter_ms`` stays the step's alone, so planners compare as without evaluation. Under
+    torchrun every rank evaluates the whole split (the same weights: the same figures) and the
+    ranks agree on whether it fitted."""
+    done, every = record.step + 1, run.recipe.training.eval_every
+    due = done == run.total_steps or (every is not None and done % every == 0)
+    if not due or not math.isfinite(record.loss):  # a diverged run ends; nothing worth evaluating
+        return None
+    trainer, error = run.trainer, None
+    try:
+        result = evaluate(trainer.model, run.validation, run.recipe.task, device=trainer.device,
+                          meter=trainer.meter, autocast=lambda: _autocast(run.recipe, trainer.device))
+    except torch.OutOfMemoryError as oom:
+        error = (f"evaluating on the validation split after step {record.step} ran out of memory "
+                 f"({str(oom).splitlines()[0]}); raise the budget")
+    error = first_error(error, trainer.world)
+    if error is not None:
+        return error
+    record.eval_loss, record.eval_accuracy = result.loss, result.accuracy
+    record.eval_ms, record.eval_peak_bytes = result.ms, result.peak_bytes
+    view.message(eval_line(record.step, result))
+    return None
 
 
 def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=None,
-                 recipe_name: str = "run", resume=None, save: bool = True) -> RunResult:
+                 recipe_name: str = "run", resume=None, save: bool = True, world: World | None = None) -> RunResult:
     """Train ``recipe`` and write ``runs/<id>/``, or continue the run directory ``resume`` from
     its checkpoint. Out of memory ends the run with status 'oom'; SIGTERM or Ctrl-C stops it after
     the current step with status 'interrupted', a checkpoint and the model saved. ``save=False``
-    writes neither checkpoints nor the model (runs that are measurements)."""
+    writes neither checkpoints nor the model (runs that are measurements). ``world``: the
+    processes training together, by default torchrun's (one process without it); rank 0 alone
+    writes and prints."""
+    world = world or World.from_env()
     check_view(view)
-    if resume is None:
+    view = view if world.is_main else "none"
+    if resume is None and world.is_main:
         out_dir = check_out_dir(out_dir or recipe.out_dir)  # before anything slow is built
-    with StopRequest() as stop:
-        run = _setup(recipe, out_dir, recipe_name, resume)
+    with (StopRequest(announce=world.is_main) as stop, process_group(world, resolve_device(recipe.device)),
+          quiet_unless_main(world)):
+        live = ProgressView(f"mimose train {Path(resume).name if resume else recipe_name} [{recipe.planner.name}]",
+                            format_budget(recipe.budget, recipe.budget_bytes), recipe.budget_bytes,
+                            recipe.training.log_every, view, console)
+        if world.distributed:
+            live.setup(f"{world.size} processes: global batches of {world.size} x {recipe.training.batch_size} "
+                       "examples; the table shows each step's rank with the highest peak")
+        run = _setup(recipe, out_dir, recipe_name, resume, live, world)
+        broadcast_model(run.trainer.model, world)
         run.saves = save
-        writer = RunWriter(run.run_dir, recipe, environment(run.trainer.device))
-        name = run.run_dir.name if resume else recipe_name
-        live = ProgressView(f"mimose train {name} [{recipe.planner.name}]", recipe.budget_bytes,
-                            run.total_steps, recipe.training.log_every, view, console)
+        writer = (RunWriter(run.run_dir, recipe, environment(run.trainer.device)) if world.is_main
+                  else SilentWriter(run.run_dir))
         if resume is not None:
             live.message(f"resuming {run.run_dir} at step {run.start.step} of {run.total_steps}")
         clock = time.perf_counter()
@@ -390,11 +505,12 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
     if live.mode != "none":
         from mimose_cli.summary import summary_tables
 
-        for table in summary_tables(summary):
+        for table in summary_tables(summary) if end.records else ():  # no step, no figures
             live.console.print(table)
         if summary["status"] in ("interrupted", "failed") and run.checkpoint_step is not None:
+            processes = f" --nproc-per-node {world.size}" if world.distributed else ""
             live.console.print(f"checkpoint at step {run.checkpoint_step}: continue with "
-                               f"mimose train --resume {run.run_dir}", highlight=False, soft_wrap=True)
+                               f"mimose train --resume {run.run_dir}{processes}", highlight=False, soft_wrap=True)
         live.console.print(f"run directory: {run.run_dir}")
     return RunResult(run.run_dir, summary, run.records + end.records)
 
@@ -417,15 +533,17 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
             end.status, end.error = "failed", f"writing {run.run_dir} failed: {error}"
             return False
 
+    main = trainer.world.is_main  # the other ranks write nothing
     if keep and run.checkpoint_step != trainer.step:
         keep = written(lambda: run.save_checkpoint(segment_s))
-    written(lambda: _save_planner_state(trainer.planner, writer))
+    if main:
+        written(lambda: _save_planner_state(trainer.planner, writer))
     trainer.planner.close()  # puts back the model's own forwards and config before saving it
-    keep = keep and written(lambda: save_model(trainer.model, run.run_dir))
+    keep = keep and main and written(lambda: save_model(trainer.model, run.run_dir))
     summary = summarize(run.records + end.records, status=end.status, budget_bytes=run.recipe.budget_bytes,
                         wall_s=run.start.wall_s + segment_s, planner_stats=stats)
-    summary.update(signal=stop.signal_name, checkpoint_step=run.checkpoint_step,
-                   resumed_from_steps=run.resumed_from_steps, model_dir=MODEL_DIR if keep else None)
+    summary.update(budget=run.recipe.budget, world_size=trainer.world.size, signal=stop.signal_name,
+                   checkpoint_step=run.checkpoint_step, resumed_from_steps=run.resumed_from_steps, model_dir=MODEL_DIR if keep else None)
     if run.preflight is not None:
         summary["preflight"] = asdict(run.preflight)
     if end.error is not None:
@@ -453,12 +571,12 @@ def dry_run(recipe: Recipe, console=None) -> BudgetRange:
     finally:
         trainer.planner.close()
     console.print(f"{recipe.model.type} ({recipe.model.size}): {needs.describe()}", highlight=False, soft_wrap=True)
-    error = budget_error(recipe.budget_bytes, needs)
+    error = budget_error(recipe.budget_bytes, needs, recipe.budget)
     if error is not None:
         console.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
     elif recipe.budget_bytes is not None:
         enough = needs.none_bytes is not None and recipe.budget_bytes >= needs.none_bytes
-        console.print(f"budget {recipe.budget} ({format_bytes(recipe.budget_bytes)}): fits; "
+        console.print(f"budget {format_budget(recipe.budget, recipe.budget_bytes)}: fits; "
                       + ("no checkpointing needed" if enough else "the planner checkpoints the longer batches"),
                       highlight=False, soft_wrap=True)
     return needs

@@ -52,3 +52,31 @@ def format_bytes(num_bytes) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{value:.2f} TiB"
+
+
+def format_budget(text, num_bytes) -> str:
+    """A budget as the user wrote it, with its binary size beside it when that reads differently:
+    "6GB (5.59 GiB)", "6GiB", "unlimited"."""
+    if num_bytes is None:
+        return "unlimited"
+    written = str(text).strip() if text is not None else ""
+    match = _SIZE.match(written)
+    if not written or (match and match.group(2).lower() in ("kib", "mib", "gib", "tib")):
+        return written or format_bytes(num_bytes)  # already binary: nothing to add
+    return f"{written} ({format_bytes(num_bytes)})"
+
+
+def format_duration(ms) -> str:
+    """A duration given in milliseconds: "850 ms" under a second, "1.25 s", "2 min 05 s" from a minute on."""
+    if ms is None:
+        return "-"
+    if abs(ms) < 1000:
+        return f"{ms:.0f} ms"
+    seconds = ms / 1e3
+    if abs(seconds) < 59.995:
+        return f"{seconds:.2f} s"
+    minutes, seconds = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"

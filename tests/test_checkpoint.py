@@ -23,7 +23,9 @@ def finished(tmp_path_factory):
 
 def test_checkpoint_holds_every_state_and_loads_with_weights_only(finished):
     state = torch.load(finished.run_dir / CHECKPOINT, weights_only=True)
-    assert set(state) == {"format", "progress", "model", "optimizer", "scheduler", "scaler", "rng", "planner"}
+    assert set(state) == {"format", "progress", "model", "optimizer", "scheduler", "scaler", "rng", "planner",
+                          "world_size", "other_ranks"}
+    assert (state["world_size"], state["other_ranks"]) == (1, [])
     # 6 steps of 4 examples over 48 examples: 12 batches per epoch, 6 done.
     assert state["progress"]["step"] == 6 and (state["progress"]["epoch"], state["progress"]["batch"]) == (0, 6)
     assert state["scheduler"]["last_epoch"] == 6 and state["scaler"] is None

@@ -58,7 +58,8 @@ def test_compare_command_runs_every_planner_at_every_budget(fake_training, tmp_p
     assert rows["mimose"]["hit_rate"] == 0.5
     assert roomy["reference"] == "none"
     assert {r["planner"]: r["normalised_time"] for r in roomy["runs"]}["dtr"] == pytest.approx(1.5)
-    assert "budget 1MB" in result.output and "oom" in result.output
+    assert "budget 1MB (976.56 KiB)" in result.output and "oom" in result.output
+    assert "timings are from one round each" in result.output and "--repeats 3" in result.output
 
 
 def test_variants_and_unknown_planners():
@@ -119,6 +120,16 @@ def test_repeats_rotate_the_order_and_report_the_median(monkeypatch, tmp_path):
     assert rows["oracle"]["status"] == "oom" and len(rows["oracle"]["run_dirs"]) == 3
     assert rows["none"]["peak_bytes"] == 900_009  # the largest of the rounds
     assert "median of 3 rounds" in result.output and "1.50" in result.output
+    # none's rounds took 10, 10 and 30 s: 200 % apart, the widest spread, so more rounds are suggested
+    assert "none at 1MB spread 200% across rounds" in result.output and "--repeats 5" in result.output
+
+
+def test_timings_within_the_noise_suggest_no_more_rounds():
+    from mimose_cli.compare import timing_noise
+
+    rows = [{"planner": "mimose", "train_times_s": [10.0, 10.2, 10.1]}, {"planner": "none", "train_times_s": [9.0, 9.1]}]
+    note, more = timing_noise({"repeats": 3, "budgets": [{"budget": "1GB", "runs": rows}]})
+    assert not more and "within 2.0% across rounds" in note
 
 
 def test_an_interrupted_run_stops_the_comparison_and_no_run_keeps_checkpoints(monkeypatch, tmp_path):
@@ -151,7 +162,7 @@ def test_bad_budget_is_refused_before_any_run(fake_training, tmp_path):
     result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--budgets", "1MB,lots",
                                       "--out", str(tmp_path / "c")])
     assert result.exit_code == 2 and fake_training == []
-    assert "--budgets: budget='lots' is invalid" in result.output
+    assert "budgets to compare: budget='lots' is invalid" in result.output
 
 
 def test_compare_runs_real_training_and_writes_each_run(tmp_path):

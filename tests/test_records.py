@@ -12,7 +12,8 @@ from mimose_cli.train import run_training
 KEYS = ["step", "micro_step", "input_shape", "input_size", "loss", "lr", "iter_ms", "memory/peak_bytes",
         "memory/fwd_bwd_peak_bytes", "memory/start_bytes", "memory/activation_bytes", "plan", "num_blocks",
         "planner_ms", "phase", "cache_hit", "predicted_peak_bytes", "reached_bytes", "retries", "excluded_ms",
-        "recompute_ms", "oom", "error", "memory/reserved_peak_bytes", "epoch"]
+        "recompute_ms", "oom", "error", "memory/reserved_peak_bytes", "epoch", "eval_loss", "eval_accuracy",
+        "eval_ms", "memory/eval_peak_bytes", "rank", "ranks"]
 
 
 def _info(**timings) -> StepInfo:
@@ -43,8 +44,10 @@ def test_a_completed_record_round_trips_with_every_key():
 def test_cuda_and_loop_fields_round_trip():
     record = _completed(reserved_peak_bytes=32_000_000)
     record.epoch = 2
+    record.eval_loss, record.eval_accuracy, record.eval_ms, record.eval_peak_bytes = 0.75, 0.5, 12.5, 9_000_000
     data = record.to_json()
     assert (data["memory/reserved_peak_bytes"], data["epoch"]) == (32_000_000, 2)
+    assert (data["eval_loss"], data["eval_accuracy"], data["memory/eval_peak_bytes"]) == (0.75, 0.5, 9_000_000)
     assert StepRecord.from_json(data) == record
 
 
@@ -92,7 +95,7 @@ def test_metrics_of_a_real_run_parse_into_records_of_both_shapes(quick_recipe):
     assert [r.to_json() for r in records] == lines
     again = summarize(records, status="oom", budget_bytes=result.summary["budget_bytes"])
     # What the records cannot tell: the time, the planner's counters, the pre-flight and the run's own facts.
-    run_only = ("wall_s", "planner", "preflight", "signal", "checkpoint_step", "resumed_from_steps", "model_dir",
+    run_only = ("wall_s", "planner", "preflight", "signal", "checkpoint_step", "resumed_from_steps", "model_dir", "budget",
                 "error")
     assert {k: v for k, v in again.items() if k not in run_only} == \
         {k: v for k, v in result.summary.items() if k not in run_only}

@@ -19,7 +19,8 @@ def scalars(log_dir) -> dict:
 
 
 def test_the_logged_scalars_are_the_metrics(quick_recipe):
-    recipe = quick_recipe("training.tensorboard=true", "training.max_steps=7")
+    recipe = quick_recipe("training.tensorboard=true", "training.max_steps=7", "data.validation_examples=8",
+                          "training.eval_every=3")
     run_dir = mimose_cli.train.run_training(recipe, view="none").run_dir
     records = read_records(run_dir / "metrics.jsonl")
     logged = scalars(run_dir / "tensorboard")
@@ -28,7 +29,9 @@ def test_the_logged_scalars_are_the_metrics(quick_recipe):
     assert logged["planner/checkpointed_blocks"] == [(r.step, len(r.plan)) for r in records]
     # Mimose predicts once past its 5 sheltered steps.
     assert [step for step, _ in logged["memory/predicted_peak_bytes"]] == [5, 6]
-    assert {"train/lr", "time/iter_ms", "planner/retries"} <= set(logged)
+    assert logged["eval/loss"] == [(r.step, pytest.approx(r.eval_loss)) for r in records if r.eval_loss is not None]
+    assert [step for step, _ in logged["eval/loss"]] == [2, 5, 6]  # every 3 steps, and after the last
+    assert {"train/lr", "time/iter_ms", "planner/retries", "eval/accuracy"} <= set(logged)
 
 
 def test_off_by_default_and_without_the_package_a_recipe_error(quick_recipe, monkeypatch):

@@ -161,7 +161,7 @@ def test_a_budget_below_the_model_state_fails_before_the_first_step(quick_recipe
     run = next((tmp_path / "runs").iterdir())
     summary, records = load_run(run)
     assert records == [] and summary["status"] == "oom" and summary["steps"] == 0
-    assert "raise --budget" in summary["error"].lower()
+    assert "raise the budget" in summary["error"].lower()
 
 
 def test_gradient_accumulation_plans_every_micro_batch_and_steps_once_per_window(quick_recipe):
@@ -270,3 +270,27 @@ def test_cpu_threads_sets_torchs_intra_op_threads_on_the_cpu(quick_recipe):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_view_says_each_setup_phase_and_the_budget_as_written(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from mimose_cli.models import build_model
+
+    out = io.StringIO()
+    recipe = load_recipe(QUICKSTART, TINY + [f"out_dir={tmp_path}", "budget=8MB", "planner.sheltered_steps=2"])
+    result = run_training(recipe, view="plain", console=Console(file=out, width=200))
+    lines = out.getvalue().splitlines()
+    setup = [line.split("] ", 1)[1] for line in lines if line.startswith("[")]
+    assert [line.split(":")[0] for line in setup] == ["data ready", "device", "model built", "pre-flight"]
+    assert "32 examples" in setup[0] and "8 steps" in setup[0]
+    assert "budget 8MB (7.63 MiB)" in setup[1]
+    parameters = sum(p.numel() for p in build_model(recipe).parameters())
+    assert f"{parameters / 1e6:.2f} M parameters" in setup[2]
+    assert any(line.startswith("step 0: sheltered phase") and "slower" in line for line in lines)
+    assert any(line.startswith("step 2: ") for line in lines)  # leaving the sheltered phase is said
+    assert "8MB (7.63 MiB)" in out.getvalue().split("summary")[1]  # the summary's budget row
+    assert result.summary["budget"] == "8MB"
+

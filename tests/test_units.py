@@ -1,6 +1,6 @@
 import pytest
 
-from mimose_cli.units import format_bytes, parse_size
+from mimose_cli.units import format_budget, format_bytes, format_duration, parse_size
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -21,3 +21,17 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(3 * 2**20) == "3.00 MiB"
     assert format_bytes(None) == "-"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("6GB", "6GB (5.59 GiB)"), ("6GiB", "6GiB"), ("512MiB", "512MiB"), ("40000000", "40000000 (38.15 MiB)"),
+    (None, "unlimited")])
+def test_a_budget_is_shown_as_written_with_its_binary_size_beside(text, expected):
+    assert format_budget(text, parse_size(text) if text else None) == expected
+
+
+@pytest.mark.parametrize("ms,expected", [
+    (850.2, "850 ms"), (999.4, "999 ms"), (1000, "1.00 s"), (1234, "1.23 s"), (59999, "1 min 00 s"),
+    (125_000, "2 min 05 s"), (7_300_000, "2 h 01 min"), (None, "-")])
+def test_durations_over_a_second_are_in_seconds(ms, expected):
+    assert format_duration(ms) == expected

@@ -101,4 +101,7 @@ def main() -> None:
     except typer.Abort:
         typer.echo("error: aborted", err=True)
         code = EXIT_RUNTIME
+    from mimose_cli.launch import leave_exit_status
+
+    leave_exit_status(code or 0)  # for `mimose train --nproc-per-node`, which runs this under torchrun
     sys.exit(code or 0)

@@ -26,14 +26,19 @@ def compare(
 ):
     """Run mimose, the baselines, none and oracle on the same data at each budget; one table per budget."""
     from mimose_cli.cli.recipes import DEFAULT_RECIPE
-    from mimose_cli.compare import run_compare
-    from mimose_cli.recipe import load_recipe
+    from mimose_cli.compare import read_compare, run_compare, timing_noise
+    from mimose_cli.recipe import RecipeError, load_recipe
 
     if recipe is None:
         recipe = DEFAULT_RECIPE
         typer.echo(f"no recipe given: comparing on the default, {recipe}", err=True)
 
-    run_compare(load_recipe(recipe, overrides or []),
-                baselines=[b for b in baselines.split(",") if b.strip()],
-                budgets=[b.strip() for b in budgets.split(",") if b.strip()] if budgets else None,
-                steps=steps, out=out, view=view, recipe_name=recipe.stem, repeats=repeats)
+    resolved = load_recipe(recipe, overrides or [])
+    budget_list = [b.strip() for b in budgets.split(",") if b.strip()] if budgets else None
+    if not budget_list and resolved.budget is None:  # said here: the library does not know the flag
+        raise RecipeError("compare needs a budget: set `budget` in the recipe or pass --budgets")
+    compare_dir = run_compare(resolved, baselines=[b for b in baselines.split(",") if b.strip()],
+                              budgets=budget_list, steps=steps, out=out, view=view, recipe_name=recipe.stem,
+                              repeats=repeats)
+    note, more = timing_noise(read_compare(compare_dir))
+    typer.echo(note + (f"; run with --repeats {max(3, repeats + 2)} for medians over rotated rounds" if more else ""))

@@ -1,5 +1,6 @@
-"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [--dry-run] [key=value ...]
-mimose train --resume RUN_DIR [--max-steps N]"""
+"""mimose train RECIPE [--budget SIZE] [--planner NAME] [--device D] [--max-steps N] [--out DIR] [--dry-run]
+             [--nproc-per-node N] [key=value ...]
+mimose train --resume RUN_DIR [--max-steps N] [--nproc-per-node N]"""
 
 from pathlib import Path
 from typing import List, Optional
@@ -25,9 +26,15 @@ def train(
     resume: Optional[Path] = typer.Option(
         None, help="Continue the run directory runs/<id> from its last checkpoint, with its own "
                    "recipe (only training.max_steps may change)."),
+    nproc_per_node: Optional[int] = typer.Option(
+        None, "--nproc-per-node", min=1,
+        help="Train with N processes on this machine (one per GPU; data parallel, training.batch_size "
+             "examples each): runs this command under torchrun. For several machines run torchrun "
+             "yourself (README)."),
 ):
     """Train a recipe under a memory budget; writes runs/<id>/."""
-    from mimose_cli.cli import fail
+    from mimose_cli.cli import _options, fail
+    from mimose_cli.launch import other_rank, relaunch, under_torchrun
     from mimose_cli.recipe import RecipeError, load_recipe
     from mimose_cli.resume import resume_recipe
 
@@ -44,6 +51,15 @@ def train(
         raise RecipeError("missing RECIPE: give a recipe file, e.g. recipes/quickstart.yaml, or --resume RUN_DIR")
     else:
         resolved = load_recipe(recipe, overrides or [], flags)
+    if nproc_per_node is not None:  # the recipe is checked above, before any process starts
+        if dry_run or under_torchrun():
+            raise RecipeError("--nproc-per-node starts torchrun itself; leave it out "
+                              + ("with --dry-run, which measures one device" if dry_run else "under torchrun"))
+        options = {"budget": budget, "planner": planner, "device": device, "max-steps": max_steps, "out": out,
+                   "view": view, "resume": resume}
+        args = ["--debug"] * _options["debug"] + ["train", *([str(recipe)] if recipe else []), *(overrides or [])]
+        args += [f"--{name}={value}" for name, value in options.items() if value is not None]
+        raise typer.Exit(relaunch(nproc_per_node, args))
     from mimose_cli.train import dry_run as measure_only, run_training  # after the recipe: its mistakes need no transformers
 
     if dry_run:
@@ -52,6 +68,10 @@ def train(
         needs = measure_only(resolved)
         raise typer.Exit(1 if budget_error(resolved.budget_bytes, needs) else 0)
     result = run_training(resolved, view=view, recipe_name=recipe.stem if recipe else "run", resume=resume)
+    if other_rank():
+        # The ranks agreed how the run ended and rank 0 says it: torchrun stops every rank once one
+        # exits with an error, which could cut rank 0's summary short.
+        raise typer.Exit(0)
     if result.summary["status"] not in ("completed", "interrupted"):  # oom, diverged, failed
         fail(f"{result.summary.get('error') or result.summary['status']} (run directory {result.run_dir})",
              result.exit_code)

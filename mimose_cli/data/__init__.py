@@ -3,10 +3,12 @@
 ```python
 dataset = build_dataset(recipe, config)
 loader = build_dataloader(recipe, dataset, config, epoch=0, skip_batches=0)
+validation = build_validation(recipe, config)  # None without a validation split
 ```
 """
 
-from mimose_cli.data.loader import BatchLoader, Collator, build_dataloader, make_batch, max_input_size
+from mimose_cli.data.loader import (BatchLoader, Collator, build_dataloader, build_eval_loader, make_batch,
+                                   max_input_size)
 from mimose_cli.data.synthetic import LENGTH_PRESETS, build_synthetic
 
 # Their position embeddings start after the padding index, so they hold pad_token_id + 1 fewer tokens.
@@ -39,5 +41,17 @@ def build_dataset(recipe, config) -> list:
     return build_synthetic(recipe, config)
 
 
+def build_validation(recipe, config) -> list | None:
+    """The validation examples (``data.validation_examples`` or ``data.validation_split``), None
+    when the recipe has no validation split; call after ``build_dataset``, which checks the lengths."""
+    if not recipe.data.has_validation:
+        return None
+    if recipe.data.source == "hf":
+        from mimose_cli.data.hf import build_hf
+
+        return build_hf(recipe, config, validation=True)
+    return build_synthetic(recipe, config, validation=True)
+
+
 __all__ = ["LENGTH_PRESETS", "BatchLoader", "Collator", "build_dataloader", "build_dataset",
-           "make_batch", "max_input_size", "max_model_length"]
+           "build_eval_loader", "build_validation", "make_batch", "max_input_size", "max_model_length"]

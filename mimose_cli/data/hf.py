@@ -12,35 +12,55 @@ from pathlib import Path
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_raw(data):
-    """The ``data.split`` split of ``data.name``: a local file, a local directory or a hub data
-    set. A file that cannot be read as its type, or holds no rows, or a hub name that cannot be
-    reached, raises ValueError naming ``data.name``."""
-    path = Path(data.name)
-    looks_local = path.suffix.lower() in LOCAL_BUILDERS or data.name.startswith((".", "/", "~"))
+def load_raw(data, validation: bool = False):
+    """The ``data.split`` split of ``data.name`` (a local file, a local directory or a hub data
+    set), or with ``validation`` the ``data.validation_split``: a local file, or another split of
+    ``data.name``. A file that cannot be read as its type, or holds no rows, a split that is not
+    there, or a hub name that cannot be reached, raises ValueError naming the key."""
+    if not validation:
+        return _load_split(data.name, data.split, f"data.name={data.name!r}", data.config_name)
+    split = data.validation_split
+    if _looks_local(split) or Path(split).is_file():
+        return _load_split(split, "validation", f"data.validation_split={split!r}", data.config_name)
+    if Path(data.name).is_file():
+        raise ValueError(f"data.validation_split={split!r}: data.name={data.name!r} is one file, which "
+                         "holds one split; give the validation data's file instead")
+    return _load_split(data.name, split, f"data.validation_split={split!r} of data.name={data.name!r}",
+                       data.config_name)
+
+
+def _looks_local(name: str) -> bool:
+    return Path(name).suffix.lower() in LOCAL_BUILDERS or name.startswith((".", "/", "~"))
+
+
+def _load_split(name: str, split: str, label: str, config_name):
+    """The ``split`` of ``name`` (a local file, a local directory or a hub data set); errors begin
+    with ``label``, the key the user wrote."""
+    path = Path(name)
+    local = _looks_local(name) or path.exists()
     if path.is_file():
         builder = LOCAL_BUILDERS.get(path.suffix.lower())
         if builder is None:
-            raise ValueError(f"data.name={data.name!r}: expected a {', '.join(LOCAL_BUILDERS)} file")
+            raise ValueError(f"{label}: expected a {', '.join(LOCAL_BUILDERS)} file")
         if path.stat().st_size == 0:
-            raise ValueError(f"data.name={data.name!r}: the file is empty")
-        args, kwargs = (builder,), {"data_files": {data.split: str(path)}}
+            raise ValueError(f"{label}: the file is empty")
+        args, kwargs = (builder,), {"data_files": {split: str(path)}}
     elif path.is_dir():
         args, kwargs = (str(path),), {}
-    elif looks_local:
-        raise ValueError(f"data.name={data.name!r}: no such file or directory")
+    elif local:
+        raise ValueError(f"{label}: no such file or directory")
     else:
-        args, kwargs = (data.name, data.config_name), {}
-    raw = _load(data, looks_local or path.exists(), *args, split=data.split, **kwargs)
+        args, kwargs = (name, config_name), {}
+    raw = _load(label, local, *args, split=split, **kwargs)
     if len(raw) == 0:
-        raise ValueError(f"data.name={data.name!r}: split {data.split!r} has no rows")
+        raise ValueError(f"{label}: split {split!r} has no rows")
     return raw
 
 
-def _load(data, local: bool, *args, **kwargs):
-    """``datasets.load_dataset``, its failures on the user's input as ValueError naming it (the
-    reason given is the cause's first line: "An error occurred while generating the dataset"
-    says less than the pyarrow error under it)."""
+def _load(label: str, local: bool, *args, **kwargs):
+    """``datasets.load_dataset``, its failures on the user's input as ValueError beginning with
+    ``label`` (the reason given is the cause's first line: "An error occurred while generating the
+    dataset" says less than the pyarrow error under it)."""
     import datasets  # slow to import: only for hf recipes
     from datasets.exceptions import DatasetsError
 
@@ -50,8 +70,8 @@ def _load(data, local: bool, *args, **kwargs):
         cause = str(err.__cause__ or err).strip().splitlines()
         reason = cause[0] if cause else type(err).__name__
         if local:
-            raise ValueError(f"data.name={data.name!r} cannot be read ({reason}); check the file") from None
-        raise ValueError(f"data.name={data.name!r} cannot be loaded from the Hugging Face Hub ({reason}); "
+            raise ValueError(f"{label} cannot be read ({reason}); check the file") from None
+        raise ValueError(f"{label} cannot be loaded from the Hugging Face Hub ({reason}); "
                          "check the name, or give a local file's path") from None
 
 
@@ -205,8 +225,9 @@ TASK_READERS = {
 }
 
 
-def build_hf(recipe, config) -> list:
-    """Examples of ``data.name`` tokenized by ``data.tokenizer`` for ``recipe.task``, in file order."""
-    raw = load_raw(recipe.data)
+def build_hf(recipe, config, validation: bool = False) -> list:
+    """Examples of ``data.name`` (``validation``: of ``data.validation_split``) tokenized by
+    ``data.tokenizer`` for ``recipe.task``, in file order."""
+    raw = load_raw(recipe.data, validation)
     tokenizer = load_tokenizer(recipe, config)
     return TASK_READERS[recipe.task](raw, tokenizer, recipe.data)

@@ -115,13 +115,26 @@ class BatchLoader:
             yield self.collate([self.dataset[i] for i in indices])
 
 
-def build_dataloader(recipe, dataset, config, epoch: int = 0, skip_batches: int = 0) -> BatchLoader:
-    """The batches of ``epoch``; the same (seed, epoch) gives the same batches in the same order."""
+def build_dataloader(recipe, dataset, config, epoch: int = 0, skip_batches: int = 0,
+                     world_size: int = 1) -> BatchLoader:
+    """The batches of ``epoch``; the same (seed, epoch) gives the same batches in the same order.
+    With ``world_size`` processes these are global batches of ``training.batch_size`` examples per
+    process, padded together, which each process slices (``distributed.local_batch``); a last
+    batch with fewer examples than processes is left out (a process would get none)."""
     data = recipe.data
     lengths = [example_length(e) for e in dataset]
-    batches = epoch_batches(lengths, recipe.training.batch_size, recipe.seed, epoch,
+    batches = epoch_batches(lengths, recipe.training.batch_size * world_size, recipe.seed, epoch,
                             data.shuffle, data.group_by_length)
+    if batches and len(batches[-1]) < world_size:
+        batches.pop()
     return BatchLoader(dataset, batches, Collator(recipe.task, config), epoch, skip_batches)
+
+
+def build_eval_loader(recipe, dataset, config) -> BatchLoader:
+    """The validation batches: ``training.batch_size`` examples each, in the data set's order."""
+    size = recipe.training.batch_size
+    batches = [list(range(i, min(i + size, len(dataset)))) for i in range(0, len(dataset), size)]
+    return BatchLoader(dataset, batches, Collator(recipe.task, config))
 
 
 def max_input_size(recipe) -> tuple:

@@ -50,6 +50,9 @@ LENGTH_PRESETS = {
 NUM_RESERVED_IDS = 16
 """Ids below this are structural tokens ([CLS], [SEP], markers), never ordinary content."""
 MIN_SYNTHETIC_LENGTH = 8
+VALIDATION_STREAM = 3
+"""``data_rng`` stream of the validation examples (0: training examples, 1: epoch order, 2: the
+planners' profiling batches), so they are new examples of the training data's distribution."""
 
 
 @dataclass(frozen=True)
@@ -150,13 +153,15 @@ def _causal_lm(rng, space: TokenSpace, length: int) -> dict:
     return {"input_ids": ids, "token_type_ids": [0] * length}
 
 
-def build_synthetic(recipe, config) -> list:
-    """``data.num_examples`` examples for ``recipe.task``, the same for the same ``recipe.seed``."""
+def build_synthetic(recipe, config, validation: bool = False) -> list:
+    """``data.num_examples`` examples for ``recipe.task`` (``validation``: ``data.validation_examples``
+    others, from a seed stream of their own), the same for the same ``recipe.seed``."""
     data = recipe.data
     mean, std, min_length = length_params(data)
     space = TokenSpace.for_config(config)
-    rng = data_rng(recipe.seed, 0)
-    lengths = sample_lengths(rng, data.num_examples, mean, std, min_length, data.max_length)
+    rng = data_rng(recipe.seed, VALIDATION_STREAM) if validation else data_rng(recipe.seed, 0)
+    count = data.validation_examples if validation else data.num_examples
+    lengths = sample_lengths(rng, count, mean, std, min_length, data.max_length)
     if recipe.task == "sequence_classification":
         return [_classification(rng, space, n, data.num_labels) for n in lengths]
     if recipe.task == "multiple_choice":

@@ -28,10 +28,16 @@ class CudaMeter(Meter):
 
     @contextlib.contextmanager
     def activate(self):
-        """Cap the allocator at the budget for the run; restore the full device on exit."""
+        """Cap the allocator at the budget inside (the training loop: the whole run; a planner's
+        own meter: each step, so that code between the steps is never capped); the full device
+        again on exit. Cached memory past the budget is given back first: the allocator reuses
+        cached blocks without checking the cap, so memory reserved between two steps (an
+        evaluation) would otherwise let the next step exceed the budget."""
         if self.budget_bytes is None:
             yield self
             return
+        if torch.cuda.memory_reserved(self.device) > self.budget_bytes:
+            torch.cuda.empty_cache()
         self._cap()
         try:
             yield self

@@ -113,8 +113,12 @@ class StepInfo:
 class Planner:
     """Decides, per batch, which blocks to checkpoint (``decide``) and applies it. Usage::
 
-        with planner.step(batch):
-            model(**batch).loss.backward()
+        with Mimose(model, budget="6GB") as planner:   # close() on leaving, also on an error
+            planner.track(optimizer)                   # memory that lives between the steps
+            for batch in loader:
+                with planner.step(batch):
+                    model(**batch).loss.backward()
+                optimizer.step(); optimizer.zero_grad()
 
     or ``planner.run(step_fn, batch)``, which also recovers from running out of memory.
     """
@@ -128,8 +132,8 @@ class Planner:
     """What to suggest when a step runs out of memory for good, if not the default (raise the
     budget, shorter batches): never what the planner does already."""
     builds_meter = False
-    """Without a ``meter``, build one and turn it on for the planner's life (Mimose measures
-    every step)."""
+    """Without a ``meter``, build one (Mimose measures every step), on only inside ``step`` and
+    ``run``: code between the steps runs as if there were no planner."""
     state_file: str | None = None
     """The file in a run directory ``save`` writes, for planners whose state is worth keeping."""
 
@@ -141,7 +145,11 @@ class Planner:
         self.blocks = blocks if isinstance(blocks, list) else discover_blocks(model, blocks)
         self.num_blocks = len(self.blocks)
         self.meter = meter
-        self._own_meter = self._start_own_meter() if meter is None and self.builds_meter else None
+        self._owns_meter = meter is None and self.builds_meter
+        if self._owns_meter:
+            self.meter = self._build_meter()
+        self._tracked: list = []  # what ``track`` was given: counted again at every step's start
+        self._metering = False  # inside a step or ``run``: what exists has been counted
         self.steps = 0
         self.last: StepInfo | None = None
         self.batch = None
@@ -221,15 +229,38 @@ class Planner:
         runner = self.measurer if self.measurer is not None and self.measurer.active else self.runner
         return runner.run(index, forward, args, kwargs)
 
-    def _start_own_meter(self):
+    def _build_meter(self):
         from mimose_cli.memory import build_meter
 
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        self.meter = build_meter("auto", self.budget_bytes, device)
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.meter.activate())
-        self.meter.track(self.model)
-        return stack
+        return build_meter("auto", self.budget_bytes, device)
+
+    def track(self, *objects) -> None:
+        """Count memory that lives between the steps in every step's figures and budget: the
+        optimizer (its state appears at its first ``step()``, between planner steps), tensors
+        kept from step to step. Counted again at each step's start, so what appeared since is
+        seen; the model and the step's batch are counted without asking. Accepts what
+        ``Meter.track`` does: modules, optimizers, tensors, dicts and lists of them."""
+        self._tracked.extend(objects)
+
+    @contextlib.contextmanager
+    def _metered(self, batch):
+        """Inside a step (or ``run``'s attempts): count what exists and, for a meter the planner
+        built, turn it on. A meter given to the planner is its owner's to turn on (the training
+        loop keeps it on for the whole run). Storages counted stay counted until freed, wherever
+        that happens (the ledger holds weak references); a storage is never counted twice."""
+        if self._metering or self.meter is None:
+            yield
+            return
+        self._metering = True
+        try:
+            with self.meter.activate() if self._owns_meter else contextlib.nullcontext():
+                existing = [self.model, batch, *self._tracked] if self._owns_meter else self._tracked
+                if existing:
+                    self.meter.track(*existing)
+                yield
+        finally:
+            self._metering = False
 
     def _decide(self, size: tuple) -> StepInfo:
         """The policy's decision as this step's ``StepInfo``; a size that ran out of memory twice
@@ -251,7 +282,7 @@ class Planner:
         """Decide and apply the plan for this batch; yields the ``StepInfo``."""
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
         start = time.perf_counter()
-        with self.meter.step() if self._own_meter is not None else contextlib.nullcontext():
+        with self._metered(batch), self.meter.step() if self._owns_meter else contextlib.nullcontext():
             self.batch = batch
             try:
                 self.last = info = self._decide(size)
@@ -286,6 +317,10 @@ class Planner:
         reached. The optimizer is never touched here.
         """
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
+        with self._metered(batch):  # around the attempts: the guard's snapshots are counted too
+            return self._run(step_fn, batch, size)
+
+    def _run(self, step_fn, batch, size):
         guard = StepGuard(self.model, batch)
         last_try = self.max_retries if self.adapts else 0
         try:
@@ -375,14 +410,18 @@ class Planner:
         return self
 
     def close(self) -> None:
-        """Restore the blocks' original forwards and the model's ``use_cache``; turn off a meter
-        the planner built."""
+        """Restore the blocks' original forwards and the model's ``use_cache``, and forget what
+        ``track`` was given. Closing again does nothing."""
         self._router.remove()
         if self._use_cache:
-            self._config.use_cache = self._use_cache
-        if self._own_meter is not None:
-            self._own_meter.close()
-            self._own_meter = None
+            self._config.use_cache, self._use_cache = self._use_cache, None
+        self._tracked = []
+
+    def __enter__(self) -> "Planner":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 class NoCheckpointing(Planner):

@@ -59,7 +59,7 @@ def discover_blocks(model: nn.Module, pattern: str | None = None) -> list:
         found = [(n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)]
         if not found:
             raise ValueError(
-                f"model.blocks={pattern!r} matches no module; module names look like "
+                f"blocks={pattern!r} (model.blocks in a recipe) matches no module; module names look like "
                 f"{[n for n, _ in list(model.named_modules())[1:6]]}"
             )
         return _outermost(found)
@@ -70,7 +70,8 @@ def discover_blocks(model: nn.Module, pattern: str | None = None) -> list:
     if not found:
         raise ValueError(
             "no checkpointable blocks found (no GradientCheckpointingLayer and no homogeneous "
-            "ModuleList); name them with model.blocks, a glob such as 'encoder.layer.*'"
+            "ModuleList); name them with a glob over module names, blocks='encoder.layer.*' "
+            "(model.blocks in a recipe)"
         )
     return found
 

@@ -9,17 +9,19 @@ the predicted memory and the budget, re-checked against the predicted step peak.
 
 Library use::
 
-    planner = mimose_cli.Mimose(model, budget="6GB")
-    for batch in loader:
-        with planner.step(batch):
-            model(**batch).loss.backward()
-        optimizer.step(); optimizer.zero_grad()
-    planner.save("estimator.json")   # Mimose(model, budget=...).load(path) skips the sheltered phase
+    with mimose_cli.Mimose(model, budget="6GB") as planner:   # close() on leaving the block
+        planner.track(optimizer)      # its state lives between the steps: count it in each step
+        for batch in loader:
+            with planner.step(batch):
+                model(**batch).loss.backward()
+            optimizer.step(); optimizer.zero_grad()
+        planner.save("estimator.json")   # Mimose(model, budget=...).load(path) skips the sheltered phase
 
-Without a ``meter`` the planner builds one (``build_meter("auto", budget, device)``), turns it
-on at construction (on the CPU that is the simulated device: every op is counted and going
-over the budget raises ``torch.OutOfMemoryError``) and measures each ``step()`` with it; it is
-turned off by ``close()``.
+Without a ``meter`` the planner builds one (``build_meter("auto", budget, device)``) and turns it
+on only inside ``step()`` and ``run()``: on the CPU that is the simulated device (every op
+counted, going over the budget raises ``torch.OutOfMemoryError``), on a GPU the allocator capped
+at the budget. Code between the steps (the optimizer step, evaluation, anything else) runs
+unmetered, uncapped and at full speed.
 """
 
 import time

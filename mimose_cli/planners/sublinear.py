@@ -156,7 +156,7 @@ class Sublinear(Planner):
         super().__init__(model, budget, **kwargs)
         self.measurer = BlockProfiler(model, self.num_blocks)
         if variant not in VARIANTS:
-            raise ValueError(f"planner.options.variant={variant!r} is invalid; expected one of "
+            raise ValueError(f"variant={variant!r} is invalid; expected one of "
                              f"{' | '.join(VARIANTS)}")
         self.variant = variant
         self.profile: BlockProfile | None = None

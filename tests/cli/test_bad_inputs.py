@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import mimose_cli.train
 from mimose_cli.cli import app
 
-from conftest import QUICKSTART
+from helpers import QUICKSTART
 
 runner = CliRunner()
 FAST = ["training.max_steps=2", "training.batch_size=2", "data.num_examples=8", "--view", "none"]
@@ -163,6 +163,14 @@ VALUES = [
     train("model-size-huge", "model.size=huge", named="model.size='huge'"),
     train("max-steps-flag-zero", "--max-steps", "0", named="training.max_steps=0"),
     train("view-bogus", "--view", "bogus", named="view='bogus'"),
+    train("eval-every-without-validation", "training.eval_every=2",
+          named="training.eval_every=2 is invalid; expected null without a validation split"),
+    train("eval-every-zero", "data.validation_examples=8", "training.eval_every=0", named="training.eval_every=0"),
+    train("validation-examples-zero", "data.validation_examples=0", named="data.validation_examples=0"),
+    train("validation-split-of-synthetic-data", "data.validation_split=validation",
+          named="data.validation_split='validation' is invalid; expected null when data.source is synthetic"),
+    train("validation-examples-of-hf-data", "data.source=hf", "data.name=d.csv", "data.validation_examples=8",
+          named="data.validation_examples=8 is invalid; expected null when data.source is hf"),
 ]
 
 OUT_DIRS = [
@@ -188,7 +196,7 @@ MODEL_AND_DEVICE = [
           stage="model"),  # resolve_device, the trainer's first step
     train("no-multiple-choice-head", "model.type=gpt2", named="model.type='gpt2' has no multiple_choice",
           stage="model"),
-    train("blocks-match-nothing", "model.blocks=encoder.zzz.*", named="model.blocks='encoder.zzz.*'",
+    train("blocks-match-nothing", "model.blocks=encoder.zzz.*", named="blocks='encoder.zzz.*' (model.blocks in a recipe) matches no module",
           stage="model"),
     train("budget-below-the-weights", "--budget", "1", named="budget 1 B cannot hold the model's weights",
           code=1, stage="model"),
@@ -253,6 +261,15 @@ HF_DATA = [
        named="data.tokenizer='someone/no-tok' cannot be loaded", files={"d.csv": CSV}),
     hf("hf-tokenizer-over-vocabulary", "data.name={tmp}/d.csv", "model.config_overrides={vocab_size: 4}",
        named="vocab_size", files={"d.csv": CSV}),
+    hf("hf-validation-split-of-one-file", "data.name={tmp}/d.csv", "data.validation_split=validation",
+       named="data.validation_split='validation': data.name='{tmp}/d.csv' is one file", files={"d.csv": CSV}),
+    hf("hf-validation-file-missing", "data.name={tmp}/d.csv", "data.validation_split={tmp}/v.csv",
+       named="data.validation_split='{tmp}/v.csv': no such file", files={"d.csv": CSV}),
+    hf("hf-validation-split-not-in-directory", "data.name={tmp}/d", "data.validation_split=validation",
+       named="data.validation_split='validation' of data.name='{tmp}/d' cannot be read (Unknown split",
+       files={"d/train.csv": CSV}),
+    hf("hf-validation-label-out-of-range", "data.name={tmp}/d.csv", "data.validation_split={tmp}/v.csv",
+       named="label 5 is out of range", files={"d.csv": CSV, "v.csv": "text,label\na dog,5\n"}),
 ]
 
 REPORTS = [
@@ -320,7 +337,8 @@ COMPARES = [
     compare("compare-out-is-a-file", "--out", "{tmp}/f", named="'{tmp}/f' is a file", files={"f": "x"}),
     compare("compare-out-dir-key-is-a-file", "out_dir={tmp}/f", named="out_dir='{tmp}/f' is a file",
             files={"f": "x"}),
-    Case("compare-without-a-budget", ["compare", "{quick}", "budget=null"], "compare needs a budget"),
+    Case("compare-without-a-budget", ["compare", "{quick}", "budget=null"],
+         "compare needs a budget: set `budget` in the recipe or pass --budgets"),
 ]
 
 CASES = RECIPE_FILES + OVERRIDES + VALUES + OUT_DIRS + MODEL_AND_DEVICE + HF_DATA + REPORTS + COMPARES
