@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-import mimose_cli.train as train
+import mimose_cli.trainer as trainer
 from mimose_cli.memory.simulated import SimulatedMeter
 from mimose_cli.planners import build_planner
 from mimose_cli.planners.recovery import PlanOutOfMemoryError
@@ -42,7 +42,7 @@ def reference(tmp_path_factory):
 def test_a_device_that_shrinks_mid_run_loses_no_batch_and_changes_no_loss(reference, quick_recipe, monkeypatch):
     full_peak = max(r.peak_bytes for r in reference["full"].records)
     ShrinkingDevice.to_bytes = int(full_peak * 1.02)  # full checkpointing still fits, mimose's plans not
-    monkeypatch.setattr(train, "build_meter", lambda kind, budget, device: ShrinkingDevice(budget))
+    monkeypatch.setattr(trainer, "build_meter", lambda kind, budget, device: ShrinkingDevice(budget))
     result = run_training(quick_recipe(*STEPS, "planner.name=mimose"), view="none")
     records, expected = result.records, reference["mimose"].records
     assert result.summary["status"] == "completed"
@@ -57,7 +57,7 @@ def test_a_device_that_shrinks_mid_run_loses_no_batch_and_changes_no_loss(refere
 
 def test_a_step_that_never_fits_ends_the_run_with_the_three_figures(reference, quick_recipe, monkeypatch):
     ShrinkingDevice.to_bytes = int(min(r.peak_bytes for r in reference["full"].records) * 0.9)
-    monkeypatch.setattr(train, "build_meter", lambda kind, budget, device: ShrinkingDevice(budget))
+    monkeypatch.setattr(trainer, "build_meter", lambda kind, budget, device: ShrinkingDevice(budget))
     result = run_training(quick_recipe(*STEPS, "planner.name=mimose"), view="none")
     last = result.records[-1]
     assert result.summary["status"] == "oom" and len(result.records) == ShrinkingDevice.at
