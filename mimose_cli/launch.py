@@ -43,7 +43,9 @@ def relaunch(nproc_per_node: int, args: list) -> int:
     status (torchrun's when rank 0 left none: it crashed, or never started)."""
     with tempfile.TemporaryDirectory(prefix="mimose-launch-") as tmp:
         exit_file = Path(tmp) / "exit_status"
-        env = {**os.environ, EXIT_FILE_ENV: str(exit_file)}
+        # torchrun sets one OpenMP thread per process when none is set, with a four-line warning;
+        # we set that default ourselves (training.cpu_threads still sets torch's threads).
+        env = {"OMP_NUM_THREADS": "1", **os.environ, EXIT_FILE_ENV: str(exit_file)}
         child = subprocess.Popen(torchrun_command(nproc_per_node, args), env=env, start_new_session=True)
 
         def forward(signum, frame):

@@ -22,11 +22,18 @@ ROWS_SHOWN = 12
 PLAIN_WIDTH = 200
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader went away (``| head``): raise it for the command's boundary to end quietly
+        (rich would exit 1, the code of a failure)."""
+        raise BrokenPipeError
+
+
 def new_console() -> Console:
     """A console for tables: the terminal's width, or when the output is a file or a pipe (a log,
     ``| tee``) wide enough that no cell is cut (rich assumes 80 columns there)."""
-    console = Console()
-    return console if console.is_terminal else Console(width=PLAIN_WIDTH)
+    console = _Console()
+    return console if console.is_terminal else _Console(width=PLAIN_WIDTH)
 
 
 VIEWS = ("auto", "live", "plain", "none")
@@ -95,7 +102,7 @@ class _RateColumn(ProgressColumn):
     def render(self, task) -> Text:
         speed = task.finished_speed or task.speed
         if not speed:
-            return Text("- steps/s")
+            return Text("")
         return Text(f"{speed:.2f} steps/s" if speed >= 1 else f"{1 / speed:.2f} s/step")
 
 

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from mimose_cli.rundir import read_json
-from mimose_cli.units import format_bytes
+from mimose_cli.units import format_budget, format_bytes
 
 PLOTS_DIR = "plots"
 DPI = 100
@@ -68,7 +68,7 @@ def _phase_spans(records) -> list:
     return spans
 
 
-def memory_figure(records, budget_bytes=None, title: str = "memory per step") -> Figure:
+def memory_figure(records, budget_bytes=None, title: str = "memory per step", budget: str | None = None) -> Figure:
     """Measured peaks per step (whole step, and forward + backward: what a planner plans for), the
     planner's prediction, the budget; non-responsive phases shaded, retries and OOM marked."""
     fig, ax = new_figure()
@@ -97,7 +97,7 @@ def memory_figure(records, budget_bytes=None, title: str = "memory per step") ->
         ax.scatter(*zip(*[(i, b / divisor) for i, b in oom]), marker="X", s=80, color="red", zorder=5,
                    label="out of memory (bytes reached)")
     if budget_bytes:
-        ax.axhline(budget_bytes / divisor, color="red", linestyle=":", label=f"budget ({format_bytes(budget_bytes)})")
+        ax.axhline(budget_bytes / divisor, color="red", linestyle=":", label=f"budget {format_budget(budget, budget_bytes)}")
     ax.set_ylim(bottom=0)
     ax.set_xlabel(_step_axis(records))
     ax.set_ylabel(f"memory ({unit})")
@@ -285,7 +285,9 @@ def compare_time_figure(data: dict) -> Figure:
     if any_oom:
         ax.scatter([], [], marker="x", color="grey", label="out of memory (on the x axis)")
     ax.set_ylim(bottom=0)
-    ax.set_xlabel(f"budget ({unit})")
+    ax.set_xticks([(e["budget_bytes"] or 0) / divisor for e in entries],  # the budgets as the user wrote them
+                  [f"{e['budget']}\n({format_bytes(e['budget_bytes'])})" for e in entries], fontsize="small")
+    ax.set_xlabel(f"budget (axis in {unit})")
     ax.set_ylabel("training time (s)")
     ax.set_title(f"{data.get('recipe', 'compare')}: time per planner against budget, "
                  f"{data.get('steps')} steps each")
@@ -343,7 +345,8 @@ def run_figures(run_dir) -> dict:
     if not records:
         return {name: "no step recorded in metrics.jsonl" for name in ("memory.png", "input_size.png",
                                                                          "plan.png", "estimator.png")}
-    figures = {"memory.png": memory_figure(records, summary.get("budget_bytes"), f"{run_dir.name}: memory per step"),
+    figures = {"memory.png": memory_figure(records, summary.get("budget_bytes"), f"{run_dir.name}: memory per step",
+                                           summary.get("budget")),
                "input_size.png": input_size_figure(records, f"{run_dir.name}: input size per step"),
                "plan.png": plan_figure(records, f"{run_dir.name}: blocks {what} per step", what)}
     path = run_dir / "estimator.json"

@@ -108,7 +108,9 @@ def _outputs(run_dir: Path, summary: dict) -> list:
         step = summary.get("checkpoint_step")
         at = f" at step {step}" if step is not None else ""
         how = "--max-steps N to train further" if summary.get("status") == "completed" else "to continue"
-        lines.append(f"checkpoint{at}: {run_dir / CHECKPOINT} (mimose train --resume {run_dir} {how})")
+        processes = summary.get("world_size") or 1
+        launch = f" --nproc-per-node {processes}" if processes > 1 else ""
+        lines.append(f"checkpoint{at}: {run_dir / CHECKPOINT} (mimose train --resume {run_dir}{launch} {how})")
     return lines
 
 
@@ -120,20 +122,26 @@ def render(path, console: Console | None = None, plots: bool = True) -> None:
     if not path.is_dir():
         what = "a file" if path.exists() else "no such directory"
         raise ValueError(f"{path} is not a run directory ({what}); expected runs/<id> or a compare directory")
+    written = _write_plots(path) if plots else None  # first: a reader that stops early still gets them
     if (path / "compare.json").exists():
         from mimose_cli.compare import render_compare
 
         render_compare(path, console)
     else:
         render_run(path, console)
-    if plots:
-        _render_plots(path, console)
+    if written is not None:
+        _print_plots(written, console)
 
 
-def _render_plots(path: Path, console: Console) -> None:
-    from mimose_cli.plots import write_plots  # matplotlib: imported only when plotting
+def _write_plots(path: Path):
+    from mimose_cli.plots import PLOTS_DIR, write_plots  # matplotlib: imported only when plotting
 
-    written = write_plots(path)
+    if (path / PLOTS_DIR).exists() and not (path / PLOTS_DIR).is_dir():
+        raise ValueError(f"{path / PLOTS_DIR} is a file, where the plots go; move it away (or leave plots out)")
+    return write_plots(path)
+
+
+def _print_plots(written, console: Console) -> None:
     for png in written.written:
         console.print(f"plot: {png}", highlight=False, soft_wrap=True)
     for name, reason in written.skipped:

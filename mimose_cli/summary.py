@@ -177,7 +177,7 @@ def _summary_value(summary, key, kind):
 
 
 def _planner_value(key: str, value) -> str:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith("_ms"):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and "_ms" in key:
         return format_duration(value)
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 

@@ -312,6 +312,10 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
         run.saves = save
         writer = (RunWriter(run.run_dir, recipe, environment(run.trainer.device)) if world.is_main
                   else SilentWriter(run.run_dir))
+        if recipe.training.tensorboard and world.is_main:
+            from mimose_cli.tblog import TENSORBOARD_DIR
+
+            live.setup(f"tensorboard: tensorboard --logdir {run.run_dir / TENSORBOARD_DIR}")
         if resume is not None:
             live.message(f"resuming {run.run_dir} at step {run.start.step} of {run.total_steps}")
         clock = time.perf_counter()

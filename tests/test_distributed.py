@@ -193,7 +193,8 @@ def test_a_run_of_two_processes_resumes_only_with_two(two_processes):
     (run_dir,) = two_processes.run_dirs
     result = CliRunner().invoke(app, ["train", "--resume", str(run_dir), "--max-steps", "10", "--view", "none"])
     assert result.exit_code == 2
-    assert "written by a run of 2 process(es)" in result.output and "torchrun --nproc_per_node 2" in result.output
+    assert f"was trained by 2 process(es), not 1; resume it with mimose train --resume {run_dir} --nproc-per-node 2" \
+        in result.output
 
 
 def test_a_rank_restores_its_own_planner_and_rng(quick_recipe):

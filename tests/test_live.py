@@ -23,7 +23,7 @@ def test_terminal_gets_a_live_table():
     view.close()
     text = out.getvalue()
     assert "peak (of budget)" in text and "4x4x70" in text and "2/4" in text and "responsive hit" in text
-    assert "budget 40MiB" in text and "1/3" in text and "ETA" in text and "steps/s" in text
+    assert "budget 40MiB" in text and "1/3" in text and "ETA" in text
 
 
 def test_pipe_gets_plain_lines_every_log_every_steps_and_on_oom():

@@ -59,7 +59,7 @@ def test_memory_and_input_size_have_units_budget_and_phases(mimose_run, figures)
     memory = figures["memory.png"].axes[0]
     assert (memory.get_xlabel(), memory.get_ylabel()) == ("step", "memory (MiB)")
     labels = legend_texts(memory)
-    assert "budget (38.15 MiB)" in labels and "sheltered steps" in labels
+    assert "budget 40MB (38.15 MiB)" in labels and "sheltered steps" in labels
     assert "predicted peak (forward + backward)" in labels
     # The measured line is the run's peaks, in MiB.
     records = read_records(mimose_run / "metrics.jsonl")
@@ -160,7 +160,8 @@ def test_a_compare_directory_gets_time_and_memory_against_budget(compare_dir):
         png_size(path)
     figures = compare_figures(compare_dir)
     time_ax = figures["compare_time.png"].axes[0]
-    assert (time_ax.get_xlabel(), time_ax.get_ylabel()) == ("budget (MiB)", "training time (s)")
+    assert (time_ax.get_xlabel(), time_ax.get_ylabel()) == ("budget (axis in MiB)", "training time (s)")
+    assert [t.get_text() for t in time_ax.get_xticklabels()] == ["30MB\n(28.61 MiB)", "60MB\n(57.22 MiB)"]
     lines = {line.get_label(): line for line in time_ax.get_lines()}
     assert list(lines) == ["mimose", "sublinear", "dtr", "none", "oracle"]
     assert list(lines["mimose"].get_ydata()) == pytest.approx([11.0 * 40 / 30, 11.0 * 40 / 60])

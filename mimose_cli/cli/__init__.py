@@ -3,11 +3,13 @@
 Every command runs inside ``user_errors``, the one place where what the library raises for a
 user's mistake becomes one line on stderr: ``ValueError`` (a ``RecipeError``, a bad data file,
 a corrupt run directory...) exits 2, ``OSError`` (a full disk, a file that cannot be written)
-exits 1. ``mimose --debug COMMAND`` shows the traceback instead. ``main`` makes click's own usage
+exits 1; a reader that stops early (``| head``) ends the command quietly with 141, as SIGPIPE
+would. ``mimose --debug COMMAND`` shows the traceback instead. ``main`` makes click's own usage
 errors one line as well.
 """
 
 import functools
+import os
 import sys
 import warnings
 
@@ -19,6 +21,8 @@ except ImportError:
     from click import ClickException as ParserError
 
 EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 2, 1, 130
+EXIT_PIPE_CLOSED = 141
+"""What a shell reports for a process ended by SIGPIPE: the reader of our output went away."""
 
 app = typer.Typer(
     add_completion=False,
@@ -58,6 +62,9 @@ def user_errors(command):
     def run(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except BrokenPipeError:  # the reader stopped (| head): what it read is all it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            raise typer.Exit(EXIT_PIPE_CLOSED)
         except (ValueError, OSError, KeyboardInterrupt) as err:
             if _options["debug"]:
                 raise

@@ -51,6 +51,8 @@ def train(
         raise RecipeError("missing RECIPE: give a recipe file, e.g. recipes/quickstart.yaml, or --resume RUN_DIR")
     else:
         resolved = load_recipe(recipe, overrides or [], flags)
+    if resume is not None and not under_torchrun():
+        _check_processes(resume, nproc_per_node or 1)
     if nproc_per_node is not None:  # the recipe is checked above, before any process starts
         if dry_run or under_torchrun():
             raise RecipeError("--nproc-per-node starts torchrun itself; leave it out "
@@ -68,6 +70,8 @@ def train(
         needs = measure_only(resolved)
         raise typer.Exit(1 if budget_error(resolved.budget_bytes, needs) else 0)
     result = run_training(resolved, view=view, recipe_name=recipe.stem if recipe else "run", resume=resume)
+    if view == "none" and not other_rank():
+        typer.echo(f"run directory: {result.run_dir}")  # silent, but not lost
     if other_rank():
         # The ranks agreed how the run ended and rank 0 says it: torchrun stops every rank once one
         # exits with an error, which could cut rank 0's summary short.
@@ -76,3 +80,20 @@ def train(
         fail(f"{result.summary.get('error') or result.summary['status']} (run directory {result.run_dir})",
              result.exit_code)
     raise typer.Exit(result.exit_code)
+
+
+def _check_processes(run_dir: Path, processes: int) -> None:
+    """A run resumes with the number of processes it was trained with (the global batch and each
+    rank's state depend on it): said before anything is built, when its summary.json says it."""
+    import json
+
+    from mimose_cli.recipe import RecipeError
+
+    try:
+        trained = json.loads((Path(run_dir) / "summary.json").read_text()).get("world_size") or 1
+    except (OSError, ValueError, AttributeError):
+        return  # no readable summary (a killed run): the checkpoint itself is checked when loaded
+    if trained != processes:
+        how = f"--nproc-per-node {trained}" if trained > 1 else "without --nproc-per-node"
+        raise RecipeError(f"{run_dir} was trained by {trained} process(es), not {processes}; resume it with "
+                          f"mimose train --resume {run_dir} {how}")

@@ -149,3 +149,37 @@ def test_version_recipes_and_compare_without_a_recipe(monkeypatch, tmp_path):
     assert result.exit_code == 0, result.output
     assert "default" in result.output and "quickstart.yaml" in result.output
     assert seen["recipe_name"] == "quickstart" and seen["baselines"] == ["sublinear", "dtr"]
+
+
+def test_a_quiet_run_still_says_where_it_went_and_its_report_survives_a_closed_pipe(tmp_path):
+    result = runner.invoke(app, ["train", QUICK, "--planner", "full", "--out", str(tmp_path), "--view", "none",
+                                 *ROOT_ARGS])
+    (run_dir,) = list(tmp_path.iterdir())
+    assert result.exit_code == 0 and result.output.strip() == f"run directory: {run_dir}"
+    # `mimose report RUN | head -1`: the reader goes away after one line; the plots are written
+    # first and the command ends quietly as SIGPIPE would.
+    report = subprocess.Popen([sys.executable, "-m", "mimose_cli", "report", str(run_dir)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    report.stdout.readline()
+    report.stdout.close()
+    assert report.wait(timeout=120) == 141 and report.stderr.read() == b""
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == [
+        "input_size.png", "memory.png", "plan.png"]  # no estimator: the full planner keeps none
+    (run_dir / "plots").rename(run_dir / "plots-old")
+    (run_dir / "plots").write_text("in the way")
+    blocked = runner.invoke(app, ["report", str(run_dir)])
+    assert blocked.exit_code == 2 and "plots is a file, where the plots go" in blocked.output
+
+
+def test_a_run_of_two_processes_resumes_with_two_said_before_anything_is_built(tmp_path, monkeypatch):
+    import mimose_cli.train
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "recipe.yaml").write_text(QUICKSTART.read_text())
+    (run_dir / "summary.json").write_text(json.dumps({"status": "interrupted", "world_size": 2}))
+    (run_dir / "checkpoint.pt").write_bytes(b"")  # never read: the summary says it all
+    monkeypatch.setattr(mimose_cli.train, "run_training", lambda *a, **k: pytest.fail("built the run"))
+    result = runner.invoke(app, ["train", "--resume", str(run_dir)])
+    assert result.exit_code == 2
+    assert f"resume it with mimose train --resume {run_dir} --nproc-per-node 2" in result.output
