@@ -38,8 +38,8 @@ class StopRequest:
             if self.announce:
                 # A raw write: printing through Python's buffered streams from a handler can
                 # re-enter a print the loop was in the middle of.
-                os.write(2, f"{name}: stopping after this step and writing a checkpoint "
-                            "(Ctrl-C again to stop now)\n".encode())
+                again = " (Ctrl-C again to stop now)" if name == "SIGINT" else ""
+                os.write(2, f"{name}: stopping after this step and writing a checkpoint{again}\n".encode())
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
