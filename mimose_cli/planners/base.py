@@ -165,6 +165,7 @@ class Planner:
         self.measurer = None
         """Runs the blocks while it is ``active``: steps decided with ``measure=True``, and
         a planner's own measuring passes."""
+        self._applying = 0  # steps (and probes) in progress: only they apply the plan
         self._router = BlockRouter(self.blocks, self._route)
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
         # training step never reads the cache (Hugging Face turns it off for checkpointing
@@ -226,8 +227,21 @@ class Planner:
         self.plan_runner.use(plan)
 
     def _route(self, index, forward, args, kwargs):
-        runner = self.measurer if self.measurer is not None and self.measurer.active else self.runner
-        return runner.run(index, forward, args, kwargs)
+        if self.measurer is not None and self.measurer.active:
+            return self.measurer.run(index, forward, args, kwargs)
+        if self._applying:
+            return self.runner.run(index, forward, args, kwargs)
+        return forward(*args, **kwargs)  # outside a step the model runs as it is: no plan, no cost
+
+    @contextlib.contextmanager
+    def applying(self):
+        """Apply the plan in force to the blocks called inside (a step does; so do the probes that
+        measure a plan outside one). Outside, blocks run unplanned."""
+        self._applying += 1
+        try:
+            yield
+        finally:
+            self._applying -= 1
 
     def _build_meter(self):
         from mimose_cli.memory import build_meter
@@ -293,7 +307,8 @@ class Planner:
             runner = self.measurer if info.measured else self.runner
             runner.begin(info)
             try:
-                yield info
+                with self.applying():
+                    yield info
             except BaseException:
                 runner.abort()
                 raise

@@ -237,8 +237,9 @@ class BlockRunner:
 
 class PlanRunner(BlockRunner):
     """Checkpoints the blocks of the current plan (``use``), in training; runs the others as they
-    are. The plan stays in force between steps (evaluation under ``no_grad`` is never
-    checkpointed). A ``clock`` times recomputation in backward."""
+    are, and nothing under ``no_grad``. It runs only while the planner applies a plan (a step, a
+    probe: ``Planner.applying``); between steps the blocks run as they are. A ``clock`` times
+    recomputation in backward."""
 
     def __init__(self, clock: RecomputeClock | None = None):
         self.clock = clock

@@ -79,7 +79,8 @@ def probe_with_plan(planner, batch, plan):
     planner.runner, planner.measurer = planner.plan_runner, None
     planner.set_plan(plan)
     try:
-        return probe_step(planner, batch)
+        with planner.applying():
+            return probe_step(planner, batch)
     finally:
         planner.runner, planner.measurer = saved[:2]
         planner.set_plan(saved[2])

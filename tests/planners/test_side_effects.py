@@ -147,3 +147,23 @@ def test_a_planner_is_a_context_manager_closed_on_an_error_and_closes_once():
     model.config.use_cache = False  # the user's setting after close(): a second close keeps it
     planner.close()
     assert model.config.use_cache is False
+
+
+def test_a_forward_between_steps_is_not_checkpointed_by_the_last_plan():
+    from mimose_cli.memory import SavedBytesCounter
+
+    def saved_bytes(model, batch):
+        counter = SavedBytesCounter(exclude=model.parameters())
+        with counter:
+            loss = model(**batch).loss
+        loss.backward()
+        return counter.bytes
+
+    batch = bert_batch(2, 32)
+    model = tiny_bert()
+    plain = saved_bytes(model, batch)
+    with mimose_cli.FullCheckpointing(model) as planner:  # every block in the plan
+        with planner.step(batch):
+            in_step = saved_bytes(model, batch)
+        assert planner.plan == tuple(range(planner.num_blocks))  # still the plan in force...
+        assert in_step < plain and saved_bytes(model, batch) == plain  # ...but applied only in steps
