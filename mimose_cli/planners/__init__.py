@@ -3,10 +3,10 @@
 import inspect
 from typing import Literal, get_args, get_origin
 
-from mimose_cli.planners.base import (Decision, FullCheckpointing, NoCheckpointing, Planner, StepInfo,
-                                     infer_input_size)
+from mimose_cli.planners.base import Decision, FullCheckpointing, NoCheckpointing, Planner, StepInfo
 from mimose_cli.planners.blocks import BlockRunner, PlanRunner, discover_blocks
 from mimose_cli.planners.dtr import DTR
+from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.mimose import Mimose
 from mimose_cli.planners.oracle import Oracle
 from mimose_cli.planners.sublinear import Sublinear

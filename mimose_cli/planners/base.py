@@ -11,7 +11,6 @@ plans), ``recover``/``predict_peak``/``size_key`` (out-of-memory retries, ``Plan
 
 import contextlib
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,51 +18,14 @@ from pathlib import Path
 import torch
 
 from mimose_cli.planners.blocks import BlockRouter, PlanRunner, RecomputeClock, discover_blocks
+from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.recovery import PlanOutOfMemoryError, StepGuard, oom_message, reached_bytes
 from mimose_cli.units import parse_size
 
-TOKEN_KEYS = ("input_ids", "inputs_embeds", "pixel_values")
 # Provisional until measured on a GPU (docs/MIMOSE.md): the caching allocator rounds requests to
 # 512 B and large ones to 2 MiB segments, and reserved - allocated runs to a few per cent in
 # training; 5 % of the budget covers that with room.
 CUDA_SAFETY_FRACTION = 0.05
-
-
-DECODER_KEYS = ("decoder_input_ids", "labels")
-
-
-def infer_input_size(batch, encoder_decoder: bool = False) -> tuple:
-    """The input size a batch is planned for: (B, L) for tokens, (B, H, W) for images, and
-    (B, L, D) for an encoder-decoder, D the decoder's length (``decoder_input_ids``, else the
-    ``labels`` it is shifted from).
-
-    Leading dimensions are folded into B, so a multiple-choice batch (B, C, L) is (B*C, L):
-    that is the batch the encoder blocks actually see.
-    """
-    key, tensor = "input_ids", batch if isinstance(batch, torch.Tensor) else None
-    if isinstance(batch, dict):
-        key = next((k for k in TOKEN_KEYS if batch.get(k) is not None), None)
-        tensor = batch.get(key)
-    if tensor is None:
-        raise ValueError(
-            "cannot infer the input size from this batch: pass a tensor or a dict with "
-            f"one of {TOKEN_KEYS}, or call planner.step(input_size=(B, L))"
-        )
-    shape = tuple(tensor.shape)
-    if key == "inputs_embeds":
-        shape = shape[:-1]  # the hidden dimension is not part of the input size
-    if key == "pixel_values":
-        return (shape[0],) + shape[-2:]
-    if len(shape) == 1:
-        return (1, shape[0])
-    size = (math.prod(shape[:-1]), shape[-1])
-    if encoder_decoder:
-        decoder = next((batch[k] for k in DECODER_KEYS if isinstance(batch, dict) and batch.get(k) is not None), None)
-        if decoder is None:
-            raise ValueError("an encoder-decoder's batch needs decoder_input_ids or labels to size its "
-                             "decoder, or call planner.step(input_size=(B, L, D))")
-        size += (decoder.shape[-1],)
-    return size
 
 
 @dataclass
