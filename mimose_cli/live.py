@@ -5,6 +5,7 @@ changes (why the sheltered steps are slower).
 Both are views of the same per-iteration ``StepRecord``s that go to metrics.jsonl.
 """
 
+import os
 import time
 from collections import deque
 
@@ -163,16 +164,21 @@ class ProgressView:
         if self.mode == "live":
             self._live.update(self._render())
         elif self.mode == "plain" and (record.step % self.log_every == 0 or record.oom):
-            self.console.print(
+            self.message(
                 f"step {record.step}/{self.total_steps} input {_shape(record)} loss {_loss(record)} "
                 f"{format_duration(record.iter_ms)} peak {_peak(record, self.budget_bytes)} "
-                f"ckpt {_blocks(record)} {_phase(record)} | {self.timing()}".rstrip(),
-                highlight=False, soft_wrap=True,
-            )
+                f"ckpt {_blocks(record)} {_phase(record)} | {self.timing()}".rstrip())
 
     def message(self, text: str) -> None:
-        if self.mode != "none":
+        if self.mode == "none":
+            return
+        try:
             self.console.print(text, highlight=False, soft_wrap=True)
+        except BrokenPipeError:
+            # The reader went away (`| head`, a killed `tee`): the run goes on, its record is the
+            # run directory; the view goes quiet instead of ending the run as a failed write.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.console.file.fileno())
+            self.mode = "none"
 
     def close(self) -> None:
         if self._live is not None:

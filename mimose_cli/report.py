@@ -124,9 +124,10 @@ def render(path, console: Console | None = None, plots: bool = True) -> None:
         raise ValueError(f"{path} is not a run directory ({what}); expected runs/<id> or a compare directory")
     written = _write_plots(path) if plots else None  # first: a reader that stops early still gets them
     if (path / "compare.json").exists():
-        from mimose_cli.compare import render_compare
+        from mimose_cli.compare import read_compare, render_compare, timing_noise
 
         render_compare(path, console)
+        console.print(timing_noise(read_compare(path))[0], highlight=False, soft_wrap=True)
     else:
         render_run(path, console)
     if written is not None:

@@ -91,6 +91,9 @@ def test_render_reads_the_compare_directory(fake_training, tmp_path):
     render_compare(out, console)
     text = console.export_text()
     assert "budget 2MB" in text and "1.100×" in text and "50%" in text
+    report = CliRunner().invoke(app, ["report", str(out), "--no-plots"])
+    assert report.exit_code == 0 and "timings are from one round each" in report.output
+    assert "--repeats" not in report.output  # the library names no flag
 
 
 def test_repeats_rotate_the_order_and_report_the_median(monkeypatch, tmp_path):

@@ -81,3 +81,20 @@ def test_a_baseline_gets_no_phase_note():
     view.begin(2)
     view.update(_record(0))  # responsive from the first step: nothing to explain
     assert "planned from the fitted estimator" not in out.getvalue()
+
+
+def test_a_reader_that_goes_away_quiets_the_view_not_the_run(tmp_path):
+    import os
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line: every write breaks the pipe
+    from mimose_cli.live import new_console
+
+    console = new_console()
+    console.file = os.fdopen(write, "w")
+    view = ProgressView("t", "40MiB", 40 * 2**20, console=console, mode="plain")
+    view.begin(2)
+    view.update(_record(0))  # raised BrokenPipeError before: the loop took it for a failed write
+    assert view.mode == "none"
+    view.update(_record(1))
+    view.message("after")  # quiet from now on
