@@ -279,9 +279,9 @@ def read_compare(compare_dir) -> dict:
     return read_json(Path(compare_dir) / "compare.json", COMPARE_FILE)
 
 
-def render_compare(compare_dir, console=None) -> None:
+def render_compare(compare_dir, console=None) -> dict:
     """Print one table per budget from ``compare_dir/compare.json`` (``mimose report`` calls
-    this when a directory holds one)."""
+    this when a directory holds one); returns what it read."""
     console = console or new_console()
     data = read_compare(compare_dir)
     repeats = data.get("repeats", 1)
@@ -290,3 +290,4 @@ def render_compare(compare_dir, console=None) -> None:
                   + "; blocks = mean blocks checkpointed (dtr: evicted) per step")
     for entry in data["budgets"]:
         console.print(compare_table(entry))
+    return data

@@ -23,6 +23,12 @@ ROWS_SHOWN = 12
 PLAIN_WIDTH = 200
 
 
+def silence(stream) -> None:
+    """Send what is still written to ``stream`` to /dev/null: its reader went away (``| head``, a
+    killed ``tee``), and Python would otherwise fail again flushing it at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
 class _Console(Console):
     def on_broken_pipe(self) -> None:
         """The reader went away (``| head``): raise it for the command's boundary to end quietly
@@ -177,7 +183,7 @@ class ProgressView:
         except BrokenPipeError:
             # The reader went away (`| head`, a killed `tee`): the run goes on, its record is the
             # run directory; the view goes quiet instead of ending the run as a failed write.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.console.file.fileno())
+            silence(self.console.file)
             self.mode = "none"
 
     def close(self) -> None:

@@ -380,8 +380,10 @@ def compare_figures(compare_dir) -> dict:
 def write_plots(path, out_dir=None) -> Plots:
     """Draw a run or compare directory's plots into ``out_dir`` (default ``path/plots``)."""
     path = Path(path)
-    figures = compare_figures(path) if (path / "compare.json").exists() else run_figures(path)
     out_dir = Path(out_dir) if out_dir is not None else path / PLOTS_DIR
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file, where the plots go; move it away (or leave plots out)")
+    figures = compare_figures(path) if (path / "compare.json").exists() else run_figures(path)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = Plots()
     for name, figure in figures.items():

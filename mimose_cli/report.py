@@ -122,24 +122,20 @@ def render(path, console: Console | None = None, plots: bool = True) -> None:
     if not path.is_dir():
         what = "a file" if path.exists() else "no such directory"
         raise ValueError(f"{path} is not a run directory ({what}); expected runs/<id> or a compare directory")
-    written = _write_plots(path) if plots else None  # first: a reader that stops early still gets them
-    if (path / "compare.json").exists():
-        from mimose_cli.compare import read_compare, render_compare, timing_noise
+    written = None
+    if plots:  # first: a reader that stops early still gets them
+        from mimose_cli.plots import write_plots  # matplotlib: imported only when plotting
 
-        render_compare(path, console)
-        console.print(timing_noise(read_compare(path))[0], highlight=False, soft_wrap=True)
+        written = write_plots(path)
+    if (path / "compare.json").exists():
+        from mimose_cli.compare import render_compare, timing_noise
+
+        data = render_compare(path, console)
+        console.print(timing_noise(data)[0], highlight=False, soft_wrap=True)
     else:
         render_run(path, console)
     if written is not None:
         _print_plots(written, console)
-
-
-def _write_plots(path: Path):
-    from mimose_cli.plots import PLOTS_DIR, write_plots  # matplotlib: imported only when plotting
-
-    if (path / PLOTS_DIR).exists() and not (path / PLOTS_DIR).is_dir():
-        raise ValueError(f"{path / PLOTS_DIR} is a file, where the plots go; move it away (or leave plots out)")
-    return write_plots(path)
 
 
 def _print_plots(written, console: Console) -> None:

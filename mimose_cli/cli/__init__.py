@@ -9,7 +9,6 @@ errors one line as well.
 """
 
 import functools
-import os
 import sys
 import warnings
 
@@ -63,7 +62,9 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except BrokenPipeError:  # the reader stopped (| head): what it read is all it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            from mimose_cli.live import silence
+
+            silence(sys.stdout)
             raise typer.Exit(EXIT_PIPE_CLOSED)
         except (ValueError, OSError, KeyboardInterrupt) as err:
             if _options["debug"]:
