@@ -8,7 +8,7 @@ has every key; the keys are the ones the file has always had (``memory/peak_byte
 """
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
@@ -204,7 +204,7 @@ def merge_ranks(records: list) -> StepRecord:
     of memory first, else the highest peak) with the global loss (the ranks' losses weighted by
     their rows), the slowest rank's time, the retries of all and every rank's own figures."""
     worst = max(range(len(records)), key=lambda r: (records[r].oom, records[r].peak_bytes or 0, -r))
-    merged = StepRecord(**{f.name: getattr(records[worst], f.name) for f in fields(StepRecord)})
+    merged = replace(records[worst])  # a copy: the rank's own record stays as it was
     merged.rank, merged.ranks = worst, [rank_figures(record, rank) for rank, record in enumerate(records)]
     merged.oom = any(record.oom for record in records)
     merged.retries = sum(record.retries for record in records)
