@@ -50,7 +50,7 @@ def test_resuming_a_completed_run_trains_the_added_steps_only(completed, tmp_pat
         run_training(resume_recipe(run_dir), view="none", resume=run_dir)
     more = run_training(resume_recipe(run_dir, ["training.max_steps=8"]), view="none", resume=run_dir)
     assert [s for s, _, _ in _losses(run_dir)] == list(range(8))
-    assert _losses(run_dir)[:6] == _losses(completed.run_dir)
+    assert _losses(run_dir)[:6] == _losses(completed.run_dir)  # the same ops in the same order: bit for bit
     assert more.summary["steps"] == 8 and more.summary["resumed_from_steps"] == [6]
     assert more.summary["planner"]["steps"] == 8  # the planner's counters carry over
 
@@ -89,4 +89,4 @@ def test_sigterm_inside_an_accumulation_window_stops_at_its_end(tmp_path, monkey
     assert stopped.summary["status"] == "interrupted" and stopped.exit_code == 143
     assert stopped.summary["checkpoint_step"] == 2 and len(stopped.records) == 4
     run_training(resume_recipe(stopped.run_dir), view="none", resume=stopped.run_dir)
-    assert _losses(stopped.run_dir) == _losses(reference.run_dir)
+    assert _losses(stopped.run_dir) == _losses(reference.run_dir)  # same batches and plans: bit for bit

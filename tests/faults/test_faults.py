@@ -23,6 +23,8 @@ def reference(tmp_path_factory):
 
 
 def _assert_same_run(run_dir, reference):
+    """The interrupted and resumed run against the uninterrupted one: losses bit for bit, since the
+    same recipe and seed give the same batches and plans, so the same ops in the same order."""
     got = records(run_dir)
     assert [(s, m) for s, m, _ in got] == [(s, m) for s, m, _ in reference]  # each batch once
     assert [loss for *_, loss in got] == [loss for *_, loss in reference]  # bit for bit

@@ -34,5 +34,6 @@ def test_full_disk_ends_the_run_readably_and_resume_finishes_it(tmp_path, refere
 
     again = run_training(resume_recipe(run_dir), view="none", resume=run_dir)
     assert again.summary["status"] == "completed"
-    assert records(run_dir) == reference  # every batch once, the same losses bit for bit
+    # every batch once, the same losses bit for bit (the same batches and plans: the same ops in order)
+    assert records(run_dir) == reference
     assert again.summary["resumed_from_steps"] == [result.summary["checkpoint_step"]]

@@ -7,6 +7,8 @@ from torch import nn
 import mimose_cli
 from mimose_cli.planners import build_planner
 
+from helpers import assert_tensors_close
+
 PLANNED = ["full", "mimose"]  # mimose: its first step, sheltered (every block runs twice)
 
 
@@ -38,16 +40,28 @@ def _loss(model, batch):
     return loss.detach()
 
 
-def assert_same_step(name, make_model, batch):
-    """A step under planner ``name`` computes the loss and gradients of a plain step, bit for
-    bit. Returns the two models after their step (plain, planned)."""
+def assert_same_step(name, make_model, batch, exact=True):
+    """A step under planner ``name`` computes the loss and gradients of a plain step. Returns the
+    two models after their step (plain, planned).
+
+    The loss is compared bit for bit: the planned forward runs the same ops in the same order on
+    the same inputs and dropout masks (checkpointed blocks run theirs under ``no_grad``), which
+    gives the same floats on any CPU. With ``exact`` the gradients are too, for the small stacks
+    here: each block's input feeds only that block and no tensor is shared between blocks, so the
+    recomputed forward and the backward run the same kernels on the same values and sum each
+    gradient in the same order as the plain step's. A Hugging Face model passes ``exact=False``:
+    its gradients are compared at float tolerance (``helpers.assert_tensors_close`` says why)."""
     plain, planned = make_model(), make_model()
     reference = planned_step(None, plain, batch)
     loss = planned_step(name, planned, batch)
     assert torch.equal(loss, reference)
-    for (key, p), q in zip(plain.named_parameters(), planned.parameters()):
-        assert (p.grad is None) == (q.grad is None), key
-        assert p.grad is None or torch.equal(p.grad, q.grad), key
+    grads = [(key, p.grad, q.grad) for (key, p), q in zip(plain.named_parameters(), planned.parameters())]
+    if exact:
+        for key, a, b in grads:
+            assert (a is None) == (b is None), key
+            assert a is None or torch.equal(a, b), key
+    else:
+        assert_tensors_close([a for _, a, _ in grads], [b for _, _, b in grads], "gradient")
     return plain, planned
 
 
@@ -68,7 +82,7 @@ def test_t5_decoder_blocks_run_without_their_cache_and_match_a_plain_step(name):
     batch = {"input_ids": torch.randint(1, 100, (2, 9), generator=gen),
              "attention_mask": torch.tensor([[1] * 9, [1] * 6 + [0] * 3]),
              "labels": torch.randint(1, 100, (2, 5), generator=gen)}
-    assert_same_step(name, tiny_t5, batch)
+    assert_same_step(name, tiny_t5, batch, exact=False)
 
 
 class NormStack(nn.Module):

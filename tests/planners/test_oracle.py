@@ -128,7 +128,8 @@ def test_oracle_plans_the_fewest_blocks_that_fit_and_predicts_the_peak():
     # least recompute: dropping any block of the plan would not fit (blocks cost about the same)
     lighter = [tuple(i for i in info.plan if i != drop) for drop in info.plan]
     assert all(p > budget for p in _peaks(model, data, lighter))
-    # measuring left no trace: the same loss as an unplanned step
+    # measuring left no trace: the same loss as an unplanned step, bit for bit (its forward runs
+    # the same ops in the same order on the same weights)
     free = build_meter("simulated", None)
     plain = build_planner("none", model, None, meter=free)
     with free.activate():
