@@ -23,7 +23,7 @@ from _results import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["task=sequence_classification", "data.preset=qqp", "data.num_examples=400", "data.max_length=96",
-          "planner.sheltered_steps=3", "training.checkpoint_every=null",
+          "planner.mimose.sheltered_steps=3", "training.checkpoint_every=null",
           "model.config_overrides={hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"]
 
 

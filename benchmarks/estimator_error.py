@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _results import write_results
-from mimose_cli.data import make_batch
+from mimose_cli.launcher.data.loader import make_batch
+from mimose_cli.launcher.models import build_model, model_config
+from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.memory import build_meter
-from mimose_cli.models import build_model, model_config
 from mimose_cli.planners.estimator import peak_timeline
 from mimose_cli.planners.mimose import Mimose
-from mimose_cli.recipe import load_recipe
+
+from _results import write_results
 
 QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
 TASKS = {"bert": "sequence_classification", "roberta": "sequence_classification",

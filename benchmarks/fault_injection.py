@@ -27,13 +27,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
+from faults.driver import (  # noqa: E402
+    QUICKSTART,
+    SIGNALS,
+    TINY,
+    full_disk,
+    interrupt,
+    last_step,
+    records,
+    resume,
+    run_dir_in,
+    summary,
+    train,
+)
+
+from mimose_cli.launcher.recipe import load_recipe  # noqa: E402
+from mimose_cli.launcher.resume import resume_recipe  # noqa: E402
+from mimose_cli.launcher.train import run_training  # noqa: E402
+from mimose_cli.runs.rundir import load_run  # noqa: E402
+
 from _results import write_results  # noqa: E402
-from faults.driver import (QUICKSTART, SIGNALS, TINY, full_disk, interrupt, last_step, records,  # noqa: E402
-                           resume, run_dir_in, summary, train)
-from mimose_cli.recipe import load_recipe  # noqa: E402
-from mimose_cli.report import load_run  # noqa: E402
-from mimose_cli.resume import resume_recipe  # noqa: E402
-from mimose_cli.train import run_training  # noqa: E402
 
 EXPECTED = {"SIGTERM": 143, "SIGINT": 130, "SIGKILL": -9}
 LAST_STEP = 15

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 import mimose_cli
-from mimose_cli.data import make_batch
-from mimose_cli.models import build_model, model_config
-from mimose_cli.recipe import load_recipe
+from mimose_cli.launcher.data.loader import make_batch
+from mimose_cli.launcher.models import build_model, model_config
+from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.torch_private import dispatch_modes
 
 from _results import write_results

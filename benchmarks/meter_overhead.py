@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from mimose_cli.data import make_batch
+from mimose_cli.launcher.data.loader import make_batch
+from mimose_cli.launcher.models import build_model, model_config
+from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.memory import build_meter
-from mimose_cli.models import build_model, model_config
-from mimose_cli.recipe import load_recipe
 from mimose_cli.torch_private import TorchDispatchMode
 
 RESULTS = Path(__file__).parent / "results" / "meter_overhead.json"

@@ -4,7 +4,7 @@ For each synthetic preset (swag, squad, qqp; a tiny BERT on the simulated CPU de
 budget is calibrated so that long batches must be checkpointed and short ones need not (the
 60th percentile of the predicted no-checkpointing peaks of the epoch's batches), then 300
 steps are trained with `mimose` and, without a budget, with `none`, through
-`mimose_cli.train.run_training` on the same data order. Reported: budget overruns (the
+`mimose_cli.launcher.train.run_training` on the same data order. Reported: budget overruns (the
 simulated device raises out-of-memory on any), mean and min peak / budget over the steps where
 the budget binds (a non-empty plan), and the largest relative loss difference to `none`
 (dropout on). Targets: zero overruns, mean peak >= 85 % of the budget where it binds, loss
@@ -21,13 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _results import write_results
-from mimose_cli.data import build_dataloader, build_dataset
-from mimose_cli.models import model_config
+from mimose_cli.launcher.data.dataset import build_dataset
+from mimose_cli.launcher.data.loader import build_dataloader
+from mimose_cli.launcher.models import model_config
+from mimose_cli.launcher.recipe import load_recipe
+from mimose_cli.planners.options import MimoseOptions
+from mimose_cli.launcher.train import run_training
 from mimose_cli.planners import infer_input_size
 from mimose_cli.planners.estimator import Estimator, peak_timeline
-from mimose_cli.recipe import PlannerConfig, load_recipe
-from mimose_cli.train import run_training
+
+from _results import write_results
 
 QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
 TASKS = {"swag": "multiple_choice", "squad": "question_answering", "qqp": "sequence_classification"}
@@ -38,14 +41,14 @@ def recipe_for(preset: str, steps: int, out_dir, *overrides):
     return load_recipe(QUICKSTART, [
         f"task={TASKS[preset]}", f"data.preset={preset}", f"training.max_steps={steps}",
         f"training.batch_size={batch}", f"data.num_examples={steps * batch}", "data.max_length=256",
-        "model.config_overrides={num_hidden_layers: 12}", f"planner.sheltered_steps={PlannerConfig.sheltered_steps}",
+        "model.config_overrides={num_hidden_layers: 12}", f"planner.mimose.sheltered_steps={MimoseOptions().sheltered_steps}",
         f"out_dir={out_dir}",
         *overrides])
 
 
 def calibrate(preset: str, steps: int, out_dir, quantile: float = 0.6) -> dict:
     """A budget the long batches exceed and the short ones do not, from a sheltered-only run."""
-    probe = run_training(recipe_for(preset, 11, out_dir, "budget=100GB", "planner.sheltered_steps=10"),
+    probe = run_training(recipe_for(preset, 11, out_dir, "budget=100GB", "planner.mimose.sheltered_steps=10"),
                          view="none", recipe_name=f"calibrate-{preset}")
     state = json.loads((probe.run_dir / "estimator.json").read_text())["estimator"]
     estimator = Estimator(state["num_blocks"])

@@ -1,7 +1,7 @@
 """Epoch time of Mimose against full checkpointing and no checkpointing, side by side.
 
 A tiny BERT (12 layers) on SWAG-like and QQP-like lengths, one epoch through
-`mimose_cli.train.run_training` with the same data order for every planner: `none` without a
+`mimose_cli.launcher.train.run_training` with the same data order for every planner: `none` without a
 budget (the speed limit), `full` and `mimose` at a budget where only the long batches need
 checkpointing (calibrated as in mimose_safety.py; by default the 80th percentile of the
 batches' no-checkpointing peaks, so the longest fifth must checkpoint). Mimose's time includes its
@@ -19,11 +19,11 @@ import statistics
 import tempfile
 
 import torch
-
-from _results import write_results
-from mimose_cli.train import run_training
 from mimose_safety import calibrate, recipe_for
 
+from mimose_cli.launcher.train import run_training
+
+from _results import write_results
 
 
 def epoch_s(preset: str, steps: int, out_dir, planner: str, budget) -> tuple:

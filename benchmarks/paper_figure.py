@@ -31,10 +31,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mimose_cli.compare import run_compare
-from mimose_cli.recipe import recipe_from_dict
-from mimose_cli.records import read_records
-from mimose_cli.train import run_training
+from mimose_cli.launcher.recipe import recipe_from_dict
+from mimose_cli.launcher.sweep import run_compare
+from mimose_cli.launcher.train import run_training
+from mimose_cli.runs.records import read_records
 
 RESULTS = Path(__file__).parent / "results"
 PLANNERS = ("mimose", "sublinear", "dtr", "oracle", "none")
@@ -56,7 +56,7 @@ CONFIGS = {
 def make_recipe(config: dict, steps: int, out_dir: Path, sheltered: int):
     data = json.loads(json.dumps(config))
     data["training"].update(max_steps=steps, lr=1e-3, warmup_steps=2)
-    data["planner"] = {"name": "mimose", "sheltered_steps": sheltered}
+    data["planner"] = {"name": "mimose", "mimose": {"sheltered_steps": sheltered}}
     data.update(device="cpu", seed=0, out_dir=str(out_dir))
     return recipe_from_dict(data, "<paper_figure>")
 

@@ -17,10 +17,11 @@ import numpy as np
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from _results import write_results
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.estimator import peak_timeline
 from mimose_cli.planners.mimose import Mimose
+
+from _results import write_results
 
 SHELTERED = [(4, 16), (2, 40), (8, 24), (3, 64), (6, 32), (2, 56), (5, 48), (4, 20), (7, 36), (3, 28)]
 

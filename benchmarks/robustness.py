@@ -47,10 +47,11 @@ import numpy as np
 import torch
 import transformers
 
-from _results import write_results
-from mimose_cli.data.synthetic import data_rng, sample_lengths
+from mimose_cli.launcher.data.synthetic import data_rng, sample_lengths
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import build_planner
+
+from _results import write_results
 
 SEED = 0
 VOCAB = 1000

@@ -7,16 +7,19 @@ name starts with an underscore.
 """
 
 import torch
+
+# Storages of a tensor subclass (DTensor, fake tensors) for the simulated device. Public
+# replacement: ``__tensor_flatten__`` on traceable wrapper subclasses, walked by hand.
+from torch.distributed._tools.common_utils import get_untyped_storages
+
 # The simulated device and the collector's live-bytes probe see every ATen op's outputs. Public
 # replacement: none yet (``torch.overrides.TorchFunctionMode`` sees Python-level calls, not the
 # allocations of decomposed ops); dispatch modes are documented but live in a private module.
 from torch.utils._python_dispatch import TorchDispatchMode
+
 # Flattening nested batches and block arguments. Public replacement: ``torch.utils.pytree``
 # (announced, not in 2.13), or the ``optree`` package.
 from torch.utils._pytree import tree_leaves, tree_map
-# Storages of a tensor subclass (DTensor, fake tensors) for the simulated device. Public
-# replacement: ``__tensor_flatten__`` on traceable wrapper subclasses, walked by hand.
-from torch.distributed._tools.common_utils import get_untyped_storages
 
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "get_untyped_storages",
            "top_saved_tensors_hook_name", "tensor_version", "dispatch_modes"]

@@ -8,7 +8,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 import pytest
 import torch
 
-from mimose_cli.recipe import load_recipe
+from mimose_cli.launcher.recipe import load_recipe
 
 from helpers import QUICK_OVERRIDES, QUICKSTART
 

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mimose_cli.compare import planner_specs, run_compare
+from mimose_cli.launcher.preflight import model_state_error
+from mimose_cli.launcher.recipe import load_recipe
+from mimose_cli.launcher.resume import resume_recipe
+from mimose_cli.launcher.sweep import planner_specs, run_compare
 from mimose_cli.planners import build_planner
 from mimose_cli.planners.blocks import discover_blocks
-from mimose_cli.preflight import model_state_error
-from mimose_cli.recipe import load_recipe
-from mimose_cli.resume import resume_recipe
 
 from helpers import QUICKSTART, tiny_bert
 

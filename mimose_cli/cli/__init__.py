@@ -8,29 +8,24 @@ would. ``mimose --debug COMMAND`` shows the traceback instead. ``main`` makes cl
 errors one line as well.
 """
 
-import functools
 import sys
 import warnings
 
 import typer
+
+from mimose_cli.cli import common, compare, recipes, report, train
+from mimose_cli.cli.common import EXIT_RUNTIME, user_errors
 
 try:  # the exceptions of the click that parses our arguments: typer's own copy since typer 0.2x
     from typer import TyperException as ParserError
 except ImportError:
     from click import ClickException as ParserError
 
-EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 2, 1, 130
-EXIT_PIPE_CLOSED = 141
-"""What a shell reports for a process ended by SIGPIPE: the reader of our output went away."""
-
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Fit PyTorch training into a GPU-memory budget by checkpointing just enough blocks per batch.",
 )
-
-
-_options = {"debug": False}
 
 
 def _version(value: bool) -> None:
@@ -46,38 +41,10 @@ def options(debug: bool = typer.Option(False, "--debug", help="On an error, show
             version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                          help="Print the version and exit.")):
     """Options for every command (before the command's name)."""
-    _options["debug"] = debug  # set on every invocation, before the command runs
-
-
-def fail(message: str, code: int):
-    """End the command with ``error: message`` as one line on stderr."""
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
-    raise typer.Exit(code)
-
-
-def user_errors(command):
-    """Run ``command`` with the library's errors turned into one line and an exit code."""
-    @functools.wraps(command)
-    def run(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except BrokenPipeError:  # the reader stopped (| head): what it read is all it wanted
-            from mimose_cli.live import silence
-
-            silence(sys.stdout)
-            raise typer.Exit(EXIT_PIPE_CLOSED)
-        except (ValueError, OSError, KeyboardInterrupt) as err:
-            if _options["debug"]:
-                raise
-            if isinstance(err, KeyboardInterrupt):
-                fail("interrupted", EXIT_INTERRUPTED)
-            fail(str(err) or type(err).__name__, EXIT_USAGE if isinstance(err, ValueError) else EXIT_RUNTIME)
-    return run
+    common.options["debug"] = debug
 
 
 def _register() -> None:
-    from mimose_cli.cli import compare, recipes, report, train
-
     app.command("train")(user_errors(train.train))
     app.command("compare")(user_errors(compare.compare))
     app.command("report")(user_errors(report.report))
@@ -109,7 +76,7 @@ def main() -> None:
     except typer.Abort:
         typer.echo("error: aborted", err=True)
         code = EXIT_RUNTIME
-    from mimose_cli.launch import leave_exit_status
+    from mimose_cli.launcher.spawn import leave_exit_status
 
     leave_exit_status(code or 0)  # for `mimose train --nproc-per-node`, which runs this under torchrun
     sys.exit(code or 0)

@@ -26,8 +26,9 @@ def compare(
 ):
     """Run mimose, the baselines, none and oracle on the same data at each budget; one table per budget."""
     from mimose_cli.cli.recipes import DEFAULT_RECIPE
-    from mimose_cli.compare import read_compare, run_compare, timing_noise
-    from mimose_cli.recipe import RecipeError, load_recipe
+    from mimose_cli.launcher.recipe import RecipeError, load_recipe
+    from mimose_cli.launcher.sweep import run_compare
+    from mimose_cli.runs.compare import read_compare, timing_noise
 
     if recipe is None:
         recipe = DEFAULT_RECIPE

@@ -9,6 +9,6 @@ def report(run_dir: Path = typer.Argument(..., help="A runs/<id> directory, or a
            no_plots: bool = typer.Option(False, "--no-plots", help="Print the tables only; write no PNGs.")):
     """Show a run's summary and per-iteration statistics from its directory alone, and write its
     plots (PNG) into RUN_DIR/plots/."""
-    from mimose_cli.report import render
+    from mimose_cli.runs.report import render
 
     render(run_dir, plots=not no_plots)

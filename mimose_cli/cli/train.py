@@ -7,6 +7,8 @@ from typing import List, Optional
 
 import typer
 
+from mimose_cli.cli.common import fail
+from mimose_cli.cli.common import options as cli_options
 from mimose_cli.units import SIZE_HELP
 
 
@@ -33,10 +35,9 @@ def train(
              "yourself (README)."),
 ):
     """Train a recipe under a memory budget; writes runs/<id>/."""
-    from mimose_cli.cli import _options, fail
-    from mimose_cli.launch import other_rank, relaunch, under_torchrun
-    from mimose_cli.recipe import RecipeError, load_recipe
-    from mimose_cli.resume import resume_recipe
+    from mimose_cli.launcher.recipe import RecipeError, load_recipe
+    from mimose_cli.launcher.resume import resume_recipe
+    from mimose_cli.launcher.spawn import other_rank, relaunch, under_torchrun
 
     flags = {"budget": budget, "planner.name": planner, "device": device,
              "training.max_steps": max_steps, "out_dir": str(out) if out else None}
@@ -59,13 +60,14 @@ def train(
                               + ("with --dry-run, which measures one device" if dry_run else "under torchrun"))
         options = {"budget": budget, "planner": planner, "device": device, "max-steps": max_steps, "out": out,
                    "view": view, "resume": resume}
-        args = ["--debug"] * _options["debug"] + ["train", *([str(recipe)] if recipe else []), *(overrides or [])]
+        args = ["--debug"] * cli_options["debug"] + ["train", *([str(recipe)] if recipe else []), *(overrides or [])]
         args += [f"--{name}={value}" for name, value in options.items() if value is not None]
         raise typer.Exit(relaunch(nproc_per_node, args))
-    from mimose_cli.train import dry_run as measure_only, run_training  # after the recipe: its mistakes need no transformers
+    from mimose_cli.launcher.train import dry_run as measure_only  # after the recipe: its mistakes need no transformers
+    from mimose_cli.launcher.train import run_training
 
     if dry_run:
-        from mimose_cli.preflight import budget_error
+        from mimose_cli.launcher.preflight import budget_error
 
         needs = measure_only(resolved)
         raise typer.Exit(1 if budget_error(resolved.budget_bytes, needs) else 0)
@@ -87,7 +89,7 @@ def _check_processes(run_dir: Path, processes: int) -> None:
     rank's state depend on it): said before anything is built, when its summary.json says it."""
     import json
 
-    from mimose_cli.recipe import RecipeError
+    from mimose_cli.launcher.recipe import RecipeError
 
     try:
         trained = json.loads((Path(run_dir) / "summary.json").read_text()).get("world_size") or 1

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from mimose_cli.files import write_text
 from mimose_cli.planners.blocks import BlockRouter, PlanRunner, RecomputeClock, discover_blocks
 from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.recovery import PlanOutOfMemoryError, StepGuard, oom_message, reached_bytes
@@ -377,8 +378,6 @@ class Planner:
 
     def save(self, path) -> None:
         """Write ``state_dict()`` as JSON (a run keeps it as ``state_file``), atomically."""
-        from mimose_cli.rundir import write_text  # local: the run directory's module imports the recipe's
-
         write_text(path, json.dumps(self.state_dict(), allow_nan=False))
 
     def load(self, path) -> "Planner":

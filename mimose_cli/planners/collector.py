@@ -26,10 +26,17 @@ import torch
 
 from mimose_cli.memory import SavedBytesCounter, synchronize
 from mimose_cli.memory.probe import LiveProbe
-from mimose_cli.planners.blocks import (BlockRunner, RngState, inside_checkpoint, recomputing, restored_buffers,
-                                        run_checkpointed)
+from mimose_cli.planners.blocks import (
+    BlockRunner,
+    RngState,
+    inside_checkpoint,
+    recomputing,
+    restored_buffers,
+    run_checkpointed,
+)
 from mimose_cli.planners.features import BLOCK_QUANTITIES, STEP_QUANTITIES
 from mimose_cli.torch_private import tree_map
+
 
 def drop_reason(name: str, checkpointed: set, parents: list, children: list, *,
                 calls: int = 0, in_checkpoint: bool = False) -> str | None:

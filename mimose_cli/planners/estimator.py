@@ -17,8 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mimose_cli.planners.features import (BLOCK_QUANTITIES, FEATURES, NO_EVENT, RANK_RTOL, STEP_QUANTITIES,
-                                          TIME_FEATURES, TOKENS, FeatureSet, features)
+from mimose_cli.planners.features import (
+    BLOCK_QUANTITIES,
+    FEATURES,
+    NO_EVENT,
+    RANK_RTOL,
+    STEP_QUANTITIES,
+    TIME_FEATURES,
+    TOKENS,
+    FeatureSet,
+    features,
+)
 from mimose_cli.planners.trust import Trust
 
 _MAX_SAMPLES = 60  # the most recent samples fitted (a bit per sample marks which are missing)

@@ -19,10 +19,9 @@ import numpy as np
 
 from mimose_cli.planners.base import Decision, Planner, StepInfo
 from mimose_cli.planners.collector import ShuttlingCollector
-from mimose_cli.planners.estimator import (NO_EVENT, BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction,
-                                           peak_timeline)
-from mimose_cli.planners.probe import probe_step, to_model_device
+from mimose_cli.planners.estimator import BLOCK_QUANTITIES, NO_EVENT, STEP_QUANTITIES, Prediction, peak_timeline
 from mimose_cli.planners.sublinear import BlockProfile
+from mimose_cli.planners.trial import probe_step, to_model_device
 
 EXACT_MAX_BLOCKS = 16
 _REQUIRED = ("plain_bytes", "ckpt_bytes", "fwd_ms")

@@ -23,8 +23,8 @@ import torch
 
 from mimose_cli.memory.profiler import BlockProfiler
 from mimose_cli.planners.base import Decision, Planner
-from mimose_cli.planners.probe import model_device, probe_with_plan, run_model, side_effect_free, to_model_device
 from mimose_cli.planners.scheduler import greedy_plan_checked
+from mimose_cli.planners.trial import model_device, probe_with_plan, run_model, side_effect_free, to_model_device
 
 Variant = Literal["greedy", "sqrt", "chen"]
 VARIANTS = get_args(Variant)

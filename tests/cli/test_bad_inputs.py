@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
-import mimose_cli.train
+import mimose_cli.launcher.train
 from mimose_cli.cli import app
 
 from helpers import QUICKSTART
@@ -73,7 +73,7 @@ RECIPE_FILES = [
     recipe_file("duplicate-section", "training:\n  lr: 1.0\ntraining:\n  batch_size: 2\n",
                 "key 'training' appears twice (first on line 1)"),
     recipe_file("duplicate-nested-key", "training:\n  lr: 1.0\n  lr: 2.0\n", "key 'lr' appears twice"),
-    recipe_file("anchor-and-alias", "seed: &s 3\nplanner:\n  granularity: *s\n", "&s: anchors and aliases"),
+    recipe_file("anchor-and-alias", "seed: &s 3\nplanner:\n  mimose:\n    granularity: *s\n", "&s: anchors and aliases"),
     recipe_file("merge-key", "base: &b {lr: 1.0}\ntraining:\n  <<: *b\n", "&b"),
     recipe_file("alias-bomb", "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a]\n"
                 "c: [*b, *b, *b, *b, *b, *b, *b, *b]\n", "&a"),
@@ -147,17 +147,20 @@ VALUES = [
           "expected less than the budget (40MB)"),
     train("margin-equals-budget", "planner.safety_margin=40MB", named="planner.safety_margin='40MB'"),
     train("margin-text", "planner.safety_margin=lots", named="planner.safety_margin='lots'"),
-    train("unknown-planner-option", "planner.options={bogus: 1}",
-          named="planner.options.bogus=1 is invalid; expected an option of mimose: sheltered_steps"),
-    train("option-of-a-planner-without-options", "--planner", "none", "planner.options={variant: sqrt}",
-          named="planner.options.variant='sqrt' is invalid; expected no options"),
-    train("unknown-sublinear-variant", "--planner", "sublinear", "planner.options={variant: fast}",
-          named="planner.options.variant='fast' is invalid; expected greedy | sqrt | chen"),
-    train("options-not-a-mapping", "planner.options=[1]", named="planner.options=[1]"),
+    train("unknown-planner-option", "planner.mimose={bogus: 1}",
+          named="unknown key planner.mimose.bogus; expected one of sheltered_steps"),
+    train("options-of-a-planner-without-options", "--planner", "dtr", "planner.dtr={cost_fn: 5}",
+          named="unknown key planner.dtr; expected one of name, safety_margin, mimose, sublinear"),
+    train("unknown-sublinear-variant", "--planner", "sublinear", "planner.sublinear.variant=fast",
+          named="planner.sublinear.variant='fast' is invalid; expected 'greedy', 'sqrt' or 'chen'"),
+    train("options-not-a-mapping", "planner.mimose=[1]", named="planner.mimose=[1] is invalid; expected a dictionary"),
+    train("options-of-an-earlier-release", "planner.options={variant: sqrt}",
+          named="planner.options is now one section per planner: planner.mimose, planner.sublinear"),
+    train("option-wrong-type", "planner.mimose.bucket=fast", named="planner.mimose.bucket='fast' is invalid"),
     train("planner-unknown", "planner.name=magic", named="planner.name='magic'"),
     train("planner-flag-unknown", "--planner", "magic", named="planner.name='magic'"),
-    train("sheltered-steps-zero", "planner.sheltered_steps=0", named="planner.sheltered_steps=0"),
-    train("granularity-zero", "planner.granularity=0", named="planner.granularity=0"),
+    train("sheltered-steps-zero", "planner.mimose.sheltered_steps=0", named="planner.mimose.sheltered_steps=0"),
+    train("granularity-zero", "planner.mimose.granularity=0", named="planner.mimose.granularity=0"),
     train("device-tpu", "--device", "tpu", named="device='tpu'"),
     train("task-unknown", "task=translation", named="task='translation'"),
     train("model-size-huge", "model.size=huge", named="model.size='huge'"),
@@ -323,8 +326,8 @@ COMPARES = [
     compare("compare-repeats-zero", "--repeats", "0", named="repeats=0 is invalid"),
     compare("compare-unknown-baseline", "--baselines", "sublinear,dtx", named="unknown planner 'dtx'"),
     compare("compare-unknown-variant", "--baselines", "sublinear:fast",
-            named="compare sublinear:fast: planner.options.variant='fast'"),
-    compare("compare-variant-of-a-planner-without", "--baselines", "dtr:fast", named="planner.options.variant"),
+            named="compare sublinear:fast: planner.sublinear.variant='fast'"),
+    compare("compare-variant-of-a-planner-without", "--baselines", "dtr:fast", named="unknown key planner.dtr"),
     compare("compare-budget-text", "--budgets", "1MB,lots", named="budget='lots'"),
     compare("compare-margin-over-a-budget", "--budgets", "1MB", "planner.safety_margin=2MB",
             named="planner.safety_margin='2MB'"),
@@ -374,9 +377,9 @@ def _forbid(monkeypatch, stage: str) -> None:
             raise AssertionError(f"{what} before the error")
         return fail
     if stage == "check":
-        monkeypatch.setattr(mimose_cli.train, "model_config", reached("made a model config"))
+        monkeypatch.setattr(mimose_cli.launcher.train, "model_config", reached("made a model config"))
     elif stage == "data":
-        monkeypatch.setattr(mimose_cli.train, "build_trainer", reached("built the model"))
+        monkeypatch.setattr(mimose_cli.launcher.train, "build_trainer", reached("built the model"))
 
 
 def test_at_least_a_hundred_cases_with_unique_ids():

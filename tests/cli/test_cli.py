@@ -43,7 +43,7 @@ def test_train_out_of_memory_exits_nonzero_with_message(tmp_path):
 
 
 def test_report_plots_a_run_that_ran_out_of_memory(tmp_path):
-    from mimose_cli.plots import run_figures
+    from mimose_cli.runs.plots import run_figures
 
     result = runner.invoke(app, ["train", QUICK, "--planner", "none", "--budget", "30MB", "--out", str(tmp_path),
                                  "training.max_steps=6", "training.batch_size=4", "data.num_examples=48"])
@@ -127,7 +127,7 @@ def test_resume_without_checkpoint_and_train_without_recipe_say_so(tmp_path):
 
 def test_version_recipes_and_compare_without_a_recipe(monkeypatch, tmp_path):
     from mimose_cli import __version__
-    from mimose_cli import compare as compare_module
+    from mimose_cli.launcher import sweep as compare_module
 
     assert runner.invoke(app, ["--version"]).output.strip() == f"mimose {__version__}"
     listing = runner.invoke(app, ["recipes"])
@@ -172,14 +172,14 @@ def test_a_quiet_run_still_says_where_it_went_and_its_report_survives_a_closed_p
 
 
 def test_a_run_of_two_processes_resumes_with_two_said_before_anything_is_built(tmp_path, monkeypatch):
-    import mimose_cli.train
+    import mimose_cli.launcher.train
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "recipe.yaml").write_text(QUICKSTART.read_text())
     (run_dir / "summary.json").write_text(json.dumps({"status": "interrupted", "world_size": 2}))
     (run_dir / "checkpoint.pt").write_bytes(b"")  # never read: the summary says it all
-    monkeypatch.setattr(mimose_cli.train, "run_training", lambda *a, **k: pytest.fail("built the run"))
+    monkeypatch.setattr(mimose_cli.launcher.train, "run_training", lambda *a, **k: pytest.fail("built the run"))
     result = runner.invoke(app, ["train", "--resume", str(run_dir)])
     assert result.exit_code == 2
     assert f"resume it with mimose train --resume {run_dir} --nproc-per-node 2" in result.output

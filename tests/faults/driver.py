@@ -19,7 +19,7 @@ QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 # The quickstart recipe cut to 16 small steps, a checkpoint every 3: about 1 s of training on
 # an idle CPU. One thread: on 2 shared cores torch's thread pool spins and is ~10x slower.
 TINY = ["training.max_steps=16", "training.batch_size=2", "data.num_examples=24", "data.max_length=32",
-        "data.num_choices=2", "planner.sheltered_steps=2", "training.checkpoint_every=3"]
+        "data.num_choices=2", "planner.mimose.sheltered_steps=2", "training.checkpoint_every=3"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 TIMEOUT_S = 300
 
@@ -97,8 +97,8 @@ def full_disk(where: str, after: int):
     """Fill the disk under an in-process run. ``where="metrics"``: metrics.jsonl takes ``after``
     lines, then half of the next (the worst a write(2) to a full disk does) and fails;
     ``where="checkpoint"``: checkpoint write number ``after`` fails after part of the file."""
-    from mimose_cli import checkpoint
-    from mimose_cli.rundir import RunWriter
+    from mimose_cli.launcher import checkpoint
+    from mimose_cli.runs.rundir import RunWriter
 
     calls = []
     if where == "metrics":

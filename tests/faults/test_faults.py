@@ -6,9 +6,9 @@ import random
 import signal
 
 import pytest
-
 from faults.driver import interrupt, records, resume, run_dir_in, summary, train
-from mimose_cli.report import load_run
+
+from mimose_cli.runs.rundir import load_run
 
 SEED = 20261130  # the steps the faults land on are random, but the same on every run
 

@@ -3,12 +3,12 @@ directory ``mimose report`` reads, and ``--resume`` finishes it as if nothing ha
 
 import pytest
 import torch
-
 from faults.driver import QUICKSTART, TINY, full_disk, records
-from mimose_cli.recipe import load_recipe
-from mimose_cli.report import load_run
-from mimose_cli.resume import resume_recipe
-from mimose_cli.train import run_training
+
+from mimose_cli.launcher.recipe import load_recipe
+from mimose_cli.launcher.resume import resume_recipe
+from mimose_cli.launcher.train import run_training
+from mimose_cli.runs.rundir import load_run
 
 
 @pytest.fixture(scope="module")

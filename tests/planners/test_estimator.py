@@ -1,8 +1,14 @@
 import numpy as np
 import pytest
 
-from mimose_cli.planners.estimator import (BLOCK_QUANTITIES, STEP_QUANTITIES, Estimator, features,
-                                           peak_timeline, select_features)
+from mimose_cli.planners.estimator import (
+    BLOCK_QUANTITIES,
+    STEP_QUANTITIES,
+    Estimator,
+    features,
+    peak_timeline,
+    select_features,
+)
 
 
 def _sample(num_blocks, value):

@@ -1,0 +1,182 @@
+"""Training checkpoints (``runs/<id>/checkpoint.pt``, what ``mimose train --resume`` continues
+from) and the trained model (``runs/<id>/model/``, Hugging Face format).
+
+A checkpoint is taken only at an optimizer-step boundary, where the model, optimizer, scheduler,
+GradScaler, RNG, data position and planner agree; resuming from it trains the next step exactly
+as the uninterrupted run would have (the loss sequence is bit for bit the same on the CPU). It is
+one file written atomically (a temporary file in the run directory, fsync, ``os.replace``), so a
+kill or a full disk mid-write leaves the previous checkpoint whole; only the last one is kept.
+It holds tensors and plain containers only and is read with ``torch.load(weights_only=True)``;
+the planner's state is kept as the JSON text ``planner.save`` would write.
+
+RNG: only torch's generators (CPU, and every CUDA device in use) are saved. The data order is
+drawn from generators seeded by (seed, epoch) (``data.synthetic.data_rng``), not from numpy's or
+Python's global state, which nothing in a run draws from.
+
+A multi-process run (``torchrun``) is checkpointed by rank 0: the weights, optimizer and
+scheduler are the same on every rank after a step, while the RNG and the planner are each rank's
+own, so the other ranks' (``rank_state``) go in ``other_ranks``, and ``world_size`` says how many
+processes a resume needs.
+"""
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from mimose_cli.files import file_mode
+from mimose_cli.runs.rundir import CHECKPOINT
+
+MODEL_DIR = "model"
+FORMAT = 1
+
+
+@dataclass
+class Progress:
+    """Where a run stands at a checkpoint: what a resume continues from."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    epoch: int = 0
+    """Pass over the data the next micro-batch comes from."""
+    batch: int = 0
+    """Batches of ``epoch`` already trained."""
+    wall_s: float = 0.0
+    """Wall time of the run so far, earlier segments of a resumed run included."""
+    resumed_from_steps: list = field(default_factory=list)
+    """The step each earlier resume started from."""
+
+    @classmethod
+    def at_step(cls, step: int, micro_batches_per_step: int, batches_per_epoch: int, **kwargs) -> "Progress":
+        """The position after ``step`` optimizer steps of ``micro_batches_per_step`` batches each."""
+        epoch, batch = divmod(step * micro_batches_per_step, batches_per_epoch)
+        return cls(step=step, epoch=epoch, batch=batch, **kwargs)
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def rank_state(trainer) -> dict:
+    """What is a rank's own in a checkpoint: its RNG and its planner's state (as JSON text)."""
+    return {"rng": _rng_state(trainer.device),
+            "planner": json.dumps(trainer.planner.state_dict(), allow_nan=False)}
+
+
+def _rank_part(checkpoint: dict, rank: int) -> dict:
+    return checkpoint if rank == 0 else checkpoint["other_ranks"][rank - 1]
+
+
+def restore_step_state(trainer, checkpoint: dict, rank: int = 0) -> None:
+    """Put back what the next step reads besides the weights: the optimizer's state and the RNG.
+    Called right before the first step, after the budget checks and ``planner.prepare``, which
+    then see the optimizer's state as still to come, as in a new run (it is counted once it is
+    here), and may draw from the RNG."""
+    trainer.optimizer.load_state_dict(checkpoint["optimizer"])
+    trainer.meter.track(trainer.optimizer)
+    rng = _rank_part(checkpoint, rank)["rng"]
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def save_checkpoint(run_dir: Path, trainer, progress: Progress, other_ranks: list = ()) -> Path:
+    """Write the trainer's state at ``progress`` (an optimizer-step boundary) atomically, with
+    the ``rank_state`` of every other rank of a multi-process run."""
+    state = {
+        "format": FORMAT,
+        "progress": asdict(progress),
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
+        **rank_state(trainer),
+        "world_size": 1 + len(other_ranks),
+        "other_ranks": list(other_ranks),
+    }
+    path = Path(run_dir) / CHECKPOINT
+    tmp = path.with_name(f".{CHECKPOINT}.tmp")
+    try:
+        with open(tmp, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (a power cut after ``os.replace`` could lose it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(run_dir: Path) -> dict:
+    """The checkpoint of a run directory (tensors on the CPU); ValueError naming the file when
+    there is none or it cannot be read."""
+    path = Path(run_dir) / CHECKPOINT
+    (Path(run_dir) / f".{CHECKPOINT}.tmp").unlink(missing_ok=True)  # a write cut off by a kill
+    if not path.is_file():
+        raise ValueError(f"{run_dir} has no {CHECKPOINT}: the run stopped before its first checkpoint "
+                         "(training.checkpoint_every); start it again instead of resuming")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"{path} cannot be read ({str(err).splitlines()[0]}); start the run again") from None
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{path} has format {state.get('format')!r}, this mimose reads {FORMAT}")
+    return state
+
+
+def restore_trainer(trainer, checkpoint: dict, rank: int = 0, world_size: int = 1) -> Progress:
+    """Load the checkpoint's weights, scheduler, scaler and rank ``rank``'s planner state into a
+    freshly built trainer; returns where the run stands. The optimizer's state and the RNG come
+    back just before the first step (``restore_step_state``). ValueError when the checkpoint was
+    written by another number of processes (the global batch, and each rank's state, depend on it)."""
+    saved = checkpoint.get("world_size", 1)
+    if saved != world_size:
+        raise ValueError(f"the checkpoint was written by a run of {saved} process(es) and this run has "
+                         f"{world_size}; resume it with {saved} (torchrun --nproc_per_node {saved})")
+    trainer.model.load_state_dict(checkpoint["model"])
+    trainer.scheduler.load_state_dict(checkpoint["scheduler"])
+    if trainer.scaler is not None and checkpoint["scaler"] is not None:
+        trainer.scaler.load_state_dict(checkpoint["scaler"])
+    trainer.planner.load_state_dict(json.loads(_rank_part(checkpoint, rank)["planner"]))
+    progress = Progress(**checkpoint["progress"])
+    trainer.step = progress.step
+    return progress
+
+
+def save_model(model, run_dir: Path) -> Path:
+    """The trained model in Hugging Face format (``save_pretrained``, safetensors) in
+    ``run_dir/model``, replacing what an earlier segment of the run left there."""
+    from transformers.utils import logging as hf_logging
+
+    final = Path(run_dir) / MODEL_DIR
+    tmp = final.with_name(f".{MODEL_DIR}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar for the one shard a run writes says nothing
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    for path in tmp.iterdir():  # transformers writes some files 0600 (through a temporary file)
+        os.chmod(path, file_mode())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final

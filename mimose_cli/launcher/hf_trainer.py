@@ -1,0 +1,254 @@
+"""A Hugging Face ``Trainer`` under a memory budget, in two added lines::
+
+    from mimose_cli.launcher.hf_trainer import fit_budget        # mimose
+    fit_budget(trainer, "6GB")                  # mimose: after Trainer(...), before train()
+
+Why a helper that wraps the trainer rather than a ``TrainerCallback``: a callback is told that a
+step begins and ends, but never holds the batch nor runs its forward and backward, so it can
+neither apply a plan chosen for this batch's size nor undo a micro-batch that ran out of memory
+and run it again. Both need the one call that does forward and backward of one micro-batch,
+``Trainer.training_step``; the Trainer calls it once per micro-batch, so gradient accumulation
+needs nothing more. ``fit_budget`` wraps the *instance's* methods, so a subclass's own
+``training_step`` or ``compute_loss`` (TRL's ``SFTTrainer``, a user's override) runs inside the
+planner unchanged, which a ``Trainer`` subclass of ours could not offer. It wraps three:
+``training_step`` (each micro-batch through ``planner.run``), ``log`` (what the planner did joins
+the Trainer's own logs, so ``state.log_history``, the printed lines, TensorBoard and W&B all get
+it) and ``train`` (the planner lets go of the model when training ends, also when it fails).
+
+The meter, and with it the budget, is on only inside each micro-batch's forward and backward
+(the weights, gradients, optimizer state and the batch counted as live), so nothing outside
+training is measured or refused and nothing is left on when ``train`` returns or raises.
+docs/HF_TRAINER.md says what is logged and what is not supported.
+"""
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from mimose_cli.launcher.preflight import optimizer_state_bytes
+from mimose_cli.memory import build_meter, param_bytes
+from mimose_cli.planners.base import Planner, StepInfo
+from mimose_cli.planners.inputs import infer_input_size
+from mimose_cli.planners.options import OptionError, parse_options
+from mimose_cli.planners.registry import PLANNERS, build_planner
+from mimose_cli.planners.trial import model_device
+from mimose_cli.units import format_bytes, parse_size
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Tally:
+    """What the planner did over some micro-batches: since the last log, or all of training."""
+
+    micro_batches: int = 0
+    checkpointed: int = 0
+    """Micro-batches with at least one block checkpointed."""
+    measured: int = 0
+    """Micro-batches the planner measured (Mimose's first steps: every block checkpointed meanwhile)."""
+    blocks: int = 0
+    """Blocks checkpointed, summed over the micro-batches."""
+    retries: int = 0
+    """Attempts that ran out of memory and were run again (``Planner.run``)."""
+    peak_bytes: int = 0
+    """The highest forward+backward peak."""
+    predicted_peak_bytes: int | None = None
+    """The highest peak the planner predicted (None: it predicted none)."""
+
+    def add(self, info: StepInfo, peak_bytes: int) -> None:
+        self.micro_batches += 1
+        self.checkpointed += bool(info.plan)
+        self.measured += info.measured
+        self.blocks += len(info.plan)
+        self.retries += info.retries
+        self.peak_bytes = max(self.peak_bytes, peak_bytes)
+        if info.predicted_peak_bytes is not None:
+            self.predicted_peak_bytes = max(self.predicted_peak_bytes or 0, info.predicted_peak_bytes)
+
+    def step_logs(self) -> dict:
+        """The keys added to each training log line (over the micro-batches since the last one)."""
+        logs = {"mimose/peak_bytes": self.peak_bytes,
+                "mimose/blocks_checkpointed": self.blocks / self.micro_batches,
+                "mimose/retries": self.retries}
+        if self.predicted_peak_bytes is not None:
+            logs["mimose/predicted_peak_bytes"] = self.predicted_peak_bytes
+        return logs
+
+
+class TrainerBudget:
+    """A ``Trainer`` put under a budget by ``fit_budget``: its planner (``planner``, a new one for
+    each ``train()``) and what it did in the last ``train()`` (``totals``)."""
+
+    def __init__(self, trainer, budget_bytes: int, planner: str, options: dict, max_input_size):
+        self.trainer = trainer
+        self.budget_bytes = budget_bytes
+        self.planner_name = planner
+        self.options = options
+        self.max_input_size = max_input_size
+        self.meter = build_meter("auto", budget_bytes, model_device(trainer.model))
+        self._start()
+
+    def _start(self) -> None:
+        """A planner for the Trainer's model, and counts from zero: each ``train()`` plans anew."""
+        self.planner: Planner = build_planner(self.planner_name, self.trainer.model, self.budget_bytes,
+                                              meter=self.meter, **self.options)
+        self._open, self._prepared = True, False
+        self.window, self.totals = Tally(), Tally()
+
+    def training_step(self, original, model, inputs, *args, **kwargs):
+        """One micro-batch's forward and backward (the Trainer's own ``training_step``) under the
+        plan, run again with a safer plan if it runs out of memory."""
+        if not self._open or self.planner.model is not self.trainer.model:  # a later train(), model_init
+            self.close()
+            self._start()
+        with self.meter.activate():
+            # Storages made outside the meter's span (the optimizer's state, the collated batch)
+            # count as live, as on a GPU; each storage is counted once however often tracked.
+            self.meter.track(self.trainer.model, self.trainer.optimizer,
+                             dict(inputs) if isinstance(inputs, Mapping) else inputs)
+            self._prepare(inputs)
+            loss = self.planner.run(lambda batch: original(model, batch, *args, **kwargs), inputs)
+            peak = self.meter.peak_bytes()
+        self.window.add(self.planner.last, peak)
+        self.totals.add(self.planner.last, peak)
+        return loss
+
+    def _prepare(self, inputs) -> None:
+        """Let a planner that plans ahead (sublinear) plan once, at ``max_input_size``, from
+        this first batch resized to it."""
+        if self._prepared or type(self.planner).prepare is Planner.prepare:
+            return
+        size = self.max_input_size or infer_input_size(inputs, self.planner.encoder_decoder)
+        optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # accelerate's wrapper
+        reserve = optimizer_state_bytes(optimizer) if optimizer is not None else 0
+        self.planner.prepare(lambda s: resized_batch(inputs, s), tuple(size), reserve)
+        self._prepared = True
+
+    def log(self, original, logs: dict, *args, **kwargs):
+        """Add what the planner did to the Trainer's log line: per training line, the micro-batches
+        since the last; in the final metrics, the whole of training."""
+        if "loss" in logs and self.window.micro_batches:
+            logs.update(self.window.step_logs())
+            self.window = Tally()
+        if "train_runtime" in logs:
+            logs.update(self.summary())
+            logger.info("mimose: %s", self.planner.stats)
+        return original(logs, *args, **kwargs)
+
+    def summary(self) -> dict:
+        """Training's totals, the keys the final metrics (``TrainOutput.metrics``) get."""
+        t = self.totals
+        return {"mimose/budget_bytes": self.budget_bytes, "mimose/micro_batches": t.micro_batches,
+                "mimose/checkpointed_micro_batches": t.checkpointed, "mimose/measured_micro_batches": t.measured,
+                "mimose/max_peak_bytes": t.peak_bytes,
+                "mimose/retries": t.retries, "mimose/planning_ms": round(self.planner.total_planning_ms, 3)}
+
+    def close(self) -> None:
+        """Give the model its blocks and ``use_cache`` back; a later ``train()`` plans anew."""
+        if self._open:
+            self.planner.close()
+            self._open = False
+
+
+def resized_batch(batch, size: tuple) -> dict:
+    """``batch`` cut or repeated, rows then tokens, to the input size ``size`` = (B, L): a batch of
+    the largest size for planners that plan once, with every key the model takes and valid values."""
+    ids = batch["input_ids"]
+    rows = size[0] // max(1, ids[0, ..., 0].numel())  # (B, C, L) multiple choice: B*C = size[0]
+    length = ids.shape[-1]
+
+    def resize(value):
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            return value
+        value = value[torch.arange(rows, device=value.device) % value.shape[0]]
+        if value.ndim >= 2 and value.shape[-1] == length:
+            value = value[..., torch.arange(size[-1], device=value.device) % length]
+        return value
+
+    return {key: resize(value) for key, value in batch.items()}
+
+
+def fit_budget(trainer, budget, planner: str = "mimose", *, max_input_size=None, blocks=None,
+               safety_margin="auto", **options) -> TrainerBudget:
+    """Train ``trainer`` (a ``transformers.Trainer`` or subclass, built) within ``budget`` bytes
+    of device memory ("6GB", "512MiB"), checkpointing just enough blocks per micro-batch.
+
+    ``planner`` is any of ``mimose_cli.planners.PLANNERS`` by name, with its options as keywords
+    (``sheltered_steps=3``); ``sublinear`` plans once for ``max_input_size`` = (batch, length).
+    ``blocks`` (a glob over module names) and ``safety_margin`` are the planner's. Settings mimose
+    cannot work with raise ``ValueError`` naming the setting and the fix.
+    """
+    if isinstance(getattr(trainer, "_mimose_budget", None), TrainerBudget):
+        raise ValueError("fit_budget was called on this trainer already; call it once per Trainer")
+    try:
+        budget_bytes = parse_size(budget)
+    except ValueError as error:
+        raise ValueError(f"budget={budget!r}: {error}") from None
+    _refuse_unsupported(trainer, budget_bytes)
+    _check_planner(planner, options, max_input_size)
+    options.update(blocks=blocks, safety_margin=safety_margin)
+    fitted = trainer._mimose_budget = TrainerBudget(trainer, budget_bytes, planner, options, max_input_size)
+    _wrap(trainer, "training_step", fitted.training_step)
+    _wrap(trainer, "log", fitted.log)
+    train = trainer.train
+
+    def train_then_close(*args, **kwargs):
+        try:
+            return train(*args, **kwargs)
+        finally:
+            fitted.close()
+
+    trainer.train = train_then_close
+    return fitted
+
+
+def _wrap(trainer, name: str, method) -> None:
+    """Make ``trainer.name(...)`` call ``method(the original, ...)``."""
+    original = getattr(trainer, name)
+    setattr(trainer, name, lambda *args, **kwargs: method(original, *args, **kwargs))
+
+
+def _check_planner(planner: str, options: dict, max_input_size) -> None:
+    """The planner's name, options and ``max_input_size``, checked before anything is built."""
+    if planner not in PLANNERS:
+        raise ValueError(f"planner={planner!r} is unknown; choose one of {', '.join(sorted(PLANNERS))}")
+    try:
+        parse_options(planner, options)
+    except OptionError as err:
+        raise ValueError(f"{err.key}={err.value!r} is invalid for planner={planner!r}; expected {err.expected}") from None
+    if planner == "sublinear" and options.get("variant", "greedy") != "sqrt" and max_input_size is None:
+        raise ValueError("planner='sublinear' plans once, for the largest batch: pass "
+                         "max_input_size=(batch_size, max_length) to fit_budget")
+    if max_input_size is not None and not (isinstance(max_input_size, (tuple, list)) and len(max_input_size) >= 2
+                                           and all(isinstance(d, int) and d > 0 for d in max_input_size)):
+        raise ValueError(f"max_input_size={max_input_size!r} is invalid; expected (batch_size, max_length)")
+
+
+def _refuse_unsupported(trainer, budget_bytes: int) -> None:
+    """One ValueError naming the setting and the fix for what mimose cannot train under."""
+    args = trainer.args
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        raise ValueError("TrainingArguments(gradient_checkpointing=True) (activation_checkpointing in "
+                         "transformers 5) checkpoints every layer of every batch and would fight mimose's "
+                         "plan; set it to False (mimose checkpoints what the budget needs)")
+    if getattr(trainer.model, "is_activation_checkpointing", False):
+        raise ValueError("the model has Hugging Face gradient checkpointing on, which would fight mimose's "
+                         "plan; call model.activation_checkpointing_disable() before fit_budget")
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        raise ValueError("mimose does not plan for DeepSpeed or FSDP (they shard and offload the model "
+                         "themselves); drop the deepspeed/fsdp training argument or fit_budget")
+    if getattr(args, "torch_compile", False):
+        raise ValueError("TrainingArguments(torch_compile=True) compiles the blocks mimose reroutes on "
+                         "every step; set torch_compile=False")
+    if getattr(args, "n_gpu", 1) > 1:
+        raise ValueError(f"the Trainer sees {args.n_gpu} GPUs and would replicate the model "
+                         "(nn.DataParallel), which mimose does not plan for; run one process per GPU "
+                         "(torchrun) or set CUDA_VISIBLE_DEVICES to one GPU")
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    state = weights + param_bytes(trainer.model)  # and their gradients
+    if state >= budget_bytes:
+        raise ValueError(f"budget of {format_bytes(budget_bytes)} cannot hold the model's weights and their "
+                         f"gradients ({format_bytes(state)}); raise it well above that (the optimizer's "
+                         "state and the activations come on top)")

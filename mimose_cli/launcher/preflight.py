@@ -1,0 +1,129 @@
+"""Before the first step: can the budget run this recipe at all?
+
+First the model's state (``check_model_state``): weights, gradients, the optimizer's state and its
+step's scratch, which no plan changes. Then the budgets a step needs, measured at the largest
+input the recipe allows (``preflight``).
+
+Two side-effect-free steps (``planners.probe.probe_step``: RNG forked, buffers and gradients put
+back) on a batch of the largest size, the budget lifted for them: one with every block
+checkpointed (the least any plan can need) and one with none (what runs without checkpointing).
+Memory that the first optimizer step allocates for good (the optimizer's state, and with gradient
+accumulation the gradients set aside during a micro-batch) is added: the probes run before it
+exists. A budget below the first figure cannot run the recipe, whatever the planner; the run
+ends before training with both figures.
+"""
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from mimose_cli.launcher.data.loader import make_batch, max_input_size
+from mimose_cli.memory import param_bytes
+from mimose_cli.planners.base import Planner
+from mimose_cli.planners.trial import probe_with_plan
+from mimose_cli.units import format_budget, format_bytes
+
+
+@dataclass
+class BudgetRange:
+    """What one training step at ``input_size`` needs, in bytes (None: more than the device has)."""
+
+    input_size: tuple
+    full_bytes: int | None
+    """With every block checkpointed: no budget below this runs the recipe."""
+    none_bytes: int | None
+    """With no block checkpointed: a budget of this much needs no checkpointing."""
+
+    def describe(self) -> str:
+        size = "x".join(str(d) for d in self.input_size)
+        return (f"at its largest input ({size}) a step needs {_fmt(self.full_bytes)} with every block "
+                f"checkpointed and {_fmt(self.none_bytes)} without checkpointing")
+
+
+def _fmt(value) -> str:
+    return "more than the device holds" if value is None else format_bytes(value)
+
+
+def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) -> BudgetRange:
+    """Measure the step's peak on ``batch`` with every block checkpointed and with none, through
+    ``planner``'s router (its own runner and measurer set aside meanwhile), plus ``later_bytes``."""
+    peaks = []
+    with planner.meter.unlimited():
+        for plan in (tuple(range(planner.num_blocks)), ()):
+            peak = probe_with_plan(planner, batch, plan)
+            peaks.append(None if peak is None else peak + later_bytes)
+    return BudgetRange(tuple(input_size), *peaks)
+
+
+def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:
+    """Why ``budget_bytes`` (``written`` so by the user) cannot run the recipe (below what every
+    block checkpointed needs), or None when it can."""
+    if budget_bytes is None or (needs.full_bytes is not None and budget_bytes >= needs.full_bytes):
+        return None
+    return (f"budget {format_budget(written, budget_bytes)} is too small for this recipe: {needs.describe()}. "
+            f"Raise the budget to at least {_fmt(needs.full_bytes)}, or lower training.batch_size or "
+            "data.max_length")
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes the optimizer's state will take once its first step allocates it: Adam and AdamW
+    keep two moments per parameter (three with amsgrad; plus a step count, not counted), SGD one
+    momentum buffer when momentum is on. Other optimizers are not known here: 0, and a warning."""
+    per_param = None
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        per_param = 2 + int(any(group.get("amsgrad") for group in optimizer.param_groups))
+    if per_param is None and isinstance(optimizer, torch.optim.SGD):
+        per_param = int(any(group.get("momentum", 0) for group in optimizer.param_groups))
+    if per_param is None:
+        warnings.warn(f"cannot size the state of {type(optimizer).__name__}; static plans "
+                      "(sublinear) will not leave room for it", stacklevel=2)
+        return 0
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return per_param * sum(p.numel() * p.element_size() for p in params)
+
+
+def model_state_error(trainer, state_bytes: int) -> str | None:
+    """Why the budget cannot hold what every iteration keeps whatever the plan — the weights
+    (already on the meter), their gradients and the optimizer's ``state_bytes`` — or None when it
+    can. Checkpointing only shrinks activations, so no planner could help."""
+    budget = trainer.recipe.budget_bytes
+    weights = trainer.meter.current_bytes()
+    params = param_bytes(trainer.model)
+    # With accumulation a micro-batch holds the gradients set aside (``StepGuard``) and its own.
+    grads = params * (2 if trainer.recipe.training.gradient_accumulation_steps > 1 else 1)
+    # The optimizer step runs after the activations are freed, on top of weights, gradients and
+    # state; its scratch (AdamW: about one copy of the parameters, measured on the simulated
+    # device) is what the loop must leave room for, since no plan changes it.
+    scratch = params if state_bytes else 0
+    total = weights + grads + state_bytes + scratch
+    if budget is None or total <= budget:
+        return None
+    return (f"budget {format_bytes(budget)} cannot hold the model's state before any activation: "
+            f"weights {format_bytes(weights)} + gradients {format_bytes(grads)} + "
+            f"{type(trainer.optimizer).__name__} state {format_bytes(state_bytes)} + its step's scratch "
+            f"{format_bytes(scratch)} = {format_bytes(total)}; no checkpointing plan reduces these. Raise "
+            "the budget well above that (activations come on top) or use a smaller model")
+
+
+def check_model_state(trainer) -> tuple[int, str | None]:
+    """Put the weights and optimizer on the meter; returns (optimizer state bytes, why the budget
+    cannot hold the model's state or None). Weights alone over the budget are such a reason."""
+    try:
+        trainer.meter.track(trainer.model, trainer.optimizer)
+    except torch.OutOfMemoryError:
+        return 0, (f"budget {format_bytes(trainer.recipe.budget_bytes)} cannot hold the model's weights "
+                   f"({format_bytes(param_bytes(trainer.model))}); raise the budget well above that "
+                   "or use a smaller model")
+    state_bytes = optimizer_state_bytes(trainer.optimizer)
+    return state_bytes, model_state_error(trainer, state_bytes)
+
+
+def preflight(trainer, config, state_bytes: int) -> BudgetRange:
+    """The budgets the recipe needs at its largest input: besides the step, the
+    optimizer's state and, with accumulation, the gradients set aside during a micro-batch."""
+    recipe = trainer.recipe
+    size = max_input_size(recipe)
+    batch = trainer.to_device(make_batch(recipe, config, size))
+    later = state_bytes + (param_bytes(trainer.model) if recipe.training.gradient_accumulation_steps > 1 else 0)
+    return measure_range(trainer.planner, batch, size, later)

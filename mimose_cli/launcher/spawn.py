@@ -1,0 +1,68 @@
+"""``mimose train --nproc-per-node N``: the same command again under torchrun, N processes on this
+machine. No torch here: the command stays quick to start and to fail on a bad recipe.
+
+It runs ``python -m mimose_cli.launcher.torchrun --standalone --nproc-per-node N -m mimose_cli train ...``
+(torchrun's own ``main``, so no ``torchrun`` script need be on PATH, without its traceback when a
+signal stops it; ``--standalone`` picks a free port on this machine) in a session of its own, and
+forwards a signal it gets (Ctrl-C, SIGTERM) to torchrun once, which forwards it to every rank; the
+ranks stop together after the step (see ``distributed.py``). torchrun reports any failed rank as
+exit status 1, so rank 0 leaves its own status in the file ``MIMOSE_EXIT_FILE`` names and that is
+passed on: 0, 1, 2, 130 and 143 mean what they mean for one process.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+EXIT_FILE_ENV = "MIMOSE_EXIT_FILE"
+TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+"""Variables torchrun sets in every process it starts."""
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun."""
+    return any(name in os.environ for name in TORCHRUN_ENV)
+
+
+def other_rank() -> bool:
+    """Whether this process is a torchrun rank other than 0 (which print nothing but errors)."""
+    return os.environ.get("RANK", "0") != "0"
+
+
+def torchrun_command(nproc_per_node: int, args: list) -> list:
+    """The command line that runs ``mimose_cli args`` as ``nproc_per_node`` processes here."""
+    return [sys.executable, "-m", "mimose_cli.launcher.torchrun", "--standalone",
+            f"--nproc-per-node={nproc_per_node}", "-m", "mimose_cli", *args]
+
+
+def relaunch(nproc_per_node: int, args: list) -> int:
+    """Run ``mimose args`` under torchrun with ``nproc_per_node`` processes; returns rank 0's exit
+    status (torchrun's when rank 0 left none: it crashed, or never started)."""
+    with tempfile.TemporaryDirectory(prefix="mimose-launch-") as tmp:
+        exit_file = Path(tmp) / "exit_status"
+        # torchrun sets one OpenMP thread per process when none is set, with a four-line warning;
+        # we set that default ourselves (training.cpu_threads still sets torch's threads).
+        env = {"OMP_NUM_THREADS": "1", **os.environ, EXIT_FILE_ENV: str(exit_file)}
+        child = subprocess.Popen(torchrun_command(nproc_per_node, args), env=env, start_new_session=True)
+
+        def forward(signum, frame):
+            child.send_signal(signum)
+
+        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = child.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        text = exit_file.read_text().strip() if exit_file.exists() else ""
+        return int(text) if text else code
+
+
+def leave_exit_status(code: int) -> None:
+    """Under ``relaunch``: rank 0 writes its exit status where the launcher reads it."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path and not other_rank():
+        Path(path).write_text(str(code))

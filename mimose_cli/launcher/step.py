@@ -1,0 +1,194 @@
+"""One rank's training machinery: the ``Trainer`` (model, optimizer, meter, planner) built from a
+recipe, and one micro-batch trained under the planner with its ``StepRecord``.
+
+A step has no side effect on the model, optimizer or data position until ``optimizer.step()``,
+so a step that runs out of memory during forward/backward can be redone on the same batch
+(out-of-memory recovery builds on this). Under ``torchrun`` each rank builds its own planner and
+meter for its own device (LOCAL_RANK), the budget being per device, and trains its slice of each
+global batch (``distributed.py`` says how the ranks agree). ``train.py`` runs the loop around it.
+"""
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import get_linear_schedule_with_warmup
+
+from mimose_cli.launcher.distributed import World, data_parallel_step
+from mimose_cli.launcher.models import build_model
+from mimose_cli.launcher.recipe import Recipe
+from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
+from mimose_cli.planners.base import Planner
+from mimose_cli.planners.registry import build_planner
+from mimose_cli.runs.records import StepRecord, completed_step, oom_step
+from mimose_cli.units import format_budget, format_bytes
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> the rank's GPU when one is present, else the CPU."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is visible; set device to cpu or auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def autocast(recipe: Recipe, device: torch.device):
+    """Mixed precision on the run's device: CUDA autocast on a GPU, CPU autocast on the CPU (so
+    bf16 and fp16 runs are planned and tested here exactly as they run there)."""
+    if recipe.training.precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if recipe.training.precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+@dataclass
+class Trainer:
+    """Everything one run holds; ``state_dict`` of these parts is what a resume needs."""
+
+    recipe: Recipe
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    meter: Meter
+    planner: Planner
+    scaler: torch.amp.GradScaler | None = None
+    step: int = 0
+    world: World = field(default_factory=World)
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def forward_backward(self, batch: dict, counter: SavedBytesCounter, loss_weight: float = 1.0):
+        """Planner-controlled forward and backward of one micro-batch, retried by the planner
+        when it runs out of memory (``Planner.run``); no optimizer side effects. ``loss_weight``
+        scales the gradient (a rank's share of a global batch, ``distributed.local_batch``)."""
+        accumulation = self.recipe.training.gradient_accumulation_steps
+
+        def step_fn(batch):
+            counter.reset()
+            with counter, autocast(self.recipe, self.device):
+                loss = self.model(**batch).loss
+            activation_bytes = counter.bytes
+            scaled = loss / accumulation if accumulation > 1 else loss
+            if loss_weight != 1.0:
+                scaled = scaled * loss_weight
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            return loss.detach(), activation_bytes
+
+        loss, activation_bytes = self.planner.run(step_fn, batch)
+        return loss, self.planner.last, activation_bytes
+
+    def optimizer_step(self) -> None:
+        clip = self.recipe.training.max_grad_norm
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def describe_device(device: torch.device, recipe: Recipe) -> str:
+    """The device a run picked, for its first setup line."""
+    budget = format_budget(recipe.budget, recipe.budget_bytes)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return f"device: {device} ({torch.cuda.get_device_name(device)}, {format_bytes(total)}), budget {budget}"
+    threads = torch.get_num_threads()
+    cpu = f"device: cpu, {threads} thread{'s' if threads != 1 else ''}"
+    return f"{cpu}; the simulated device holds the budget {budget}" if recipe.budget_bytes is not None else cpu
+
+
+def describe_model(model: torch.nn.Module, recipe: Recipe) -> str:
+    """The model a run built, with its parameter count and size."""
+    count = sum(p.numel() for p in model.parameters())
+    source = recipe.model.pretrained or f"{recipe.model.type} ({recipe.model.size}) from its config, random init"
+    return f"model built: {source}, {count / 1e6:.2f} M parameters ({format_bytes(param_bytes(model))} trainable)"
+
+
+def build_trainer(recipe: Recipe, config, total_steps: int, world: World = World(), say=None) -> Trainer:
+    """Setup: seed, device, model, optimizer, meter, planner (each rank its own, the same seed);
+    ``say(line)`` hears each phase."""
+    say = say or (lambda line: None)
+    device = resolve_device(recipe.device)
+    if device.type == "cpu" and recipe.training.cpu_threads is not None:
+        torch.set_num_threads(recipe.training.cpu_threads)
+    say(describe_device(device, recipe))
+    torch.manual_seed(recipe.seed)
+    model = build_model(recipe).to(device)
+    model.train()
+    say(describe_model(model, recipe))
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.training.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}], lr=recipe.training.lr)
+    scheduler = get_linear_schedule_with_warmup(optimizer, recipe.training.warmup_steps, total_steps)
+    meter = build_meter("auto", recipe.budget_bytes, device)
+    planner = build_planner(
+        recipe.planner.name, model, recipe.budget_bytes, blocks=recipe.model.blocks,
+        safety_margin=recipe.planner.safety_margin_bytes, meter=meter, **recipe.planner.keywords)
+    scaler = torch.amp.GradScaler(device.type) if recipe.training.precision == "fp16" else None
+    return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler, world=world)
+
+
+def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_step: int = 0,
+               loss_weight: float = 1.0) -> StepRecord:
+    """One micro-batch's forward and backward, and the optimizer step after the last micro-batch
+    of ``training.gradient_accumulation_steps`` (under torchrun the ranks step together after it:
+    ``distributed.data_parallel_step``); returns its record. Raises torch.OutOfMemoryError
+    (``PlanOutOfMemoryError`` once the planner's retries are spent)."""
+    batch = trainer.to_device(batch)
+    trainer.meter.track(batch)
+    synchronize(trainer.device)
+    start = time.perf_counter()
+    last_micro = micro_step == trainer.recipe.training.gradient_accumulation_steps - 1
+    steps = last_micro and not trainer.world.distributed
+    lr = trainer.scheduler.get_last_lr()[0]  # the rate this step's update uses
+    with trainer.meter.step() as mem:
+        loss, info, activation_bytes = trainer.forward_backward(batch, counter, loss_weight)
+        planned_peak = trainer.meter.peak_bytes()  # what the planner plans for: before the optimizer
+        if steps:
+            trainer.optimizer_step()
+    synchronize(trainer.device)
+    iter_ms = (time.perf_counter() - start) * 1e3
+    return completed_step(
+        info, step=trainer.step, micro_step=micro_step, input_shape=batch["input_ids"].shape,
+        num_blocks=trainer.planner.num_blocks, loss=loss.item(), lr=lr, iter_ms=iter_ms,
+        peak_bytes=mem.peak_bytes, fwd_bwd_peak_bytes=planned_peak, start_bytes=mem.start_bytes,
+        activation_bytes=activation_bytes,
+        reserved_peak_bytes=mem.reserved_peak_bytes if trainer.device.type == "cuda" else None)
+
+
+def _oom_record(trainer: Trainer, batch: dict, error: Exception, micro_step: int = 0) -> StepRecord:
+    """Record a step that ran out of memory for good, and drop its partial gradients."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return oom_step(trainer.planner.last, error, step=trainer.step, micro_step=micro_step,
+                    input_shape=batch["input_ids"].shape, num_blocks=trainer.planner.num_blocks,
+                    peak_bytes=trainer.meter.peak_bytes())
+
+
+def micro_batch(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_step: int) -> StepRecord:
+    """One micro-batch trained, and its record (out of memory included); under torchrun every
+    rank trains its slice and gets the ranks' records merged (the same on every rank)."""
+    def run(part: dict, loss_weight: float = 1.0) -> StepRecord:
+        try:
+            return train_step(trainer, part, counter, micro_step, loss_weight)
+        except torch.OutOfMemoryError as error:
+            return _oom_record(trainer, part, error, micro_step)
+
+    if not trainer.world.distributed:
+        return run(batch)
+    last_micro = micro_step == trainer.recipe.training.gradient_accumulation_steps - 1
+    return data_parallel_step(trainer, batch, last_micro, run)

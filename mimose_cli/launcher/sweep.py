@@ -1,0 +1,189 @@
+"""``mimose compare``: every planner on the same data order and seed, at each budget.
+
+``run_compare`` writes a compare directory (``runs.compare`` reads and shows it): ``compare.json``
+and one run directory per (budget, planner) under ``runs/<budget>/``. A run that goes out of
+memory is a result (status "oom"), never a crash of the comparison.
+"""
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from mimose_cli.files import write_json
+from mimose_cli.launcher.recipe import Recipe, recipe_from_dict, recipe_to_dict
+from mimose_cli.launcher.spawn import under_torchrun
+from mimose_cli.launcher.train import run_training
+from mimose_cli.planners.registry import PLANNERS
+from mimose_cli.runs.compare import render_compare
+from mimose_cli.runs.live import check_view, new_console
+from mimose_cli.runs.rundir import check_out_dir, unique_dir
+
+
+def planner_specs(baselines) -> list:
+    """``["mimose", *baselines, "none", "oracle"]`` without repeats; ``sublinear:sqrt`` names a
+    planner with its ``variant`` option. Unknown planners raise ValueError."""
+    specs = []
+    for spec in ["mimose", *baselines, "none", "oracle"]:
+        spec = spec.strip()
+        if not spec or spec in specs:
+            continue
+        name = spec.partition(":")[0]
+        if name not in PLANNERS:
+            raise ValueError(f"unknown planner {name!r} among the baselines; choose from "
+                             f"{', '.join(sorted(PLANNERS))}")
+        specs.append(spec)
+    return specs
+
+
+def _at_budget(recipe: Recipe, budget: str) -> Recipe:
+    """The recipe at one of the budgets to compare, validated (and its size parsed) as the
+    recipe's own ``budget``."""
+    return recipe_from_dict(recipe_to_dict(recipe), "budgets to compare", flags={"budget": budget},
+                            flags_from="budgets to compare")
+
+
+def _run_recipe(recipe: Recipe, spec: str, steps) -> Recipe:
+    """The recipe for one run: same seed, data and budget, this planner (with its own section of
+    the recipe's planner options; ``sublinear:sqrt`` sets that section's ``variant``)."""
+    name, _, variant = spec.partition(":")
+    flags = {"planner.name": name, "training.max_steps": steps}
+    if variant:
+        flags[f"planner.{name}.variant"] = variant
+    return recipe_from_dict(recipe_to_dict(recipe), f"compare {spec}", flags=flags, flags_from=f"compare {spec}")
+
+
+def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
+    stats = summary.get("planner") or {}
+    recompute = summary.get("recompute_ms_total", stats.get("recompute_ms"))
+    hit_rate = summary.get("hit_rate", stats.get("hit_rate"))
+    return {
+        "planner": spec, "status": summary.get("status"), "steps": summary.get("steps"),
+        "oom_steps": summary.get("oom_steps", 0), "train_time_s": summary.get("train_time_s"),
+        "peak_bytes": summary.get("peak_bytes"), "budget_bytes": summary.get("budget_bytes"),
+        "recompute_ms": recompute, "planning_ms_total": summary.get("planning_ms_total"),
+        "hit_rate": hit_rate, "error": summary.get("error"),
+        "mean_checkpointed_blocks": summary.get("mean_checkpointed_blocks"),
+        "run_dir": str(Path(run_dir).relative_to(compare_dir)) if run_dir else None,
+    }
+
+
+def _median(values):
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def merge_repeats(rows: list) -> dict:
+    """One planner's rows from several rounds as one row: the median time, recompute and
+    planning time, the largest peak; "completed" only when every round completed."""
+    failed = next((r for r in rows if r["status"] != "completed"), None)
+    merged = dict(failed or rows[0])
+    merged["train_times_s"] = [r["train_time_s"] for r in rows]
+    merged["run_dirs"] = [r["run_dir"] for r in rows]
+    merged["peak_bytes"] = max((r["peak_bytes"] for r in rows if r["peak_bytes"] is not None), default=None)
+    merged["oom_steps"] = max(r.get("oom_steps", 0) for r in rows)
+    if failed is None:
+        for key in ("train_time_s", "recompute_ms", "planning_ms_total", "mean_checkpointed_blocks"):
+            merged[key] = _median(r.get(key) for r in rows)
+    return merged
+
+
+def normalise(rows: list) -> str | None:
+    """Set each completed row's ``normalised_time`` against ``none``, or ``oracle`` where
+    ``none`` did not complete; returns the reference used (None when neither completed)."""
+    by_name = {r["planner"]: r for r in rows}
+    reference = next((name for name in ("none", "oracle") if name in by_name
+                      and by_name[name]["status"] == "completed"
+                      and by_name[name]["train_time_s"]), None)
+    for row in rows:
+        done = row["status"] == "completed" and reference is not None
+        row["normalised_time"] = row["train_time_s"] / by_name[reference]["train_time_s"] if done else None
+    return reference
+
+
+def _one_run(recipe: Recipe, spec: str, steps, compare_dir: Path, view: str) -> dict:
+    run = _run_recipe(recipe, spec, steps)
+    out_dir = compare_dir / "runs" / run.budget
+    try:
+        result = run_training(run, out_dir=out_dir, view=view, recipe_name=spec.replace(":", "-"), save=False)
+    except torch.OutOfMemoryError as err:  # before the first step (e.g. a planner's prepare)
+        summary = {"status": "oom", "steps": 0, "oom_steps": 1, "error": str(err).splitlines()[0],
+                   "budget_bytes": run.budget_bytes}
+        return _row(spec, summary, None, compare_dir)
+    return _row(spec, result.summary, result.run_dir, compare_dir)
+
+
+def _claim_compare_dir(out, recipe: Recipe, recipe_name: str, data: dict) -> Path:
+    """The compare directory, new: ``out`` when given (missing or empty), else a fresh
+    ``<out_dir>/compare-<time>-<recipe>[-n]``. Creating its compare.json exclusively claims it,
+    so two compares never write into one directory and no earlier result is overwritten."""
+    if out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        compare_dir = unique_dir(check_out_dir(recipe.out_dir) / f"compare-{stamp}-{recipe_name}")
+    else:
+        compare_dir = Path(out)
+        if compare_dir.is_dir() and any(compare_dir.iterdir()):
+            raise ValueError(f"compare directory {str(compare_dir)!r} already exists and is not empty; "
+                             "choose a new one to keep its results")
+        check_out_dir(compare_dir)
+    try:
+        with open(compare_dir / "compare.json", "x") as file:
+            json.dump(data, file, indent=2)
+    except FileExistsError:
+        raise ValueError(f"compare directory {str(compare_dir)!r} was taken by another compare; "
+                         "choose a new one") from None
+    return compare_dir
+
+
+def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None, steps=None,
+                out=None, view: str = "none", console=None, recipe_name: str = "recipe",
+                repeats: int = 1) -> Path:
+    """Run every planner at every budget and write ``compare.json``; returns the directory.
+
+    With ``repeats`` > 1 each planner runs that many times per budget, the order rotated every
+    round so that a slow stretch of a shared machine does not always hit the same planner; each
+    row then reports the median (``train_times_s`` keeps every round's time).
+    """
+    if under_torchrun():  # N copies would race for one compare directory and one machine's timings
+        raise ValueError("compare runs its planners one after another in one process; start it without torchrun")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} is invalid; expected an integer >= 1")
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps={steps!r} is invalid; expected an integer >= 1 (or none: the recipe's)")
+    check_view(view)
+    specs = planner_specs(baselines)
+    budgets = list(budgets or ([recipe.budget] if recipe.budget else []))
+    if not budgets:
+        raise ValueError("compare needs a budget: set `budget` in the recipe or pass budgets=[...]")
+    # Every budget and every planner's recipe checked before the first run.
+    at_budgets = [_at_budget(recipe, budget) for budget in budgets]
+    for spec in specs:
+        _run_recipe(at_budgets[0], spec, steps)
+    console = console or new_console()
+    data = {"recipe": recipe_name, "planners": specs, "steps": steps or recipe.training.max_steps,
+            "seed": recipe.seed, "repeats": repeats, "budgets": []}
+    compare_dir = _claim_compare_dir(out, recipe, recipe_name, data)
+    total, started, count = len(budgets) * len(specs) * repeats, time.perf_counter(), 0
+    for base in at_budgets:
+        entry = {"budget": base.budget, "budget_bytes": base.budget_bytes, "reference": None, "runs": []}
+        data["budgets"].append(entry)
+        done = {spec: [] for spec in specs}
+        for round_ in range(repeats):
+            for spec in specs[round_ % len(specs):] + specs[:round_ % len(specs)]:
+                count += 1
+                console.print(f"compare [{count}/{total}, {time.perf_counter() - started:.0f} s]: {spec} at {base.budget}"
+                              + (f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""))
+                done[spec].append(_one_run(base, spec, steps, compare_dir, view))
+                entry["runs"] = [merge_repeats(rows) if repeats > 1 else rows[0]
+                                 for rows in done.values() if rows]
+                entry["reference"] = normalise(entry["runs"])
+                write_json(compare_dir / "compare.json", data)
+                if done[spec][-1]["status"] == "interrupted":  # SIGTERM or Ctrl-C: stop it all
+                    console.print("interrupted: the comparison stops here")
+                    render_compare(compare_dir, console)
+                    return compare_dir
+    render_compare(compare_dir, console)
+    console.print(f"compare directory: {compare_dir}")
+    return compare_dir

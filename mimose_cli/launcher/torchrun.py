@@ -1,0 +1,25 @@
+"""torchrun (``torch.distributed.run``) as ``mimose train --nproc-per-node`` runs it: the same,
+except that it ends without torchrun's traceback when a signal stopped it or a rank failed; the
+ranks have said what happened (rank 0's status is passed on, ``launch.relaunch``), and a rank that
+ended without saying it is named in one line."""
+
+import os
+import sys
+
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main
+
+from mimose_cli.launcher.spawn import EXIT_FILE_ENV
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SignalException as error:  # forwarded to the ranks, which stopped after their step
+        sys.exit(128 + int(error.sigval))
+    except ChildFailedError as error:
+        if not os.path.exists(os.environ.get(EXIT_FILE_ENV, "")):  # rank 0 did not get to say why
+            rank, failure = error.get_first_failure()
+            print(f"error: rank {rank} of torchrun's processes exited with status {failure.exitcode}",
+                  file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,85 @@
+"""What a recipe may set for each planner (its section, ``planner.mimose``, ``planner.sublinear``):
+one small typed dataclass per planner, importable without torch, so that a recipe is checked
+before anything is built.
+
+Each field is a keyword of that planner's constructor with the same default (a test holds them
+together); ``PLANNER_OPTIONS`` names every planner. Keywords only the library can pass (DTR's
+``cost_fn``, a function) are not options: a recipe cannot write them.
+"""
+
+import dataclasses
+from typing import Literal
+
+from pydantic import ConfigDict, Field, StrictFloat, StrictInt, ValidationError
+from pydantic.dataclasses import dataclass
+
+_STRICT = ConfigDict(extra="forbid")  # strict scalars per field, as the recipe's
+
+
+@dataclass(config=_STRICT, frozen=True)
+class MimoseOptions:
+    sheltered_steps: StrictInt = Field(5, ge=1)
+    """Iterations of the sheltered (collecting) phase."""
+    granularity: StrictInt = Field(1, ge=1)
+    """The plan-cache key rounds the sequence length up to a multiple of this (1: every length
+    planned exactly; larger values raise the hit rate but plan at the rounded-up size)."""
+    bucket: StrictFloat = Field(0.10, ge=0.0, lt=1.0)
+    """The greedy scheduler groups blocks whose predicted sizes are within this fraction."""
+    prediction_margin: StrictFloat = Field(0.001, ge=0.0, lt=1.0)
+    """Relative headroom on every predicted peak."""
+
+
+@dataclass(config=_STRICT, frozen=True)
+class SublinearOptions:
+    variant: Literal["greedy", "sqrt", "chen"] = "greedy"
+    """greedy (the paper's baseline), sqrt (Chen et al.'s every sqrt(n)-th block) or chen
+    (Chen et al.'s budgeted segmentation)."""
+
+
+@dataclass(config=_STRICT, frozen=True)
+class NoOptions:
+    """A planner that takes no options."""
+
+
+PLANNER_OPTIONS = {
+    "mimose": MimoseOptions,
+    "none": NoOptions,
+    "full": NoOptions,
+    "sublinear": SublinearOptions,
+    "dtr": NoOptions,
+    "oracle": NoOptions,
+}
+"""Planner name -> the options a recipe may give it."""
+
+PLANNER_NAMES = tuple(PLANNER_OPTIONS)
+
+
+class OptionError(ValueError):
+    """An option a planner does not take, or a value it cannot use: ``key``, ``value`` and what
+    was expected, for the recipe (or ``fit_budget``) to name."""
+
+    def __init__(self, key: str, value, expected: str):
+        super().__init__(f"{key}={value!r} is invalid; expected {expected}")
+        self.key, self.value, self.expected = key, value, expected
+
+
+def parse_options(name: str, options: dict):
+    """Planner ``name``'s options dataclass built from ``options`` (a mapping as a recipe writes
+    it); raises ``OptionError`` for the first key it does not take or value it cannot use."""
+    cls = PLANNER_OPTIONS[name]
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key, value in options.items():
+        if key not in known:
+            takes = f"an option of {name}: {', '.join(known)}" if known else f"no options ({name} takes none)"
+            raise OptionError(str(key), value, takes)
+    try:
+        return cls(**{str(key): value for key, value in options.items()})
+    except ValidationError as err:
+        first = err.errors()[0]
+        expected = first["msg"].removeprefix("Input should be ")
+        raise OptionError(str(first["loc"][0]), first["input"], expected) from None
+
+
+def option_keywords(name: str, options: dict) -> dict:
+    """The constructor keywords of planner ``name`` for ``options``, defaults filled in."""
+    return dataclasses.asdict(parse_options(name, options))

@@ -1,0 +1,115 @@
+"""A compare directory as ``mimose compare`` and ``mimose report`` show it.
+
+A compare directory (written by ``launcher.sweep.run_compare``) holds ``compare.json`` and one run
+directory per (budget, planner) under ``runs/<budget>/``; ``render_compare`` turns it into one
+table per budget, ``timing_noise`` says how far its timings can be trusted.
+"""
+
+from pathlib import Path
+
+from pydantic import TypeAdapter
+from rich.table import Table
+from typing_extensions import Required, TypedDict
+
+from mimose_cli.runs.live import new_console
+from mimose_cli.files import read_json
+from mimose_cli.units import format_budget, format_bytes, format_duration
+
+
+NOISE = 0.05
+"""Timings on a shared machine swing by this much run to run (docs/BENCHMARKS.md)."""
+
+
+def timing_noise(data: dict) -> tuple[str, bool]:
+    """How far a compare's timings can be trusted, and whether more rounds would help: one round
+    each cannot tell a difference under ``NOISE`` from noise; with several, the widest spread of
+    one planner's times across rounds is the noise floor."""
+    repeats = data.get("repeats", 1)
+    if repeats == 1:
+        return (f"timings are from one round each; differences under {NOISE:.0%} are within the noise "
+                "of a shared machine", True)
+    spreads = [(max(times) / min(times) - 1, row["planner"], entry["budget"])
+               for entry in data["budgets"] for row in entry["runs"]
+               if len(times := [t for t in row.get("train_times_s") or [] if t]) > 1]
+    if not spreads:
+        return f"timings are medians of {repeats} rounds", False
+    spread, planner, budget = max(spreads)
+    if spread <= NOISE:
+        return f"timings are medians of {repeats} rounds, each planner's within {spread:.1%} across rounds", False
+    return (f"timings are medians of {repeats} rounds but noisy: {planner} at {budget} spread {spread:.0%} "
+            "across rounds; differences smaller than that are noise", True)
+
+
+class _RunRow(TypedDict, total=False):
+    planner: Required[str]
+    status: Required[str]
+    steps: Required[int | None]
+    normalised_time: float | None
+    train_time_s: float | None
+    train_times_s: list[float | None]
+    peak_bytes: int | None
+    oom_steps: int
+    mean_checkpointed_blocks: float | None
+    recompute_ms: float | None
+    planning_ms_total: float | None
+    hit_rate: float | None
+
+
+class _BudgetEntry(TypedDict, total=False):
+    budget: Required[str]
+    budget_bytes: Required[int | None]
+    reference: str | None
+    runs: Required[list[_RunRow]]
+
+
+class _CompareFile(TypedDict, total=False):
+    budgets: Required[list[_BudgetEntry]]
+    repeats: int
+
+
+COMPARE_FILE = TypeAdapter(_CompareFile)
+"""What ``render_compare`` reads of a compare.json: these keys, of these types."""
+
+
+def _fmt_ms(value) -> str:
+    return format_duration(value)
+
+
+def compare_table(entry: dict) -> Table:
+    """One budget's rows as a rich table."""
+    reference = entry.get("reference")
+    table = Table(title=f"budget {format_budget(entry['budget'], entry['budget_bytes'])}; "
+                        f"time relative to {reference or '-'}", title_justify="left")
+    for column in ("planner", "status", "time", "train time", "peak memory", "OOM",
+                   "blocks", "recompute", "planning", "cache hits"):
+        table.add_column(column, justify="left" if column in ("planner", "status") else "right")
+    for row in entry["runs"]:
+        status = row["status"] if row["status"] != "oom" else f"[red]oom[/red] after {row['steps']}"
+        table.add_row(
+            row["planner"], status,
+            "-" if row.get("normalised_time") is None else f"{row['normalised_time']:.3f}×",
+            "-" if row.get("train_time_s") is None else f"{row['train_time_s']:.2f} s",
+            format_bytes(row.get("peak_bytes")), str(row.get("oom_steps", 0)),
+            "-" if row.get("mean_checkpointed_blocks") is None else f"{row['mean_checkpointed_blocks']:.2f}",
+            _fmt_ms(row.get("recompute_ms")), _fmt_ms(row.get("planning_ms_total")),
+            "-" if row.get("hit_rate") is None else f"{row['hit_rate']:.0%}")
+    return table
+
+
+def read_compare(compare_dir) -> dict:
+    """``compare_dir/compare.json``, checked for what the views read of it."""
+    return read_json(Path(compare_dir) / "compare.json", COMPARE_FILE)
+
+
+def render_compare(compare_dir, console=None) -> dict:
+    """Print one table per budget from ``compare_dir/compare.json`` (``mimose report`` calls
+    this when a directory holds one); returns what it read."""
+    console = console or new_console()
+    data = read_compare(compare_dir)
+    repeats = data.get("repeats", 1)
+    console.print(f"compare {data.get('recipe')}: {data.get('steps')} steps, seed {data.get('seed')}"
+                  + (f", median of {repeats} rounds" if repeats > 1 else "")
+                  + "; blocks = mean blocks checkpointed (dtr: evicted) per step")
+    for entry in data["budgets"]:
+        console.print(compare_table(entry))
+    return data

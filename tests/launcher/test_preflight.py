@@ -1,0 +1,59 @@
+"""Pre-flight: the budgets a recipe needs, measured before the first step."""
+
+import torch
+from typer.testing import CliRunner
+
+from mimose_cli.cli import app
+from mimose_cli.launcher.data.loader import make_batch, max_input_size
+from mimose_cli.launcher.models import model_config
+from mimose_cli.launcher.preflight import measure_range
+from mimose_cli.launcher.train import build_trainer, run_training
+
+from helpers import QUICKSTART
+
+
+def test_measuring_leaves_no_trace_and_brackets_the_peaks(quick_recipe):
+    recipe = quick_recipe("budget=1GB")
+    config = model_config(recipe)
+    trainer = build_trainer(recipe, config, total_steps=1)
+    planner = trainer.planner
+    size = max_input_size(recipe)
+    with trainer.meter.activate():
+        trainer.meter.track(trainer.model)
+        batch = trainer.to_device(make_batch(recipe, config, size))
+        rng, weights = torch.get_rng_state(), [p.detach().clone() for p in trainer.model.parameters()]
+        runner, measurer = planner.runner, planner.measurer
+        needs = measure_range(planner, batch, size, later_bytes=1000)
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert all(p.grad is None for p in trainer.model.parameters())
+        assert all(torch.equal(p, w) for p, w in zip(trainer.model.parameters(), weights))
+        assert planner.runner is runner and planner.measurer is measurer and planner.plan == ()
+        assert trainer.meter.budget_bytes == recipe.budget_bytes  # lifted only while measuring
+        live = trainer.meter.current_bytes()
+    planner.close()
+    assert needs.input_size == size
+    assert live < needs.full_bytes < needs.none_bytes  # checkpointing every block needs less
+
+
+def test_a_budget_below_every_plan_ends_before_the_first_step_with_both_figures(quick_recipe):
+    probe = run_training(quick_recipe("training.max_steps=1", "planner.name=full"), view="none")
+    needs = probe.summary["preflight"]
+    assert needs["full_bytes"] < needs["none_bytes"]
+    too_small = needs["full_bytes"] - 1
+    result = run_training(quick_recipe(f"budget={too_small}"), view="none")
+    assert result.summary["status"] == "oom" and result.records == []
+    assert "too small for this recipe" in result.summary["error"]
+    assert "with every block checkpointed" in result.summary["error"]
+    # At exactly that figure, every block checkpointed runs the largest batch.
+    fits = run_training(quick_recipe(f"budget={needs['full_bytes']}", "planner.name=full"), view="none")
+    assert fits.summary["status"] == "completed"
+
+
+def test_dry_run_prints_the_range_and_trains_nothing(tmp_path):
+    out = tmp_path / "runs"
+    ok = CliRunner().invoke(app, ["train", str(QUICKSTART), "--dry-run", "--out", str(out)])
+    assert ok.exit_code == 0, ok.output
+    assert "with every block checkpointed" in ok.output and "fits" in ok.output
+    assert not out.exists()
+    small = CliRunner().invoke(app, ["train", str(QUICKSTART), "--dry-run", "--budget", "5MB"])
+    assert small.exit_code == 1 and "too small for this recipe" in small.output

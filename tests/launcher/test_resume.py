@@ -1,0 +1,92 @@
+import json
+import os
+import signal
+
+import pytest
+
+from mimose_cli.launcher.recipe import RecipeError, load_recipe
+from mimose_cli.launcher.resume import cut_records, resume_recipe
+from mimose_cli.launcher.train import run_training
+from mimose_cli.runs.rundir import RunWriter
+
+from helpers import QUICK_OVERRIDES, QUICKSTART
+
+
+def _losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(d["step"], d["micro_step"], d["loss"]) for d in map(json.loads, lines)]
+
+
+@pytest.fixture(scope="module")
+def completed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    return run_training(load_recipe(QUICKSTART, QUICK_OVERRIDES + [f"out_dir={out}"]), view="none")
+
+
+def test_resume_keeps_the_recipe_but_may_raise_max_steps(completed):
+    recipe = resume_recipe(completed.run_dir, ["training.max_steps=9"])
+    assert recipe.training.max_steps == 9 and recipe.budget == "40MB"
+    with pytest.raises(RecipeError, match=r"budget is '40MB' in that run, not '1GB'.*training.max_steps"):
+        resume_recipe(completed.run_dir, [], {"budget": "1GB"})
+    with pytest.raises(RecipeError, match="training.lr"):
+        resume_recipe(completed.run_dir, ["training.lr=0.1"])
+    assert resume_recipe(completed.run_dir, [], {"device": "cpu"}).device == "cpu"  # unchanged: fine
+
+
+def test_resume_needs_a_run_directory_with_a_checkpoint(tmp_path, completed):
+    with pytest.raises(RecipeError, match="not a run directory"):
+        resume_recipe(tmp_path)
+    (tmp_path / "recipe.yaml").write_text((completed.run_dir / "recipe.yaml").read_text())
+    with pytest.raises(RecipeError, match="no checkpoint.pt"):
+        resume_recipe(tmp_path)
+
+
+def test_resuming_a_completed_run_trains_the_added_steps_only(completed, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(completed.run_dir, run_dir)
+    with pytest.raises(ValueError, match="raise training.max_steps"):
+        run_training(resume_recipe(run_dir), view="none", resume=run_dir)
+    more = run_training(resume_recipe(run_dir, ["training.max_steps=8"]), view="none", resume=run_dir)
+    assert [s for s, _, _ in _losses(run_dir)] == list(range(8))
+    assert _losses(run_dir)[:6] == _losses(completed.run_dir)  # the same ops in the same order: bit for bit
+    assert more.summary["steps"] == 8 and more.summary["resumed_from_steps"] == [6]
+    assert more.summary["planner"]["steps"] == 8  # the planner's counters carry over
+
+
+def test_cut_records_keeps_earlier_lines_byte_for_byte(completed, tmp_path):
+    lines = (completed.run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 6, "lo')
+    (tmp_path / "plans.jsonl").write_text((completed.run_dir / "plans.jsonl").read_text())
+    (tmp_path / "summary.json").write_text((completed.run_dir / "summary.json").read_text())
+    kept = cut_records(tmp_path, 4, 1)
+    assert not (tmp_path / "summary.json").exists()  # it described 6 steps, 2 of them now gone
+    assert [r.step for r in kept] == [0, 1, 2, 3]
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines[:4])
+    assert len((tmp_path / "plans.jsonl").read_text().splitlines()) == 4
+    with pytest.raises(ValueError, match="one record per micro-batch"):
+        cut_records(tmp_path, 5, 1)  # step 4 is gone: it cannot be resumed from step 5
+
+
+def test_sigterm_inside_an_accumulation_window_stops_at_its_end(tmp_path, monkeypatch):
+    """A signal between two micro-batches of a step: the step is finished, the checkpoint taken
+    after it, and the resumed run equals the uninterrupted one bit for bit."""
+    overrides = QUICK_OVERRIDES + ["training.max_steps=4", "training.gradient_accumulation_steps=2"]
+    reference = run_training(load_recipe(QUICKSTART, overrides + [f"out_dir={tmp_path / 'a'}"]), view="none")
+    original = RunWriter.metric
+
+    def metric(self, record):
+        original(self, record)
+        if (record.step, record.micro_step) == (1, 0):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    with monkeypatch.context() as patch:
+        patch.setattr(RunWriter, "metric", metric)
+        stopped = run_training(load_recipe(QUICKSTART, overrides + [f"out_dir={tmp_path / 'b'}"]), view="none")
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back after the run
+    assert stopped.summary["status"] == "interrupted" and stopped.exit_code == 143
+    assert stopped.summary["checkpoint_step"] == 2 and len(stopped.records) == 4
+    run_training(resume_recipe(stopped.run_dir), view="none", resume=stopped.run_dir)
+    assert _losses(stopped.run_dir) == _losses(reference.run_dir)  # same batches and plans: bit for bit

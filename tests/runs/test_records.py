@@ -1,0 +1,102 @@
+import json
+
+import torch
+
+from mimose_cli.launcher.train import run_training
+from mimose_cli.planners.base import StepInfo
+from mimose_cli.planners.recovery import PlanOutOfMemoryError
+from mimose_cli.runs.records import StepRecord, completed_step, oom_step, read_records
+from mimose_cli.runs.summary import summarize
+
+# Every line has every key, in this order (the keys metrics.jsonl has always had).
+KEYS = ["step", "micro_step", "input_shape", "input_size", "loss", "lr", "iter_ms", "memory/peak_bytes",
+        "memory/fwd_bwd_peak_bytes", "memory/start_bytes", "memory/activation_bytes", "plan", "num_blocks",
+        "planner_ms", "phase", "cache_hit", "predicted_peak_bytes", "reached_bytes", "retries", "excluded_ms",
+        "recompute_ms", "oom", "error", "memory/reserved_peak_bytes", "epoch", "eval_loss", "eval_accuracy",
+        "eval_ms", "memory/eval_peak_bytes", "rank", "ranks"]
+
+
+def _info(**timings) -> StepInfo:
+    info = StepInfo(step=3, input_size=(4, 70), plan=(0, 2), planning_ms=0.25, cache_hit=True,
+                    predicted_peak_bytes=31_000_000, retries=1)
+    for name, value in timings.items():
+        setattr(info, name, value)
+    return info
+
+
+def _completed(**memory) -> StepRecord:
+    return completed_step(
+        _info(recompute_ms=1.5, excluded_ms=2.0), step=3, micro_step=1, input_shape=torch.Size([4, 70]),
+        num_blocks=4, loss=1.25, lr=5e-5, iter_ms=80.5, peak_bytes=30_000_000, fwd_bwd_peak_bytes=29_000_000,
+        start_bytes=1_000_000, activation_bytes=20_000_000, **memory)
+
+
+def test_a_completed_record_round_trips_with_every_key():
+    record = _completed()
+    data = record.to_json()
+    assert list(data) == KEYS and data["error"] is None and data["reached_bytes"] is None
+    assert data["memory/peak_bytes"] == 30_000_000 and data["plan"] == [0, 2] and data["input_shape"] == [4, 70]
+    assert data["recompute_ms"] == 1.5 and data["excluded_ms"] == 2.0 and data["planner_ms"] == 0.25
+    assert StepRecord.from_json(json.loads(json.dumps(data))) == record
+    assert record.train_ms == 78.5
+
+
+def test_cuda_and_loop_fields_round_trip():
+    record = _completed(reserved_peak_bytes=32_000_000)
+    record.epoch = 2
+    record.eval_loss, record.eval_accuracy, record.eval_ms, record.eval_peak_bytes = 0.75, 0.5, 12.5, 9_000_000
+    data = record.to_json()
+    assert (data["memory/reserved_peak_bytes"], data["epoch"]) == (32_000_000, 2)
+    assert (data["eval_loss"], data["eval_accuracy"], data["memory/eval_peak_bytes"]) == (0.75, 0.5, 9_000_000)
+    assert StepRecord.from_json(data) == record
+
+
+def test_an_out_of_memory_record_has_the_same_shape():
+    error = PlanOutOfMemoryError("input size (4, 70) ran out of memory\nmore", 40_000_000, 31_000_000,
+                                 45_000_000, 2)
+    record = oom_step(_info(), error, step=3, micro_step=0, input_shape=[4, 70], num_blocks=4,
+                      peak_bytes=39_000_000)
+    data = record.to_json()
+    assert list(data) == KEYS and data["lr"] is None and data["memory/fwd_bwd_peak_bytes"] is None
+    assert data["loss"] is None and data["iter_ms"] == 0.0 and data["oom"] is True
+    assert data["error"] == "input size (4, 70) ran out of memory"
+    assert (data["predicted_peak_bytes"], data["reached_bytes"], data["retries"]) == (31_000_000, 45_000_000, 2)
+    back = StepRecord.from_json(json.loads(json.dumps(data)))
+    assert back == record and back.lr is None and back.fwd_bwd_peak_bytes is None and back.recompute_ms is None
+
+
+def test_an_out_of_memory_record_without_a_plan():
+    record = oom_step(None, torch.OutOfMemoryError("out of memory"), step=0, micro_step=0, input_shape=[4, 70],
+                      num_blocks=4, peak_bytes=10)
+    assert (record.input_size, record.plan, record.phase, record.retries, record.reached_bytes) == \
+        (None, [], None, 0, None)
+    assert StepRecord.from_json(record.to_json()) == record
+
+
+def test_old_records_missing_keys_read_with_defaults():
+    old = {"step": 2, "input_shape": [4, 70], "loss": 1.5, "iter_ms": 90.0, "memory/peak_bytes": 7,
+           "plan": [1], "num_blocks": 4, "a_key_from_a_newer_version": 1}
+    record = StepRecord.from_json(old)
+    assert (record.micro_step, record.retries, record.oom, record.lr, record.excluded_ms) == (0, 0, False, None, None)
+    assert record.peak_bytes == 7 and record.train_ms == 90.0
+
+
+def test_metrics_of_a_real_run_parse_into_records_of_both_shapes(quick_recipe):
+    # `none` at this budget fits the first batches and runs out of memory on a longer one.
+    result = run_training(quick_recipe("planner.name=none", "budget=30MB"), view="none")
+    assert result.summary["status"] == "oom"
+    path = result.run_dir / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    records = read_records(path)
+    assert records == result.records and len(records) >= 2
+    assert [r.oom for r in records] == [False] * (len(records) - 1) + [True]
+    assert [list(line) for line in lines] == [KEYS] * len(lines)
+    assert lines[-1]["error"] and lines[-1]["lr"] is None and lines[0]["error"] is None
+    assert [r.to_json() for r in records] == lines
+    again = summarize(records, status="oom", budget_bytes=result.summary["budget_bytes"])
+    # What the records cannot tell: the time, the planner's counters, the pre-flight and the run's own facts.
+    run_only = ("wall_s", "planner", "preflight", "signal", "checkpoint_step", "resumed_from_steps", "model_dir", "budget",
+                "error")
+    assert {k: v for k, v in again.items() if k not in run_only} == \
+        {k: v for k, v in result.summary.items() if k not in run_only}
+    assert result.summary["error"] == records[-1].error

@@ -1,0 +1,24 @@
+from mimose_cli.runs.records import StepRecord
+from mimose_cli.runs.summary import summarize
+
+
+def _records(iter_ms, **fields):
+    return [StepRecord(step=i, loss=1.0, iter_ms=ms, peak_bytes=100 + i, plan=[0], num_blocks=2, **fields)
+            for i, ms in enumerate(iter_ms)]
+
+
+def test_iteration_percentiles_are_nearest_rank_values():
+    ten = summarize(_records([float(ms) for ms in range(10, 0, -1)]), status="completed", budget_bytes=None)
+    # Ranks 0.5 * 9 = 4.5 and 0.95 * 9 = 8.55 round (half to even) to 4 and 9: values, not interpolations.
+    assert (ten["p50_iter_ms"], ten["p95_iter_ms"]) == (5.0, 10.0)
+    eleven = summarize(_records([float(ms) for ms in range(1, 12)]), status="completed", budget_bytes=None)
+    assert (eleven["p50_iter_ms"], eleven["p95_iter_ms"]) == (6.0, 11.0)
+    assert summarize([], status="oom", budget_bytes=None)["p50_iter_ms"] is None
+
+
+def test_excluded_time_and_out_of_memory_steps_are_not_training_time():
+    records = _records([10.0, 20.0], excluded_ms=4.0) + [StepRecord(step=2, oom=True, retries=2, peak_bytes=999)]
+    summary = summarize(records, status="oom", budget_bytes=150)
+    assert summary["train_time_s"] == 0.022 and summary["mean_iter_ms"] == 11.0
+    assert (summary["steps"], summary["oom_steps"], summary["retries"], summary["retried_steps"]) == (2, 1, 2, 1)
+    assert summary["peak_bytes"] == 101 and summary["over_budget_steps"] == 0
