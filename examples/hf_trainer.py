@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
-from mimose_cli.launcher.hf_trainer import fit_budget  # mimose
+from mimose_cli import fit_budget  # mimose
 
 # Without checkpointing the longest batch peaks at 42.6 MB, with every block checkpointed at 14.5 MB:
 # at 25 MB short batches train as usual and long ones checkpoint just enough blocks to fit.

@@ -1,6 +1,6 @@
 """A Hugging Face ``Trainer`` under a memory budget, in two added lines::
 
-    from mimose_cli.launcher.hf_trainer import fit_budget        # mimose
+    from mimose_cli import fit_budget                            # mimose
     fit_budget(trainer, "6GB")                  # mimose: after Trainer(...), before train()
 
 Why a helper that wraps the trainer rather than a ``TrainerCallback``: a callback is told that a

@@ -24,8 +24,10 @@ at the budget. Code between the steps (the optimizer step, evaluation, anything 
 unmetered, uncapped and at full speed.
 """
 
+import copy
 import time
 import warnings
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -44,6 +46,32 @@ class CachedPlan(NamedTuple):
     plan: tuple
     peak_bytes: float
     fits: bool
+
+
+@dataclass
+class MimoseCounters:
+    """What Mimose counts, listed once: ``stats`` shows every field (and figures derived from
+    them), ``state_dict`` saves them all and ``load_state_dict`` restores them."""
+
+    sheltered_iterations: int = 0
+    """Sheltered steps whose sample the estimator kept."""
+    sheltered_attempts: int = 0
+    """Sheltered steps run, kept or not (every block filtered out)."""
+    sheltered_ms: float = 0.0
+    responsive_ms: float = 0.0
+    responsive_steps: int = 0
+    estimator_fit_ms: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    scheduler_ms: float = 0.0
+    unfit_plans: int = 0
+    untrusted_steps: int = 0
+    measuring_steps: int = 0
+    underpredictions: int = 0
+    max_underprediction_bytes: int = 0
+    untrusted_reasons: dict = field(default_factory=dict)
+    """Why predictions were not trusted -> steps."""
+    warnings: list = field(default_factory=list)
 
 
 class Mimose(Planner):
@@ -74,22 +102,14 @@ class Mimose(Planner):
         self.estimator = Estimator(self.num_blocks, SEQ2SEQ if self.encoder_decoder else TOKENS)
         self.measurer = ShuttlingCollector(model, self.blocks, self.recompute_clock)
         self.cache: dict = {}
-        self.sheltered_done = 0
-        self.sheltered_attempts = 0
-        self.fit_ms = 0.0
         self.recovery_margins: dict = {}  # cache key -> bytes kept free after it ran out of memory
-        self.untrusted_reasons: dict = {}  # why predictions were not trusted -> steps
-        self.counts = {"hits": 0, "misses": 0, "scheduler_ms": 0.0, "unfit_plans": 0,
-                       "untrusted": 0, "measuring": 0,
-                       "underpredictions": 0, "max_underprediction_bytes": 0,
-                       "sheltered_ms": 0.0, "responsive_ms": 0.0, "responsive_steps": 0}
-        self.warnings: list = []
+        self.counts = MimoseCounters()
         if self.budget_bytes is None:
             self._warn("mimose without a budget checkpoints nothing; it only fits its estimator")
 
     def _warn(self, message: str) -> None:
-        if message not in self.warnings:
-            self.warnings.append(message)
+        if message not in self.counts.warnings:
+            self.counts.warnings.append(message)
             warnings.warn(message, stacklevel=3)
 
     @property
@@ -119,7 +139,10 @@ class Mimose(Planner):
             if reason is not None:
                 return self._untrusted(size, reason)
             entry = self._plan_miss(key, base)
-        self.counts["hits" if hit else "misses"] += 1
+        if hit:
+            self.counts.hits += 1
+        else:
+            self.counts.misses += 1
         return Decision(entry.plan, cache_hit=hit, predicted_peak_bytes=int(base + entry.peak_bytes))
 
     def _measuring(self, size: tuple, phase: str) -> Decision:
@@ -134,8 +157,8 @@ class Mimose(Planner):
         """No trusted prediction at this size: measure it (every block checkpointed meanwhile),
         and once measuring has been tried ``3 x sheltered_steps`` times, just checkpoint every
         block. Either way the reason is in ``stats``, never a guess."""
-        self.counts["untrusted"] += 1
-        if self.counts["measuring"] < 3 * self.sheltered_steps:
+        self.counts.untrusted_steps += 1
+        if self.counts.measuring_steps < 3 * self.sheltered_steps:
             self._note(f"not trusted, measured: {reason}", size)
             return self._measuring(size, "measuring")
         self._note(f"not trusted, every block checkpointed: {reason}", size)
@@ -143,8 +166,8 @@ class Mimose(Planner):
 
     def _note(self, message: str, size: tuple) -> None:
         """Count a reason in ``stats``; warn the first time one is seen."""
-        count = self.untrusted_reasons.get(message, 0)
-        self.untrusted_reasons[message] = count + 1
+        count = self.counts.untrusted_reasons.get(message, 0)
+        self.counts.untrusted_reasons[message] = count + 1
         if not count:
             self._warn(f"mimose: input size {tuple(size)} {message}")
 
@@ -164,12 +187,12 @@ class Mimose(Planner):
         limit = self.limit_bytes - self.recovery_margins.get(key, 0)
         plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak, limit, self.bucket)
         if not fits:
-            self.counts["unfit_plans"] += 1
+            self.counts.unfit_plans += 1
             self._warn(f"input size {key} is predicted not to fit the budget even with every "
                        "block checkpointed; the step may run out of memory")
         entry = CachedPlan(plan, peak - base, fits)
         self.cache[key] = entry
-        self.counts["scheduler_ms"] += (time.perf_counter() - start) * 1e3
+        self.counts.scheduler_ms += (time.perf_counter() - start) * 1e3
         return entry
 
     def size_key(self, size: tuple) -> tuple:
@@ -208,33 +231,36 @@ class Mimose(Planner):
 
     def observe(self, info: StepInfo, peak_bytes, sample) -> None:
         """Learn from a measured step's sample; count a planned step's under-prediction."""
-        self.counts["sheltered_ms" if info.measured else "responsive_ms"] += info.step_ms
-        self.counts["responsive_steps"] += 0 if info.measured else 1
+        if info.measured:
+            self.counts.sheltered_ms += info.step_ms
+        else:
+            self.counts.responsive_ms += info.step_ms
+            self.counts.responsive_steps += 1
         if info.measured:
             self._collect(info, sample)
         if info.predicted_peak_bytes is None or peak_bytes is None:
             return
         under = peak_bytes - info.predicted_peak_bytes
         if under > 0:
-            self.counts["underpredictions"] += 1
-            self.counts["max_underprediction_bytes"] = max(self.counts["max_underprediction_bytes"], under)
+            self.counts.underpredictions += 1
+            self.counts.max_underprediction_bytes = max(self.counts.max_underprediction_bytes, under)
 
     def _collect(self, info: StepInfo, sample) -> None:
         if info.phase == "measuring":  # a size the fit did not determine: one more sample, refit
-            self.counts["measuring"] += 1
+            self.counts.measuring_steps += 1
             if sample is not None:
                 self.estimator.add(info.input_size, *sample)
                 self._fit()
             return
-        self.sheltered_attempts += 1
+        self.counts.sheltered_attempts += 1
         if sample is not None:
             self.estimator.add(info.input_size, *sample)
-            self.sheltered_done += 1
+            self.counts.sheltered_iterations += 1
         # Steps whose blocks were all filtered out do not count; after three times the planned
         # length the estimator makes do with what it has.
-        enough = self.sheltered_done >= self.sheltered_steps or (
-            self.sheltered_done and self.sheltered_attempts >= 3 * self.sheltered_steps)
-        if not self.sheltered_done and self.sheltered_attempts == 3 * self.sheltered_steps:
+        enough = self.counts.sheltered_iterations >= self.sheltered_steps or (
+            self.counts.sheltered_iterations and self.counts.sheltered_attempts >= 3 * self.sheltered_steps)
+        if not self.counts.sheltered_iterations and self.counts.sheltered_attempts == 3 * self.sheltered_steps:
             self._warn("the collector could not measure any block (checkpointed by the model "
                        "itself?); mimose keeps checkpointing every block")
         if enough:
@@ -245,47 +271,34 @@ class Mimose(Planner):
         start = time.perf_counter()
         self.estimator.fit()
         self.cache = {}
-        self.fit_ms += (time.perf_counter() - start) * 1e3
+        self.counts.estimator_fit_ms += (time.perf_counter() - start) * 1e3
 
     @property
     def stats(self) -> dict:
         c = self.counts
-        lookups = c["hits"] + c["misses"]
-        iteration_ms = c["responsive_ms"] / c["responsive_steps"] if c["responsive_steps"] else None
-        overhead_ms = self.measurer.collector_ms + self.fit_ms + self.total_planning_ms
-        return {**super().stats, "phase": "sheltered" if self.sheltered else "responsive",
-                "sheltered_iterations": self.sheltered_done, "collector_ms": self.measurer.collector_ms,
-                "sheltered_ms": c["sheltered_ms"], "estimator_fit_ms": self.fit_ms,
-                "scheduler_ms_mean": c["scheduler_ms"] / c["misses"] if c["misses"] else 0.0,
-                "misses": c["misses"], "hits": c["hits"],
-                "hit_rate": c["hits"] / lookups if lookups else 0.0,
-                "cached_plans": len(self.cache), "unfit_plans": c["unfit_plans"],
-                "underpredictions": c["underpredictions"],
-                "max_underprediction_bytes": c["max_underprediction_bytes"],
-                "mean_iteration_ms": iteration_ms,
-                "overhead_ms": overhead_ms,
+        lookups = c.hits + c.misses
+        iteration_ms = c.responsive_ms / c.responsive_steps if c.responsive_steps else None
+        overhead_ms = self.measurer.collector_ms + c.estimator_fit_ms + self.total_planning_ms
+        return {**super().stats, **asdict(c), "phase": "sheltered" if self.sheltered else "responsive",
+                "collector_ms": self.measurer.collector_ms,
+                "scheduler_ms_mean": c.scheduler_ms / c.misses if c.misses else 0.0,
+                "hit_rate": c.hits / lookups if lookups else 0.0, "cached_plans": len(self.cache),
+                "mean_iteration_ms": iteration_ms, "overhead_ms": overhead_ms,
                 "overhead_iterations": overhead_ms / iteration_ms if iteration_ms else None,
                 # Everything the sheltered phase cost beyond ordinary steps: the measuring passes
                 # plus checkpointing every block and the live-bytes probe while collecting.
                 "sheltered_extra_iterations": (
-                    c["sheltered_ms"] / iteration_ms - self.sheltered_done - c["measuring"]
+                    c.sheltered_ms / iteration_ms - c.sheltered_iterations - c.measuring_steps
                     if iteration_ms else None),
-                # The trust rule's record (docs/MIMOSE.md): steps whose size the fit did not
-                # determine, how many of them were measured, and why.
-                "untrusted_steps": c["untrusted"], "measuring_steps": c["measuring"],
-                "untrusted_reasons": dict(self.untrusted_reasons),
                 "fit_residual_bytes": self.estimator.trust.residual_bytes,
-                "recovery_margins": {str(k): v for k, v in self.recovery_margins.items()},
-                "warnings": list(self.warnings)}
+                "recovery_margins": {str(k): v for k, v in self.recovery_margins.items()}}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "num_blocks": self.num_blocks, "granularity": self.granularity,
-                "sheltered_done": self.sheltered_done, "sheltered_attempts": self.sheltered_attempts,
                 "estimator": self.estimator.state_dict(),
                 "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits] for k, v in self.cache.items()],
                 "recovery_margins": [[list(k), v] for k, v in self.recovery_margins.items()],
-                "counts": dict(self.counts), "fit_ms": self.fit_ms,
-                "untrusted_reasons": dict(self.untrusted_reasons), "warnings": list(self.warnings)}
+                "counters": asdict(self.counts)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the fitted estimator and plan cache; a fitted one skips the sheltered phase.
@@ -294,14 +307,9 @@ class Mimose(Planner):
             raise ValueError(f"this state was written by planner {state.get('name')!r}, not mimose")
         super().load_state_dict(state)
         self.estimator.load_state_dict(state["estimator"])
-        self.sheltered_done = state.get("sheltered_done", 0)
-        self.sheltered_attempts = state.get("sheltered_attempts", self.sheltered_done)
+        self.counts = MimoseCounters(**copy.deepcopy(state.get("counters", {})))
         self.cache = {}
         if state.get("granularity") == self.granularity:
             self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits))
                           for k, p, peak, fits in state.get("cache", [])}
         self.recovery_margins = {tuple(k): v for k, v in state.get("recovery_margins", [])}
-        self.counts.update(state.get("counts", {}))
-        self.fit_ms = state.get("fit_ms", 0.0)
-        self.untrusted_reasons = dict(state.get("untrusted_reasons", {}))
-        self.warnings = list(state.get("warnings", []))

@@ -229,7 +229,7 @@ def test_mimose_measures_then_plans_each_input_size_within_the_budget(tmp_path):
     assert all(line["memory/peak_bytes"] <= line["predicted_peak_bytes"] for line in responsive)
     assert summary["planner"]["phase"] == "responsive" and summary["planner"]["underpredictions"] == 0
     state = json.loads((run_dir / "estimator.json").read_text())
-    assert state["sheltered_done"] == 3 and state["estimator"]["fitted"] is not None
+    assert state["counters"]["sheltered_iterations"] == 3 and state["estimator"]["fitted"] is not None
 
 
 def test_dtr_evicts_blocks_to_stay_within_the_budget(tmp_path):

@@ -173,3 +173,19 @@ def test_build_planner_accepts_the_loops_keywords():
     planner.close()
     with pytest.raises(ValueError, match="granularity"):
         Mimose(model, "1GB", meter=meter, granularity=0)
+
+
+def test_every_counter_is_in_stats_and_survives_a_state_dict(sheltered):
+    from dataclasses import fields
+
+    from mimose_cli.planners.mimose import MimoseCounters
+
+    with fitted_mimose(sheltered.state) as (planner, meter):
+        run_step(planner, meter, bert_batch(3, 30))  # a planned step: a miss, a responsive step
+        state, stats = planner.state_dict(), planner.stats
+        with fitted_mimose(state) as (loaded, _):
+            restored = loaded.stats
+    names = [f.name for f in fields(MimoseCounters)]
+    assert stats["sheltered_iterations"] == len(sheltered.sizes) and stats["misses"] == 1
+    assert stats["responsive_steps"] == 1
+    assert {name: restored[name] for name in names} == {name: stats[name] for name in names}
