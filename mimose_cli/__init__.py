@@ -11,7 +11,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    **dict.fromkeys(("Mimose", "Sublinear", "DTR", "FullCheckpointing", "NoCheckpointing", "Oracle",
+    **dict.fromkeys(("Mimose", "Sublinear", "DTR", "EveryN", "FullCheckpointing", "NoCheckpointing", "Oracle",
                      "Planner", "Decision", "StepInfo", "build_planner"), "mimose_cli.planners"),
     "fit_budget": "mimose_cli.launcher.hf_trainer",
 }

@@ -1,4 +1,4 @@
-"""mimose compare [RECIPE] [--baselines sublinear,dtr] [--budgets 4GB,6GB] [--steps N] [--repeats N] [--out DIR] [key=value ...]"""
+"""mimose compare [RECIPE] [--baselines sublinear,dtr,hf-every-n] [--budgets 4GB,6GB] [--steps N] [--repeats N] [--out DIR] [key=value ...]"""
 
 from pathlib import Path
 from typing import List, Optional
@@ -14,8 +14,9 @@ def compare(
     overrides: Optional[List[str]] = typer.Argument(
         None, help="Recipe overrides key=value, applied to every run."),
     baselines: str = typer.Option(
-        "sublinear,dtr", help="Comma-separated planners run besides mimose, none and oracle; "
-                              "sublinear:sqrt or sublinear:chen pick a Sublinear variant."),
+        "sublinear,dtr,hf-every-n", help="Comma-separated planners run besides mimose, none and oracle; "
+                                         "sublinear:sqrt or sublinear:chen pick a Sublinear variant; "
+                                         "hf-every-n is the largest every_n_layers stride that fits."),
     budgets: Optional[str] = typer.Option(
         None, help=f"Comma-separated budgets (default: the recipe's). {SIZE_HELP}"),
     steps: Optional[int] = typer.Option(None, help="Steps per run (default: the recipe's)."),

@@ -35,14 +35,14 @@ from pydantic.dataclasses import dataclass
 
 from mimose_cli.files import write_text
 from mimose_cli.launcher.data.presets import LENGTH_PRESETS, MIN_SYNTHETIC_LENGTH
-from mimose_cli.planners.options import PLANNER_OPTIONS, MimoseOptions, SublinearOptions
+from mimose_cli.planners.options import PLANNER_OPTIONS, EveryNOptions, MimoseOptions, SublinearOptions
 from mimose_cli.units import parse_size
 
 FORBID_UNKNOWN_KEYS = ConfigDict(extra="forbid")
 SIZE_EXPECTED = "a byte size such as '6GB', '6GiB', '512MB' or '0.5GiB'"
 MOVED_KEYS = {"planner.sheltered_steps": "planner.mimose.sheltered_steps",
               "planner.granularity": "planner.mimose.granularity",
-              "planner.options": "one section per planner: planner.mimose, planner.sublinear"}
+              "planner.options": "one section per planner: planner.mimose, planner.sublinear, planner.hf_every_n"}
 """Keys of earlier releases and where they went, named when an old recipe still has them."""
 UNKNOWN_KEY = ("unexpected_keyword_argument", "invalid_key")  # pydantic's names for a key not a field
 
@@ -265,7 +265,7 @@ class TrainingConfig:
 @dataclass(config=FORBID_UNKNOWN_KEYS)
 class PlannerConfig:
     name: str = "mimose"
-    """Planner: mimose, none, full, sublinear, dtr, oracle."""
+    """Planner: mimose, none, full, sublinear, dtr, oracle, hf-every-n."""
     safety_margin: SizeText = "auto"
     """Budget headroom kept free for fragmentation (a byte size); auto: 5 % of the budget on
     CUDA (the caching allocator's rounding and fragmentation), 0 on the simulated device."""
@@ -273,6 +273,8 @@ class PlannerConfig:
     """Mimose's options (used when planner.name is mimose), e.g. {sheltered_steps: 3}."""
     sublinear: SublinearOptions = field(default_factory=SublinearOptions)
     """Sublinear's options (used when planner.name is sublinear), e.g. {variant: sqrt}."""
+    hf_every_n: EveryNOptions = field(default_factory=EveryNOptions)
+    """hf-every-n's options (used when planner.name is hf-every-n), e.g. {every_n_layers: 2}."""
     safety_margin_bytes: Optional[int] = Field(None, init=False, exclude=True, repr=False)
     """safety_margin in bytes, parsed once here; None for auto (the planner decides)."""
 
@@ -286,7 +288,7 @@ class PlannerConfig:
     def keywords(self) -> dict:
         """The chosen planner's constructor keywords: its section's fields (none for a planner
         without options). Every planner's section is checked, so ``compare`` can run them all."""
-        section = getattr(self, self.name, None)
+        section = getattr(self, self.name.replace("-", "_"), None)
         return dataclasses.asdict(section) if dataclasses.is_dataclass(section) else {}
 
 

@@ -51,7 +51,7 @@ def _run_recipe(recipe: Recipe, spec: str, steps) -> Recipe:
     name, _, variant = spec.partition(":")
     flags = {"planner.name": name, "training.max_steps": steps}
     if variant:
-        flags[f"planner.{name}.variant"] = variant
+        flags[f"planner.{name.replace('-', '_')}.variant"] = variant
     return recipe_from_dict(recipe_to_dict(recipe), f"compare {spec}", flags=flags, flags_from=f"compare {spec}")
 
 
@@ -137,7 +137,7 @@ def _claim_compare_dir(out, recipe: Recipe, recipe_name: str, data: dict) -> Pat
     return compare_dir
 
 
-def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr"), budgets=None, steps=None,
+def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr", "hf-every-n"), budgets=None, steps=None,
                 out=None, view: str = "none", console=None, recipe_name: str = "recipe",
                 repeats: int = 1) -> Path:
     """Run every planner at every budget and write ``compare.json``; returns the directory.

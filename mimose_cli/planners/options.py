@@ -8,7 +8,7 @@ together); ``PLANNER_OPTIONS`` names every planner. Keywords only the library ca
 """
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 from pydantic.dataclasses import dataclass
@@ -37,6 +37,13 @@ class SublinearOptions:
 
 
 @dataclass(config=_STRICT, frozen=True)
+class EveryNOptions:
+    every_n_layers: Optional[StrictInt] = Field(None, ge=1)
+    """Checkpoint the blocks whose index is a multiple of this (transformers' ``every_n_layers``);
+    null: the largest stride whose largest batch fits the budget, measured before training."""
+
+
+@dataclass(config=_STRICT, frozen=True)
 class NoOptions:
     """A planner that takes no options."""
 
@@ -48,6 +55,7 @@ PLANNER_OPTIONS = {
     "sublinear": SublinearOptions,
     "dtr": NoOptions,
     "oracle": NoOptions,
+    "hf-every-n": EveryNOptions,
 }
 """Planner name -> the options a recipe may give it."""
 

@@ -3,6 +3,7 @@
 
 from mimose_cli.planners.base import FullCheckpointing, NoCheckpointing, Planner
 from mimose_cli.planners.dtr import DTR
+from mimose_cli.planners.every_n import EveryN
 from mimose_cli.planners.mimose import Mimose
 from mimose_cli.planners.options import PLANNER_NAMES
 from mimose_cli.planners.oracle import Oracle
@@ -15,6 +16,7 @@ PLANNERS = {
     "sublinear": Sublinear,
     "dtr": DTR,
     "oracle": Oracle,
+    "hf-every-n": EveryN,
 }
 assert tuple(PLANNERS) == PLANNER_NAMES, "every planner has its options in planners.options"
 

@@ -180,7 +180,7 @@ def test_a_second_train_plans_again():
     ({"gradient_checkpointing": True}, "1GB", {}, r"gradient_checkpointing=True\) .*set it to False"),
     ({}, "6 gigs", {}, "budget='6 gigs': cannot read '6 gigs' as a byte size; write e.g. '6GB'"),
     ({}, "1KB", {}, "budget of 1000 B cannot hold the model's weights and their gradients .*raise it"),
-    ({}, "1GB", {"planner": "fast"}, "planner='fast' is unknown; choose one of dtr, full, mimose"),
+    ({}, "1GB", {"planner": "fast"}, "planner='fast' is unknown; choose one of dtr, full, hf-every-n, mimose"),
     ({}, "1GB", {"sheltered": 3}, "sheltered=3 is invalid for planner='mimose'; expected an option of mimose: "
                                   "sheltered_steps"),
     ({}, "1GB", {"planner": "sublinear"}, "pass max_input_size=\\(batch_size, max_length\\)"),

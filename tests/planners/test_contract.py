@@ -94,9 +94,10 @@ def test_every_planner_is_importable_from_the_package_without_importing_torch_fi
     import sys
 
     code = ("import sys, mimose_cli; assert 'torch' not in sys.modules; "
-            "from mimose_cli import Mimose, Sublinear, DTR, FullCheckpointing, NoCheckpointing, Oracle, Decision; "
+            "from mimose_cli import Mimose, Sublinear, DTR, EveryN, FullCheckpointing, NoCheckpointing, Oracle, Decision; "
             "from mimose_cli.planners import PLANNERS; "
-            "assert {c.name for c in (Mimose, Sublinear, DTR, FullCheckpointing, NoCheckpointing, Oracle)} == set(PLANNERS)")
+            "assert {c.name for c in (Mimose, Sublinear, DTR, EveryN, FullCheckpointing, NoCheckpointing, Oracle)} "
+            "== set(PLANNERS)")
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 

@@ -16,7 +16,7 @@ from mimose_cli.runs.compare import render_compare
 from helpers import QUICKSTART
 
 # Fake training: time per planner, and which (planner, budget) runs out of memory.
-TIMES = {"mimose": 11.0, "sublinear": 14.0, "dtr": 15.0, "none": 10.0, "oracle": 10.5}
+TIMES = {"mimose": 11.0, "sublinear": 14.0, "dtr": 15.0, "hf-every-n": 13.0, "none": 10.0, "oracle": 10.5}
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_compare_command_runs_every_planner_at_every_budget(fake_training, tmp_p
                                       "--steps", "5", "--out", str(out), "seed=3"])
     assert result.exit_code == 0, result.output
     names = [c[0] for c in fake_training]
-    assert names == ["mimose", "sublinear", "dtr", "none", "oracle"] * 2
+    assert names == ["mimose", "sublinear", "dtr", "hf-every-n", "none", "oracle"] * 2
     assert {c[2] for c in fake_training} == {5} and {c[4] for c in fake_training} == {3}
     data = json.loads((out / "compare.json").read_text())
     tight, roomy = data["budgets"]

@@ -135,7 +135,7 @@ def test_a_run_without_estimator_or_with_a_corrupt_one_still_plots(mimose_run, t
 @pytest.fixture
 def compare_dir(monkeypatch, tmp_path):
     """A compare directory as tests/test_compare.py makes one: runs faked, none OOM at 30MB."""
-    times = {"mimose": 11.0, "sublinear": 14.0, "dtr": 15.0, "none": 10.0, "oracle": 10.5}
+    times = {"mimose": 11.0, "sublinear": 14.0, "dtr": 15.0, "hf-every-n": 13.0, "none": 10.0, "oracle": 10.5}
 
     def run_training(recipe, *, out_dir=None, view="auto", console=None, recipe_name="run", save=True):
         run_dir = out_dir / recipe_name
@@ -163,7 +163,7 @@ def test_a_compare_directory_gets_time_and_memory_against_budget(compare_dir):
     assert (time_ax.get_xlabel(), time_ax.get_ylabel()) == ("budget (axis in MiB)", "training time (s)")
     assert [t.get_text() for t in time_ax.get_xticklabels()] == ["30MB\n(28.61 MiB)", "60MB\n(57.22 MiB)"]
     lines = {line.get_label(): line for line in time_ax.get_lines()}
-    assert list(lines) == ["mimose", "sublinear", "dtr", "none", "oracle"]
+    assert list(lines) == ["mimose", "sublinear", "dtr", "hf-every-n", "none", "oracle"]
     assert list(lines["mimose"].get_ydata()) == pytest.approx([11.0 * 40 / 30, 11.0 * 40 / 60])
     assert list(lines["none"].get_xdata()) == pytest.approx([60e6 / 2**20])  # out of memory at 30MB
     assert "out of memory (on the x axis)" in legend_texts(time_ax)
@@ -171,5 +171,5 @@ def test_a_compare_directory_gets_time_and_memory_against_budget(compare_dir):
     assert (memory_ax.get_xlabel(), memory_ax.get_ylabel()) == ("budget", "peak memory (MiB)")
     assert [t.get_text() for t in memory_ax.get_xticklabels()] == ["30MB", "60MB"]
     assert "budget" in legend_texts(memory_ax)
-    assert len(memory_ax.patches) == 10 and any(t.get_text() == "oom" for t in memory_ax.texts)
+    assert len(memory_ax.patches) == 12 and any(t.get_text() == "oom" for t in memory_ax.texts)
     assert json.loads((compare_dir / "compare.json").read_text())["budgets"][0]["budget"] == "30MB"

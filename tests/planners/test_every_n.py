@@ -1,0 +1,83 @@
+"""hf-every-n: transformers' every_n_layers stride, the largest whose largest batch fits."""
+
+import dataclasses
+import inspect
+
+import pytest
+
+from mimose_cli.memory import build_meter
+from mimose_cli.planners.every_n import EveryN, stride_plan
+from mimose_cli.planners.options import PLANNER_OPTIONS
+from mimose_cli.planners.registry import PLANNERS
+from mimose_cli.planners.trial import probe_with_plan
+
+from helpers import bert_batch, tiny_bert
+
+
+def test_the_stride_checkpoints_the_layers_transformers_does():
+    model = tiny_bert(layers=5)
+    for n in (1, 2, 3, 5, 7):
+        model.activation_checkpointing_enable(every_n_layers=n)
+        flagged = tuple(i for i, layer in enumerate(model.bert.encoder.layer) if layer.gradient_checkpointing)
+        assert stride_plan(5, n) == flagged, n
+    model.activation_checkpointing_disable()
+
+
+def _prepared(budget, **options):
+    model = tiny_bert(layers=4)
+    meter = build_meter("simulated", None)
+    with meter.activate():
+        meter.track(model)
+        planner = EveryN(model, budget, meter=meter, **options)
+        planner.prepare(lambda size: bert_batch(*size), (8, 96))
+        peaks = {n: probe_with_plan(planner, bert_batch(8, 96), stride_plan(4, n)) for n in (1, 2, 3, 4)}
+    planner.close()
+    return planner, peaks
+
+
+def test_prepare_picks_the_largest_stride_whose_largest_batch_fits():
+    _, peaks = _prepared(None)
+    assert peaks[1] < peaks[2] < peaks[4]  # more blocks kept, more memory
+    budget = peaks[2]  # stride 2 fits exactly; the sparsest stride, 4, does not
+    planner, _ = _prepared(budget)
+    assert planner.every_n_layers == max(n for n, p in peaks.items() if p <= budget) >= 2
+    assert planner.decide((2, 10)).plan == stride_plan(4, planner.every_n_layers)  # every batch alike
+    assert planner.stats["stride_peaks"]["4"] == peaks[4]
+
+
+def test_no_stride_fits_checkpoints_every_block_and_says_so():
+    _, peaks = _prepared(None)
+    with pytest.warns(UserWarning, match="no stride fits"):
+        planner, _ = _prepared(peaks[1] // 2)
+    assert planner.every_n_layers == 1 and planner.static_plan == (0, 1, 2, 3)
+
+
+def test_a_given_stride_is_applied_without_measuring():
+    planner = EveryN(tiny_bert(layers=4), "1GB", every_n_layers=3)
+    assert planner.decide((2, 10)).plan == (0, 3) and planner.stride_peaks == {}
+    with pytest.raises(ValueError, match="every_n_layers=0"):
+        EveryN(tiny_bert(layers=4), "1GB", every_n_layers=0)
+
+
+@pytest.mark.parametrize("name", sorted(PLANNERS))
+def test_every_recipe_option_is_a_constructor_keyword_with_the_same_default(name):
+    params = {}
+    for cls in PLANNERS[name].__mro__:  # a planner passes **kwargs up to its bases
+        if "__init__" in vars(cls):
+            for p in inspect.signature(cls.__init__).parameters.values():
+                params.setdefault(p.name, p)
+    for field in dataclasses.fields(PLANNER_OPTIONS[name]):
+        assert field.name in params, f"{name}: option {field.name} is not a keyword of {PLANNERS[name].__name__}"
+        default = PLANNER_OPTIONS[name]().__getattribute__(field.name)
+        assert params[field.name].default == default, f"{name}.{field.name}"
+
+
+def test_a_recipe_section_reaches_the_planner():
+    from mimose_cli.launcher.recipe import load_recipe
+
+    from helpers import QUICKSTART
+
+    recipe = load_recipe(QUICKSTART, ["planner.name=hf-every-n", "planner.hf_every_n.every_n_layers=2"])
+    assert recipe.planner.keywords == {"every_n_layers": 2}
+    planner = PLANNERS["hf-every-n"](tiny_bert(layers=4), "1GB", **recipe.planner.keywords)
+    assert planner.decide((2, 10)).plan == (0, 2)
