@@ -50,6 +50,7 @@ from mimose_cli.memory import SavedBytesCounter
 from mimose_cli.runs.live import ProgressView, check_view, new_console
 from mimose_cli.runs.records import StepRecord
 from mimose_cli.runs.rundir import RunWriter, check_out_dir, new_run_dir
+from mimose_cli.runs.summary import summarize, summary_tables
 from mimose_cli.runs.tblog import TENSORBOARD_DIR
 from mimose_cli.units import format_budget
 
@@ -362,8 +363,6 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
             writer.close()
         summary = _finish(run, end, writer, stop, time.perf_counter() - clock)
     if live.mode != "none":
-        from mimose_cli.runs.summary import summary_tables
-
         for table in summary_tables(summary) if end.records else ():  # no step, no figures
             live.console.print(table)
         if summary["status"] in ("interrupted", "failed") and run.checkpoint_step is not None:
@@ -378,8 +377,6 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
     """Cleanup: the last checkpoint when the run stands at a step boundary, the planner's state
     file, the model, then summary.json (over every segment of the run). A write that fails here
     (a full disk) turns the status to 'failed'; the earlier checkpoint stays whole."""
-    from mimose_cli.runs.summary import summarize
-
     trainer = run.trainer
     keep = run.saves and end.status in ("completed", "interrupted") and end.at_boundary
     stats = trainer.planner.stats

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mimose_cli.files import write_text
+from mimose_cli.memory import build_meter
 from mimose_cli.planners.blocks import BlockRouter, PlanRunner, RecomputeClock, discover_blocks
 from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.recovery import PlanOutOfMemoryError, StepGuard, oom_message, reached_bytes
@@ -207,8 +208,6 @@ class Planner:
             self._applying -= 1
 
     def _build_meter(self):
-        from mimose_cli.memory import build_meter
-
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         return build_meter("auto", self.budget_bytes, device)
 

@@ -17,6 +17,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from mimose_cli.files import read_json
+from mimose_cli.planners.estimator import Estimator
+from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.runs.compare import COMPARE_FILE
 from mimose_cli.runs.rundir import load_run
 from mimose_cli.units import format_budget, format_bytes
@@ -165,9 +167,6 @@ plainly and checkpointed; the scheduler's savings are their difference."""
 def load_estimator(path):
     """The ``Estimator`` in a run's estimator.json (Mimose's ``state_dict``), refitted as the
     planner would; ValueError naming the file when it is not one mimose can read."""
-    from mimose_cli.planners.estimator import Estimator  # imports torch: only for this plot
-    from mimose_cli.planners.features import SEQ2SEQ, TOKENS
-
     state = read_json(Path(path))
     try:
         saved = state["estimator"]
@@ -202,8 +201,6 @@ def _samples(estimator, quantity: str, block: int) -> list:
 def _fit_sizes(estimator, planned) -> list:
     """Sizes to draw the fit at: lengths across the samples and the ``planned`` ones, at each
     batch measured (token inputs), else the sizes measured (an encoder-decoder's two lengths)."""
-    from mimose_cli.planners.features import TOKENS
-
     if estimator.feature_set is not TOKENS:
         return sorted(set(estimator.sizes), key=_length)
     lengths = [_length(s) for s in estimator.sizes] + list(planned)

@@ -10,6 +10,7 @@ from rich.table import Table
 from mimose_cli.runs.live import new_console, step_table
 from mimose_cli.runs.rundir import CHECKPOINT, load_run
 from mimose_cli.files import read_json, read_text
+from mimose_cli.runs.compare import render_compare, timing_noise
 from mimose_cli.runs.summary import SUMMARY_FILE, summarize, summary_tables
 from mimose_cli.units import format_bytes, parse_size
 
@@ -101,8 +102,6 @@ def render(path, console: Console | None = None, plots: bool = True) -> None:
 
         written = write_plots(path)
     if (path / "compare.json").exists():
-        from mimose_cli.runs.compare import render_compare, timing_noise
-
         data = render_compare(path, console)
         console.print(timing_noise(data)[0], highlight=False, soft_wrap=True)
     else:
