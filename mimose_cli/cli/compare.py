@@ -28,7 +28,6 @@ def compare(
     """Run mimose, the baselines, none and oracle on the same data at each budget; one table per budget."""
     from mimose_cli.cli.recipes import DEFAULT_RECIPE
     from mimose_cli.launcher.recipe import RecipeError, load_recipe
-    from mimose_cli.launcher.sweep import run_compare
     from mimose_cli.runs.compare import read_compare, timing_noise
 
     if recipe is None:
@@ -36,6 +35,8 @@ def compare(
         typer.echo(f"no recipe given: comparing on the default, {recipe}", err=True)
 
     resolved = load_recipe(recipe, overrides or [])
+    from mimose_cli.launcher.sweep import run_compare  # torch and transformers: after the recipe is checked
+
     budget_list = [b.strip() for b in budgets.split(",") if b.strip()] if budgets else None
     if not budget_list and resolved.budget is None:  # said here: the library does not know the flag
         raise RecipeError("compare needs a budget: set `budget` in the recipe or pass --budgets")

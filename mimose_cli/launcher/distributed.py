@@ -51,7 +51,7 @@ class World:
     @classmethod
     def from_env(cls) -> "World":
         """The world torchrun set up (``RANK``, ``WORLD_SIZE``; the device comes from
-        ``LOCAL_RANK``, ``train.resolve_device``); one process without it."""
+        ``LOCAL_RANK``, ``step.resolve_device``); one process without it."""
         return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
 
     @property

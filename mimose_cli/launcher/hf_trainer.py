@@ -21,6 +21,7 @@ training is measured or refused and nothing is left on when ``train`` returns or
 docs/HF_TRAINER.md says what is logged and what is not supported.
 """
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,8 +32,8 @@ from mimose_cli.launcher.preflight import optimizer_state_bytes
 from mimose_cli.memory import build_meter, param_bytes
 from mimose_cli.planners.base import Planner, StepInfo
 from mimose_cli.planners.inputs import infer_input_size
-from mimose_cli.planners.options import OptionError, parse_options
-from mimose_cli.planners.registry import PLANNERS, build_planner
+from mimose_cli.planners.options import PLANNER_OPTIONS, OptionError, parse_options
+from mimose_cli.planners.registry import PLANNERS, build_planner, library_keywords
 from mimose_cli.planners.trial import model_device
 from mimose_cli.units import format_bytes, parse_size
 
@@ -214,12 +215,20 @@ def _check_planner(planner: str, options: dict, max_input_size) -> None:
     """The planner's name, options and ``max_input_size``, checked before anything is built."""
     if planner not in PLANNERS:
         raise ValueError(f"planner={planner!r} is unknown; choose one of {', '.join(sorted(PLANNERS))}")
-    try:
-        parse_options(planner, options)
+    recipe_options = {f.name for f in dataclasses.fields(PLANNER_OPTIONS[planner])}
+    unknown = [key for key in options if key not in recipe_options | library_keywords(planner)]
+    if unknown:
+        takes = ", ".join(sorted(library_keywords(planner))) or "none"
+        raise ValueError(f"{unknown[0]}={options[unknown[0]]!r} is not an option of planner={planner!r}; "
+                         f"its options: {takes}")
+    try:  # the options a recipe could give, type-checked as the recipe checks them
+        parse_options(planner, {k: v for k, v in options.items() if k in recipe_options})
     except OptionError as err:
         raise ValueError(f"{err.key}={err.value!r} is invalid for planner={planner!r}; expected {err.expected}") from None
-    if planner == "sublinear" and options.get("variant", "greedy") != "sqrt" and max_input_size is None:
-        raise ValueError("planner='sublinear' plans once, for the largest batch: pass "
+    plans_ahead = ((planner == "sublinear" and options.get("variant", "greedy") != "sqrt")
+                   or (planner == "hf-every-n" and options.get("every_n_layers") is None))
+    if plans_ahead and max_input_size is None:
+        raise ValueError(f"planner={planner!r} plans once, for the largest batch: pass "
                          "max_input_size=(batch_size, max_length) to fit_budget")
     if max_input_size is not None and not (isinstance(max_input_size, (tuple, list)) and len(max_input_size) >= 2
                                            and all(isinstance(d, int) and d > 0 for d in max_input_size)):

@@ -4,7 +4,7 @@ First the model's state (``check_model_state``): weights, gradients, the optimiz
 step's scratch, which no plan changes. Then the budgets a step needs, measured at the largest
 input the recipe allows (``preflight``).
 
-Two side-effect-free steps (``planners.probe.probe_step``: RNG forked, buffers and gradients put
+Two side-effect-free steps (``planners.trial.probe_step``: RNG forked, buffers and gradients put
 back) on a batch of the largest size, the budget lifted for them: one with every block
 checkpointed (the least any plan can need) and one with none (what runs without checkpointing).
 Memory that the first optimizer step allocates for good (the optimizer's state, and with gradient

@@ -14,6 +14,7 @@ or a ``!!python`` tag is an error, and ``1e-4`` is a number (YAML 1.2's reading)
 import dataclasses
 import importlib.util
 import re
+import warnings
 from collections.abc import Hashable
 from dataclasses import field
 from pathlib import Path
@@ -40,10 +41,6 @@ from mimose_cli.units import parse_size
 
 FORBID_UNKNOWN_KEYS = ConfigDict(extra="forbid")
 SIZE_EXPECTED = "a byte size such as '6GB', '6GiB', '512MB' or '0.5GiB'"
-MOVED_KEYS = {"planner.sheltered_steps": "planner.mimose.sheltered_steps",
-              "planner.granularity": "planner.mimose.granularity",
-              "planner.options": "one section per planner: planner.mimose, planner.sublinear, planner.hf_every_n"}
-"""Keys of earlier releases and where they went, named when an old recipe still has them."""
 UNKNOWN_KEY = ("unexpected_keyword_argument", "invalid_key")  # pydantic's names for a key not a field
 
 
@@ -349,15 +346,26 @@ def _recipe_error(err: ValidationError, where: str, origins: dict) -> RecipeErro
         key, value, expected = ".".join(loc + (cause.key,)), cause.value, cause.expected
     elif first["type"] in UNKNOWN_KEY:
         key = ".".join(loc)
-        if key in MOVED_KEYS:
-            return RecipeError(f"{where}: {key} is now {MOVED_KEYS[key]}; move it there")
+        where = _origin(key, origins, where)
+        if key == "planner.options":  # what _read_earlier_keys leaves: options of a planner without any
+            return RecipeError(f"{where}: planner.options was split into one section per planner "
+                               f"({', '.join('planner.' + s for s in _planner_sections())}) and this "
+                               "planner takes no options; remove it")
         keys = ", ".join(_section_keys(loc[:-1]))
         return RecipeError(f"{where}: unknown key {key}; expected one of {keys}")
     else:
         key, value = ".".join(loc), first["input"]
         expected = re.sub(r" or an instance of \w+$", "", first["msg"].removeprefix("Input should be "))
-    where = origins.get(key, where)
-    return RecipeError(f"{where}: {key}={_shown(value)} is invalid; expected {expected}")
+    return RecipeError(f"{_origin(key, origins, where)}: {key}={_shown(value)} is invalid; expected {expected}")
+
+
+def _origin(key: str, origins: dict, where: str) -> str:
+    """Where ``key`` was set: the override or flag that set it or a section holding it, else ``where``."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in origins:
+            return origins[".".join(parts[:n])]
+    return where
 
 
 def _shown(value, limit: int = 60) -> str:
@@ -388,6 +396,33 @@ def _set_dotted(data: dict, key: str, value, where: str) -> None:
     node[parts[-1]] = value
 
 
+def _read_earlier_keys(data: dict, where: str, origins: dict) -> None:
+    """Planner options as recipes before one section per planner wrote them (a run directory's
+    recipe.yaml of an earlier release, to re-run or resume): moved into the planner's section, with a
+    warning naming the new key; the earlier key wins over the new one (it is the override when a
+    command line gives it). ``planner.options`` for a planner without options stays and is refused."""
+    planner = data.get("planner")
+    if not isinstance(planner, dict):
+        return
+    moves = [(key, key, "mimose", planner.pop(key)) for key in ("sheltered_steps", "granularity") if key in planner]
+    options = planner.get("options")
+    section = str(planner.get("name", "mimose")).replace("-", "_")
+    if isinstance(options, dict) and (not options or section in _planner_sections()):
+        planner.pop("options")
+        moves += [(f"options.{key}", key, section, value) for key, value in options.items()]
+    for old, key, section, value in moves:
+        target = planner.setdefault(section, {})
+        if isinstance(target, dict):
+            target[key] = value
+        warnings.warn(f"{_origin(f'planner.{old}', origins, where)}: planner.{old} is now planner.{section}.{key}; read as that "
+                      "(write it there to silence this)", stacklevel=3)
+
+
+def _planner_sections() -> list:
+    return [name for name, info in PlannerConfig.__pydantic_fields__.items()
+            if dataclasses.is_dataclass(info.annotation)]
+
+
 def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=None,
                      flags_from: str = "the command line") -> Recipe:
     """Build and validate a Recipe from a mapping, overrides ``key=value`` and flag values (an
@@ -404,6 +439,7 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
         if value is not None:
             origins[key] = flags_from
             _set_dotted(data, key, value, f"{where} (flag)")
+    _read_earlier_keys(data, where, origins)
     try:
         return _RECIPE.validate_python(data)
     except ValidationError as err:

@@ -16,7 +16,6 @@ from mimose_cli.launcher.recipe import RecipeError, load_recipe, recipe_to_dict
 from mimose_cli.runs.records import read_records
 from mimose_cli.runs.rundir import CHECKPOINT
 
-"""The checkpoint's file name in a run directory (``checkpoint.py`` writes it)."""
 RESUMABLE_KEYS = ("training.max_steps",)
 RECORD_FILES = ("metrics.jsonl", "plans.jsonl")
 

@@ -24,16 +24,19 @@ from mimose_cli.runs.rundir import check_out_dir, unique_dir
 
 def planner_specs(baselines) -> list:
     """``["mimose", *baselines, "none", "oracle"]`` without repeats; ``sublinear:sqrt`` names a
-    planner with its ``variant`` option. Unknown planners raise ValueError."""
+    Sublinear variant (the only planner with variants). Unknown planners raise ValueError."""
     specs = []
     for spec in ["mimose", *baselines, "none", "oracle"]:
         spec = spec.strip()
         if not spec or spec in specs:
             continue
-        name = spec.partition(":")[0]
+        name, colon, _ = spec.partition(":")
         if name not in PLANNERS:
             raise ValueError(f"unknown planner {name!r} among the baselines; choose from "
                              f"{', '.join(sorted(PLANNERS))}")
+        if colon and name != "sublinear":
+            raise ValueError(f"baseline {spec!r}: only sublinear has variants (sublinear:sqrt, sublinear:chen); "
+                             f"write {name} alone")
         specs.append(spec)
     return specs
 
@@ -51,7 +54,7 @@ def _run_recipe(recipe: Recipe, spec: str, steps) -> Recipe:
     name, _, variant = spec.partition(":")
     flags = {"planner.name": name, "training.max_steps": steps}
     if variant:
-        flags[f"planner.{name.replace('-', '_')}.variant"] = variant
+        flags["planner.sublinear.variant"] = variant
     return recipe_from_dict(recipe_to_dict(recipe), f"compare {spec}", flags=flags, flags_from=f"compare {spec}")
 
 

@@ -1,6 +1,6 @@
 """torchrun (``torch.distributed.run``) as ``mimose train --nproc-per-node`` runs it: the same,
 except that it ends without torchrun's traceback when a signal stopped it or a rank failed; the
-ranks have said what happened (rank 0's status is passed on, ``launch.relaunch``), and a rank that
+ranks have said what happened (rank 0's status is passed on, ``spawn.relaunch``), and a rank that
 ended without saying it is named in one line."""
 
 import os

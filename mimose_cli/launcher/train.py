@@ -1,6 +1,6 @@
 """The training run: setup -> train -> cleanup, one planner deciding each step's checkpointing.
 
-``trainer.py`` holds what one step needs (the ``Trainer`` and a micro-batch under the planner);
+``step.py`` holds what one step needs (the ``Trainer`` and a micro-batch under the planner);
 this module builds the run around it: data, pre-flight, the loop with its checkpoints,
 evaluation and stop requests, and the run directory. Under ``torchrun`` rank 0 writes the run
 directory (``distributed.py`` says how the ranks agree).

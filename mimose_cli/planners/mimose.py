@@ -27,7 +27,7 @@ unmetered, uncapped and at full speed.
 import copy
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -72,6 +72,27 @@ class MimoseCounters:
     untrusted_reasons: dict = field(default_factory=dict)
     """Why predictions were not trusted -> steps."""
     warnings: list = field(default_factory=list)
+
+
+_EARLIER_COUNTERS = {"sheltered_done": "sheltered_iterations", "fit_ms": "estimator_fit_ms",
+                     "untrusted": "untrusted_steps", "measuring": "measuring_steps"}
+"""Counters of states written before ``MimoseCounters`` (top level or in ``counts``): new names."""
+
+
+def _counters_of(state: dict) -> MimoseCounters:
+    """The counters of a saved state, of this release (``counters``) or an earlier one."""
+    saved = state.get("counters")
+    if saved is None:
+        earlier = {**state.get("counts", {}), **{k: state[k] for k in ("sheltered_done", "sheltered_attempts",
+                                                                        "fit_ms", "untrusted_reasons", "warnings")
+                                                  if k in state}}
+        saved = {_EARLIER_COUNTERS.get(k, k): v for k, v in earlier.items()}
+    names = {f.name for f in fields(MimoseCounters)}
+    unknown = sorted(set(saved) - names)
+    if unknown:
+        raise ValueError(f"the saved mimose state counts {', '.join(unknown)}, which this release does not; "
+                         "it was written by another mimose version")
+    return MimoseCounters(**copy.deepcopy(saved))
 
 
 class Mimose(Planner):
@@ -307,7 +328,7 @@ class Mimose(Planner):
             raise ValueError(f"this state was written by planner {state.get('name')!r}, not mimose")
         super().load_state_dict(state)
         self.estimator.load_state_dict(state["estimator"])
-        self.counts = MimoseCounters(**copy.deepcopy(state.get("counters", {})))
+        self.counts = _counters_of(state)
         self.cache = {}
         if state.get("granularity") == self.granularity:
             self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits))

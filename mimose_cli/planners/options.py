@@ -1,4 +1,5 @@
-"""What a recipe may set for each planner (its section, ``planner.mimose``, ``planner.sublinear``):
+"""What a recipe may set for each planner (its section: ``planner.mimose``, ``planner.sublinear``,
+``planner.hf_every_n``):
 one small typed dataclass per planner, importable without torch, so that a recipe is checked
 before anything is built.
 

@@ -181,9 +181,11 @@ def test_a_second_train_plans_again():
     ({}, "6 gigs", {}, "budget='6 gigs': cannot read '6 gigs' as a byte size; write e.g. '6GB'"),
     ({}, "1KB", {}, "budget of 1000 B cannot hold the model's weights and their gradients .*raise it"),
     ({}, "1GB", {"planner": "fast"}, "planner='fast' is unknown; choose one of dtr, full, hf-every-n, mimose"),
-    ({}, "1GB", {"sheltered": 3}, "sheltered=3 is invalid for planner='mimose'; expected an option of mimose: "
-                                  "sheltered_steps"),
+    ({}, "1GB", {"sheltered": 3}, "sheltered=3 is not an option of planner='mimose'; its options: bucket, "
+                                  "granularity, prediction_margin, sheltered_steps"),
+    ({}, "1GB", {"bucket": "fast"}, "bucket='fast' is invalid for planner='mimose'; expected a valid number"),
     ({}, "1GB", {"planner": "sublinear"}, "pass max_input_size=\\(batch_size, max_length\\)"),
+    ({}, "1GB", {"planner": "hf-every-n"}, "planner='hf-every-n' plans once, for the largest batch"),
     ({}, "1GB", {"planner": "sublinear", "max_input_size": 120},
      r"max_input_size=120 is invalid; expected \(batch_size"),
     ({"torch_compile": True}, "1GB", {}, r"torch_compile=True\) compiles .*set torch_compile=False"),
@@ -220,3 +222,12 @@ def test_fit_budget_twice_is_refused():
     fit_budget(trainer, "1GB")
     with pytest.raises(ValueError, match="fit_budget was called on this trainer already"):
         fit_budget(trainer, "2GB")
+
+
+def test_a_keyword_only_code_can_pass_reaches_the_planner():
+    def cost(holder):
+        return 1.0
+
+    fitted = fit_budget(_trainer(), "1GB", "dtr", cost_fn=cost)
+    assert fitted.planner.runner.cost_fn is cost
+    fitted.planner.close()

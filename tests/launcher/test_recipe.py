@@ -168,3 +168,20 @@ def test_exponent_numbers_are_numbers_and_text_that_looks_like_one_round_trips(t
     assert recipe.data.name == "1e5"
     save_recipe(recipe, tmp_path / "resolved.yaml")
     assert load_recipe(tmp_path / "resolved.yaml") == recipe
+
+
+def test_a_recipe_of_an_earlier_release_reads_its_planner_options_with_a_warning(tmp_path):
+    # A run directory's recipe.yaml written before one section per planner: re-run or resumed.
+    old = tmp_path / "recipe.yaml"
+    old.write_text("planner:\n  name: sublinear\n  sheltered_steps: 3\n  granularity: 8\n"
+                   "  options: {variant: sqrt}\n")
+    with pytest.warns(UserWarning) as caught:
+        recipe = load_recipe(old)
+    said = " ".join(str(w.message) for w in caught)
+    assert "planner.sheltered_steps is now planner.mimose.sheltered_steps" in said
+    assert "planner.options.variant is now planner.sublinear.variant" in said
+    assert recipe.planner.keywords == {"variant": "sqrt"}
+    assert (recipe.planner.mimose.sheltered_steps, recipe.planner.mimose.granularity) == (3, 8)
+    with pytest.warns(UserWarning, match="override 'planner.sheltered_steps=2'"):
+        overridden = load_recipe(old, ["planner.sheltered_steps=2"])  # the override still wins
+    assert overridden.planner.mimose.sheltered_steps == 2

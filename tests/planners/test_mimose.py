@@ -189,3 +189,21 @@ def test_every_counter_is_in_stats_and_survives_a_state_dict(sheltered):
     assert stats["sheltered_iterations"] == len(sheltered.sizes) and stats["misses"] == 1
     assert stats["responsive_steps"] == 1
     assert {name: restored[name] for name in names} == {name: stats[name] for name in names}
+
+
+def test_a_state_saved_before_the_counters_dataclass_keeps_its_counters(sheltered):
+    with fitted_mimose(sheltered.state) as (planner, meter):
+        run_step(planner, meter, bert_batch(3, 30))
+        state, stats = planner.state_dict(), planner.stats
+    counters = state.pop("counters")
+    renamed = {"sheltered_iterations": "sheltered_done", "estimator_fit_ms": "fit_ms",
+               "untrusted_steps": "untrusted", "measuring_steps": "measuring"}
+    top = ("sheltered_iterations", "sheltered_attempts", "estimator_fit_ms", "untrusted_reasons", "warnings")
+    state.update({renamed.get(k, k): counters[k] for k in top})
+    state["counts"] = {renamed.get(k, k): v for k, v in counters.items() if k not in top}
+    with fitted_mimose(state) as (earlier, _):
+        assert {k: earlier.stats[k] for k in counters} == {k: stats[k] for k in counters}
+    state["counts"]["bogus"] = 1
+    with pytest.raises(ValueError, match="counts bogus"):
+        with fitted_mimose(state):
+            pass

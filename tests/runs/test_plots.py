@@ -134,7 +134,7 @@ def test_a_run_without_estimator_or_with_a_corrupt_one_still_plots(mimose_run, t
 
 @pytest.fixture
 def compare_dir(monkeypatch, tmp_path):
-    """A compare directory as tests/test_compare.py makes one: runs faked, none OOM at 30MB."""
+    """A compare directory as tests/runs/test_compare.py makes one: runs faked, none OOM at 30MB."""
     times = {"mimose": 11.0, "sublinear": 14.0, "dtr": 15.0, "hf-every-n": 13.0, "none": 10.0, "oracle": 10.5}
 
     def run_training(recipe, *, out_dir=None, view="auto", console=None, recipe_name="run", save=True):

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from mimose_cli import files
 from mimose_cli.files import read_jsonl, write_json
 from mimose_cli.runs import rundir
 from mimose_cli.runs.rundir import _append_line, check_out_dir, new_run_dir, unique_dir
@@ -27,7 +28,7 @@ def test_a_failed_json_write_leaves_the_old_file_and_no_temporary(tmp_path, monk
         os.close(fd)
         return FullDisk()
 
-    monkeypatch.setattr(rundir.os, "fdopen", fdopen)
+    monkeypatch.setattr(files.os, "fdopen", fdopen)
     with pytest.raises(OSError, match="No space"):
         write_json(path, {"status": "oom", "padding": "x" * 100})
     assert json.loads(path.read_text()) == {"status": "completed"}
