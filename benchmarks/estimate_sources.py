@@ -41,7 +41,7 @@ LENGTH = 96
 
 def _shape(spec) -> Shape:
     if spec.kind == "image":
-        return Shape(lengths=(64,) * 4, padded=64)
+        return Shape(lengths=(32,) * 4, padded=32)  # the model's own image size
     if spec.kind == "seq2seq":
         return Shape(lengths=(LENGTH,) * 4, padded=LENGTH, targets=(32,) * 4, targets_padded=32)
     return Shape(lengths=(LENGTH,) * 4, padded=LENGTH)

@@ -124,6 +124,7 @@ class Mimose(Planner):
         self.measurer = ShuttlingCollector(model, self.blocks, self.recompute_clock)
         self.cache: dict = {}
         self.recovery_margins: dict = {}  # cache key -> bytes kept free after it ran out of memory
+        self.contradicted: set = set()  # cache keys whose planned step peaked above its prediction
         self.counts = MimoseCounters()
         if self.budget_bytes is None:
             self._warn("mimose without a budget checkpoints nothing; it only fits its estimator")
@@ -154,9 +155,10 @@ class Mimose(Planner):
         base = self._start_bytes()
         entry = self.cache.get(key)
         # A cached plan holds while the bytes at the step's start still leave it room.
-        hit = entry is not None and (not entry.fits or base + entry.peak_bytes <= self.limit_bytes)
+        hit = key not in self.contradicted and entry is not None and (
+            not entry.fits or base + entry.peak_bytes <= self.limit_bytes)
         if not hit:
-            reason = self.estimator.trust.reason(key)
+            reason = self._contradiction(key) or self.estimator.trust.reason(key)
             if reason is not None:
                 return self._untrusted(size, reason)
             entry = self._plan_miss(key, base)
@@ -262,13 +264,19 @@ class Mimose(Planner):
         if info.predicted_peak_bytes is None or peak_bytes is None:
             return
         under = peak_bytes - info.predicted_peak_bytes
-        if under > 0:
+        if under > 0:  # the margin is in the prediction: the fit is wrong at this size
             self.counts.underpredictions += 1
             self.counts.max_underprediction_bytes = max(self.counts.max_underprediction_bytes, under)
+            self.contradicted.add(self.cache_key(info.input_size))
+
+    def _contradiction(self, key: tuple) -> str | None:
+        """Why a size whose planned step peaked above its prediction is measured again, or None."""
+        return "a planned step of this size peaked above its prediction" if key in self.contradicted else None
 
     def _collect(self, info: StepInfo, sample) -> None:
         if info.phase == "measuring":  # a size the fit did not determine: one more sample, refit
             self.counts.measuring_steps += 1
+            self.contradicted.discard(self.cache_key(info.input_size))
             if sample is not None:
                 self.estimator.add(info.input_size, *sample)
                 self._fit()

@@ -1,7 +1,6 @@
 """What a recipe may set for each planner (its section: ``planner.mimose``, ``planner.sublinear``,
-``planner.hf_every_n``):
-one small typed dataclass per planner, importable without torch, so that a recipe is checked
-before anything is built.
+``planner.hf_every_n``): one small typed dataclass per planner, importable without torch, so
+that a recipe is checked before anything is built.
 
 Each field is a keyword of that planner's constructor with the same default (a test holds them
 together); ``PLANNER_OPTIONS`` names every planner. Keywords only the library can pass (DTR's

@@ -207,3 +207,20 @@ def test_a_state_saved_before_the_counters_dataclass_keeps_its_counters(sheltere
     with pytest.raises(ValueError, match="counts bogus"):
         with fitted_mimose(state):
             pass
+
+
+def test_a_step_that_peaks_above_its_prediction_has_its_size_measured_again(sheltered, monkeypatch):
+    with fitted_mimose(sheltered.state, "20MB") as (planner, meter):
+        honest = planner._timeline_peak
+        monkeypatch.setattr(planner, "_timeline_peak", lambda pred, plan: 0.5 * honest(pred, plan))
+        batch = bert_batch(3, 30)
+        _, peak, info = run_step(planner, meter, batch)
+        assert info.phase == "responsive" and peak > info.predicted_peak_bytes
+        monkeypatch.setattr(planner, "_timeline_peak", honest)
+        samples = len(planner.estimator.sizes)
+        _, _, again = run_step(planner, meter, batch)  # not the cached plan: measured, and refit
+        assert again.phase == "measuring" and len(planner.estimator.sizes) == samples + 1
+        assert any("peaked above its prediction" in r for r in planner.stats["untrusted_reasons"])
+        _, peak, after = run_step(planner, meter, batch)
+        assert after.phase == "responsive" and peak <= after.predicted_peak_bytes
+        assert planner.stats["underpredictions"] == 1
