@@ -1,21 +1,25 @@
-"""Stopping a run cleanly on SIGTERM (``timeout``, SLURM, Kubernetes) or Ctrl-C.
+"""Stopping a run cleanly on SIGTERM (``timeout``, SLURM, Kubernetes), SIGHUP (a closed terminal,
+a dropped ssh session) or Ctrl-C.
 
 A signal only asks the training loop to stop at the next optimizer-step boundary, where the
 model, optimizer, data position and planner agree, so the checkpoint written then resumes
 exactly. A second Ctrl-C while waiting for that boundary raises ``KeyboardInterrupt`` at once,
-as Python does by default; that run keeps its previous checkpoint.
+as Python does by default; that run keeps its previous checkpoint. After SIGHUP the terminal is
+gone: what would have been written to it (the live view) goes to /dev/null, so that a write to the
+dead terminal does not end the run before its checkpoint.
 """
 
 import os
 import signal
 import threading
 
-EXIT_CODES = {"SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}
-"""The exit status a shell gives a process ended by that signal (143, 130)."""
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+EXIT_CODES = {signal.Signals(signum).name: 128 + signum for signum in STOP_SIGNALS}
+"""The exit status a shell gives a process ended by that signal (143, 130, 129)."""
 
 
 class StopRequest:
-    """Context manager installing SIGTERM and SIGINT handlers that set ``signal_name``; the
+    """Context manager installing SIGTERM, SIGHUP and SIGINT handlers that set ``signal_name``; the
     previous handlers are put back on exit. Off the main thread (where Python cannot install
     handlers) it installs nothing and a signal keeps its default effect."""
 
@@ -24,6 +28,7 @@ class StopRequest:
         self.announce = announce
         """Whether to say on stderr that the run will stop (not on torchrun's ranks other than 0)."""
         self._previous: dict = {}
+        self._terminal_fds: list = []  # stdout/stderr that were a terminal when the run began
 
     @property
     def requested(self) -> bool:
@@ -31,6 +36,8 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if name == "SIGHUP":
+            _to_devnull(self._terminal_fds)
         if self.requested and name == "SIGINT":
             raise KeyboardInterrupt
         if not self.requested:
@@ -39,11 +46,15 @@ class StopRequest:
                 # A raw write: printing through Python's buffered streams from a handler can
                 # re-enter a print the loop was in the middle of.
                 again = " (Ctrl-C again to stop now)" if name == "SIGINT" else ""
-                os.write(2, f"{name}: stopping after this step and writing a checkpoint{again}\n".encode())
+                try:
+                    os.write(2, f"{name}: stopping after this step and writing a checkpoint{again}\n".encode())
+                except OSError:  # stderr is gone too: the summary still says why the run stopped
+                    pass
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            self._terminal_fds = [fd for fd in (1, 2) if _is_terminal(fd)]
+            for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -51,3 +62,20 @@ class StopRequest:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+def _is_terminal(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def _to_devnull(fds) -> None:
+    """Point ``fds`` at /dev/null: their terminal hung up, and writing to it would raise EIO."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)

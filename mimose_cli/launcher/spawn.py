@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mimose_cli.launcher.signals import STOP_SIGNALS
+
 EXIT_FILE_ENV = "MIMOSE_EXIT_FILE"
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 """Variables torchrun sets in every process it starts."""
@@ -51,7 +53,7 @@ def relaunch(nproc_per_node: int, args: list) -> int:
         def forward(signum, frame):
             child.send_signal(signum)
 
-        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+        previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
         try:
             code = child.wait()
         finally:
