@@ -19,7 +19,7 @@ from mimose_cli.launcher.train import run_training
 from mimose_cli.planners.registry import PLANNERS
 from mimose_cli.runs.compare import render_compare
 from mimose_cli.runs.live import check_view, new_console
-from mimose_cli.runs.rundir import check_out_dir, unique_dir
+from mimose_cli.runs.rundir import RunLock, check_out_dir, unique_dir
 
 
 def planner_specs(baselines) -> list:
@@ -168,25 +168,27 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr", "hf-every-n"),
     data = {"recipe": recipe_name, "planners": specs, "steps": steps or recipe.training.max_steps,
             "seed": recipe.seed, "repeats": repeats, "budgets": []}
     compare_dir = _claim_compare_dir(out, recipe, recipe_name, data)
-    total, started, count = len(budgets) * len(specs) * repeats, time.perf_counter(), 0
-    for base in at_budgets:
-        entry = {"budget": base.budget, "budget_bytes": base.budget_bytes, "reference": None, "runs": []}
-        data["budgets"].append(entry)
-        done = {spec: [] for spec in specs}
-        for round_ in range(repeats):
-            for spec in specs[round_ % len(specs):] + specs[:round_ % len(specs)]:
-                count += 1
-                console.print(f"compare [{count}/{total}, {time.perf_counter() - started:.0f} s]: {spec} at {base.budget}"
-                              + (f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""))
-                done[spec].append(_one_run(base, spec, steps, compare_dir, view))
-                entry["runs"] = [merge_repeats(rows) if repeats > 1 else rows[0]
-                                 for rows in done.values() if rows]
-                entry["reference"] = normalise(entry["runs"])
-                write_json(compare_dir / "compare.json", data)
-                if done[spec][-1]["status"] == "interrupted":  # SIGTERM or Ctrl-C: stop it all
-                    console.print("interrupted: the comparison stops here")
-                    render_compare(compare_dir, console)
-                    return compare_dir
+    with RunLock(compare_dir):  # its runs are written by this process alone
+        total, started, count = len(budgets) * len(specs) * repeats, time.perf_counter(), 0
+        for base in at_budgets:
+            entry = {"budget": base.budget, "budget_bytes": base.budget_bytes, "reference": None, "runs": []}
+            data["budgets"].append(entry)
+            done = {spec: [] for spec in specs}
+            for round_ in range(repeats):
+                for spec in specs[round_ % len(specs):] + specs[:round_ % len(specs)]:
+                    count += 1
+                    elapsed = time.perf_counter() - started
+                    console.print(f"compare [{count}/{total}, {elapsed:.0f} s]: {spec} at {base.budget}"
+                                  + (f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""))
+                    done[spec].append(_one_run(base, spec, steps, compare_dir, view))
+                    entry["runs"] = [merge_repeats(rows) if repeats > 1 else rows[0]
+                                     for rows in done.values() if rows]
+                    entry["reference"] = normalise(entry["runs"])
+                    write_json(compare_dir / "compare.json", data)
+                    if done[spec][-1]["status"] == "interrupted":  # SIGTERM or Ctrl-C: stop it all
+                        console.print("interrupted: the comparison stops here")
+                        render_compare(compare_dir, console)
+                        return compare_dir
     render_compare(compare_dir, console)
     console.print(f"compare directory: {compare_dir}")
     return compare_dir

@@ -6,6 +6,7 @@ evaluation and stop requests, and the run directory. Under ``torchrun`` rank 0 w
 directory (``distributed.py`` says how the ranks agree).
 """
 
+import contextlib
 import math
 import os
 import platform
@@ -49,7 +50,7 @@ from mimose_cli.launcher.step import Trainer, autocast, build_trainer, micro_bat
 from mimose_cli.memory import SavedBytesCounter
 from mimose_cli.runs.live import ProgressView, check_view, new_console
 from mimose_cli.runs.records import StepRecord
-from mimose_cli.runs.rundir import RunWriter, check_out_dir, new_run_dir
+from mimose_cli.runs.rundir import RunLock, RunWriter, check_out_dir, new_run_dir
 from mimose_cli.runs.summary import summarize, summary_tables
 from mimose_cli.runs.tblog import TENSORBOARD_DIR
 from mimose_cli.units import format_budget
@@ -338,14 +339,18 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
     if resume is None and world.is_main:
         out_dir = check_out_dir(out_dir or recipe.out_dir)  # before anything slow is built
     with (StopRequest(announce=world.is_main) as stop, process_group(world, resolve_device(recipe.device)),
-          quiet_unless_main(world)):
+          quiet_unless_main(world), contextlib.ExitStack() as locks):
         live = ProgressView(f"mimose train {Path(resume).name if resume else recipe_name} [{recipe.planner.name}]",
                             format_budget(recipe.budget, recipe.budget_bytes), recipe.budget_bytes,
                             recipe.training.log_every, view, console)
         if world.distributed:
             live.setup(f"{world.size} processes: global batches of {world.size} x {recipe.training.batch_size} "
                        "examples; the table shows each step's rank with the highest peak")
+        if resume is not None and world.is_main:  # before the checkpoint is read or a record cut
+            locks.enter_context(RunLock(resume))
         run = _setup(recipe, out_dir, recipe_name, resume, live, world)
+        if resume is None and world.is_main:
+            locks.enter_context(RunLock(run.run_dir))
         broadcast_model(run.trainer.model, world)
         run.saves = save
         tensorboard = recipe.training.gradient_accumulation_steps if recipe.training.tensorboard else None

@@ -5,8 +5,10 @@ replaced atomically), so an interrupted, killed or disk-full run still leaves a 
 directory, and readers name the file and the key when one is not what a run writes.
 """
 
+import fcntl
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,6 +58,42 @@ def check_out_dir(out_dir) -> Path:
         raise ValueError(f"out_dir={str(path)!r} is not writable ({err.strerror}); "
                          "choose a directory you can write to") from None
     return path
+
+
+LOCK_FILE = ".mimose.lock"
+
+
+class RunLock:
+    """One writer per run directory: an advisory lock (``flock``) on ``LOCK_FILE`` in it, held while
+    ``train``, ``--resume`` or ``compare`` writes there. The kernel releases it when its process
+    ends however it ends, so a lock left by a killed run is never stale. A second writer is refused
+    before it changes anything, with a ``ValueError`` naming the holder's process id."""
+
+    def __init__(self, directory):
+        self.path = Path(directory) / LOCK_FILE
+        self._file = None
+
+    def __enter__(self) -> "RunLock":
+        file = open(self.path, "a+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "another process"
+            file.close()
+            raise ValueError(f"{self.path.parent} is being written by {holder}; wait until it ends, "
+                             "or train into another directory") from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"process {os.getpid()} ({' '.join(['mimose', *sys.argv[1:]])[:200]})")
+        file.flush()
+        self._file = file
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the file releases the lock
+            self._file = None
 
 
 class RunWriter:

@@ -90,3 +90,18 @@ def test_sigterm_inside_an_accumulation_window_stops_at_its_end(tmp_path, monkey
     assert stopped.summary["checkpoint_step"] == 2 and len(stopped.records) == 4
     run_training(resume_recipe(stopped.run_dir), view="none", resume=stopped.run_dir)
     assert _losses(stopped.run_dir) == _losses(reference.run_dir)  # same batches and plans: bit for bit
+
+
+def test_a_second_writer_is_refused_before_it_touches_the_run(completed, tmp_path):
+    import shutil
+
+    from mimose_cli.runs.rundir import RunLock
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(completed.run_dir, run_dir)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".mimose.lock"}
+    with RunLock(run_dir):  # a first --resume, still training
+        with pytest.raises(ValueError, match="is being written by process"):
+            run_training(resume_recipe(run_dir, ["training.max_steps=8"]), view="none", resume=run_dir)
+    after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".mimose.lock"}
+    assert after == before  # summary, records and checkpoint as they were

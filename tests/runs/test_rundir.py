@@ -79,3 +79,33 @@ def test_directories_started_at_once_are_each_their_own(tmp_path):
 def test_a_missing_out_dir_is_created_and_checked_without_leaving_anything(tmp_path):
     out = tmp_path / "new" / "runs"
     assert check_out_dir(out) == out and out.is_dir() and list(out.iterdir()) == []
+
+
+def test_one_writer_per_run_directory(tmp_path):
+    from mimose_cli.runs.rundir import RunLock
+
+    with RunLock(tmp_path):
+        with pytest.raises(ValueError, match=rf"{tmp_path} is being written by process {os.getpid()} "):
+            with RunLock(tmp_path):
+                pass
+    with RunLock(tmp_path):  # released on exit
+        pass
+
+
+def test_a_lock_dies_with_its_process(tmp_path):
+    import subprocess
+    import sys
+
+    from mimose_cli.runs.rundir import RunLock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mimose_cli.runs.rundir import RunLock; "
+                               f"lock = RunLock({str(tmp_path)!r}).__enter__(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(ValueError, match=f"process {holder.pid} "):
+        with RunLock(tmp_path):
+            pass
+    holder.kill()
+    holder.wait()
+    with RunLock(tmp_path):  # killed, not released: free all the same
+        pass
