@@ -187,6 +187,7 @@ def fit_budget(trainer, budget, planner: str = "mimose", *, max_input_size=None,
         budget_bytes = parse_size(budget)
     except ValueError as error:
         raise ValueError(f"budget={budget!r}: {error}") from None
+    _take_over_checkpointing(trainer)
     _refuse_unsupported(trainer, budget_bytes)
     _check_planner(planner, options, max_input_size)
     options.update(blocks=blocks, safety_margin=safety_margin)
@@ -235,16 +236,26 @@ def _check_planner(planner: str, options: dict, max_input_size) -> None:
         raise ValueError(f"max_input_size={max_input_size!r} is invalid; expected (batch_size, max_length)")
 
 
+def _take_over_checkpointing(trainer) -> None:
+    """Turn the Trainer's own checkpointing off (every layer of every batch, which would fight the
+    plan), with one logged line: TRL's SFTTrainer, for one, turns it on by default."""
+    args, model, taken = trainer.args, trainer.model, []
+    for name in ("gradient_checkpointing", "activation_checkpointing"):
+        if getattr(args, name, False):
+            setattr(args, name, False)  # read by Trainer.train, which fit_budget runs before
+            taken.append(f"TrainingArguments({name}=True)")
+    if getattr(model, "is_activation_checkpointing", False) or getattr(model, "is_gradient_checkpointing", False):
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+        taken.append("the model's own gradient checkpointing")
+    if taken:
+        logger.warning("mimose: %s turned off: mimose now decides per batch which layers to checkpoint",
+                       " and ".join(taken))
+
+
 def _refuse_unsupported(trainer, budget_bytes: int) -> None:
     """One ValueError naming the setting and the fix for what mimose cannot train under."""
     args = trainer.args
-    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-        raise ValueError("TrainingArguments(gradient_checkpointing=True) (activation_checkpointing in "
-                         "transformers 5) checkpoints every layer of every batch and would fight mimose's "
-                         "plan; set it to False (mimose checkpoints what the budget needs)")
-    if getattr(trainer.model, "is_activation_checkpointing", False):
-        raise ValueError("the model has Hugging Face gradient checkpointing on, which would fight mimose's "
-                         "plan; call model.activation_checkpointing_disable() before fit_budget")
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         raise ValueError("mimose does not plan for DeepSpeed or FSDP (they shard and offload the model "
                          "themselves); drop the deepspeed/fsdp training argument or fit_budget")

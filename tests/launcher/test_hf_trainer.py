@@ -177,7 +177,6 @@ def test_a_second_train_plans_again():
 
 
 @pytest.mark.parametrize("setting, budget, kwargs, message", [
-    ({"gradient_checkpointing": True}, "1GB", {}, r"gradient_checkpointing=True\) .*set it to False"),
     ({}, "6 gigs", {}, "budget='6 gigs': cannot read '6 gigs' as a byte size; write e.g. '6GB'"),
     ({}, "1KB", {}, "budget of 1000 B cannot hold the model's weights and their gradients .*raise it"),
     ({}, "1GB", {"planner": "fast"}, "planner='fast' is unknown; choose one of dtr, full, hf-every-n, mimose"),
@@ -210,13 +209,6 @@ def test_resized_batch_repeats_rows_and_tokens_keeping_every_key():
     assert torch.equal(small["input_ids"], batch["input_ids"][:2, :5])
 
 
-def test_a_model_checkpointing_already_is_refused():
-    trainer = _trainer()
-    trainer.model.activation_checkpointing_enable()
-    with pytest.raises(ValueError, match=r"checkpointing on, .*call model.activation_checkpointing_disable\(\)"):
-        fit_budget(trainer, "1GB")
-
-
 def test_fit_budget_twice_is_refused():
     trainer = _trainer()
     fit_budget(trainer, "1GB")
@@ -231,3 +223,16 @@ def test_a_keyword_only_code_can_pass_reaches_the_planner():
     fitted = fit_budget(_trainer(), "1GB", "dtr", cost_fn=cost)
     assert fitted.planner.runner.cost_fn is cost
     fitted.planner.close()
+
+
+def test_the_trainers_own_checkpointing_is_taken_over_with_one_line(budget, plain, caplog):
+    trainer = _trainer(gradient_checkpointing=True)  # TRL's SFTTrainer's default
+    trainer.model.activation_checkpointing_enable()
+    with caplog.at_level("WARNING", logger="mimose_cli.launcher.hf_trainer"):
+        run = _train(trainer, budget)
+    said = [r.getMessage() for r in caplog.records if "turned off" in r.getMessage()]
+    assert len(said) == 1 and "gradient_checkpointing=True" in said[0] and "model's own" in said[0]
+    assert "decides per batch" in said[0]
+    assert not trainer.args.gradient_checkpointing and not trainer.model.is_activation_checkpointing
+    assert any(info.plan for info in run.infos) and not all(info.plan for info in run.infos)  # mimose's plans
+    _same_training(run, plain)
