@@ -124,6 +124,10 @@ def preflight(trainer, config, state_bytes: int) -> BudgetRange:
     optimizer's state and, with accumulation, the gradients set aside during a micro-batch."""
     recipe = trainer.recipe
     size = max_input_size(recipe)
-    batch = trainer.to_device(make_batch(recipe, config, size))
+    try:
+        batch = trainer.to_device(make_batch(recipe, config, size))
+    except MemoryError:  # the host, not the device: numpy or torch could not allocate the batch
+        raise ValueError(f"a batch of the largest input the recipe allows ({' x '.join(map(str, size))} tokens) "
+                         "does not fit in this machine's memory; lower training.batch_size or data.max_length") from None
     later = state_bytes + (param_bytes(trainer.model) if recipe.training.gradient_accumulation_steps > 1 else 0)
     return measure_range(trainer.planner, batch, size, later)

@@ -95,9 +95,16 @@ def yaml_error_text(err: yaml.YAMLError) -> str:
     return where + " ".join(text.split())
 
 
+TOO_DEEP = "nested deeper than Python can read (a recipe is a few levels deep); flatten it"
+
+
 def load_yaml(text: str):
-    """Parse YAML text with ``StrictLoader``; raises ``yaml.YAMLError``."""
-    return yaml.load(text, Loader=StrictLoader)
+    """Parse YAML text with ``StrictLoader``; raises ``yaml.YAMLError`` (also for nesting so deep
+    that reading it would exhaust Python's recursion)."""
+    try:
+        return yaml.load(text, Loader=StrictLoader)
+    except RecursionError:
+        raise yaml.YAMLError(TOO_DEEP) from None
 
 
 class _Invalid(ValueError):
@@ -381,7 +388,7 @@ def _parse_override(text: str):
     try:
         return key.strip(), load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as err:
-        raise RecipeError(f"override {text!r}: the value is not valid YAML ({yaml_error_text(err)}); "
+        raise RecipeError(f"override {_shown(text)}: the value is not valid YAML ({yaml_error_text(err)}); "
                           "quote it to pass it as text") from None
 
 
@@ -427,7 +434,10 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
                      flags_from: str = "the command line") -> Recipe:
     """Build and validate a Recipe from a mapping, overrides ``key=value`` and flag values (an
     invalid one is blamed on ``flags_from``)."""
-    data = yaml.safe_load(yaml.safe_dump(data or {}))  # deep copy, plain types
+    try:
+        data = yaml.safe_load(yaml.safe_dump(data or {}))  # deep copy, plain types
+    except RecursionError:
+        raise RecipeError(f"{where}: {TOO_DEEP}") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
     origins = {}
@@ -442,6 +452,8 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
     _read_earlier_keys(data, where, origins)
     try:
         return _RECIPE.validate_python(data)
+    except RecursionError:
+        raise RecipeError(f"{where}: {TOO_DEEP}") from None
     except ValidationError as err:
         raise _recipe_error(err, where, origins) from None
 

@@ -205,6 +205,12 @@ MODEL_AND_DEVICE = [
           code=1, stage="model"),
     train("loss-diverges", "training.lr=1e30", "training.max_steps=3",
           named="at step 2: training diverged; lower training.lr (now 1e+30)", code=1, stage="model"),
+    train("batch-beyond-host-memory", "training.batch_size=1000000000",
+          named="does not fit in this machine's memory; lower training.batch_size", stage="model"),
+    train("override-nested-too-deep", "model.config_overrides={x: " + "[" * 500 + "]" * 500 + "}",
+          named="nested deeper than Python can read"),
+    recipe_file("recipe-nested-too-deep", "model:\n  config_overrides:\n    x: " + "[" * 500 + "]" * 500 + "\n",
+                "nested deeper than Python can read"),
 ]
 
 SWAG = "sent1,sent2,ending0,label\nthe cat,sat,on the mat,0\n"
