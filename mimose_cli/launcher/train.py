@@ -7,6 +7,7 @@ directory (``distributed.py`` says how the ranks agree).
 """
 
 import contextlib
+import json
 import math
 import os
 import platform
@@ -220,6 +221,9 @@ class Run:
     """Whether checkpoints and the trained model are written (not for ``compare``'s runs)."""
     validation: object = None
     """The validation batches (``build_eval_loader``); None without a validation split."""
+    finish_only: bool = False
+    """A resumed run that had trained every step but whose final save was cut (a second Ctrl-C
+    while writing the model): nothing to train, only the model and the summary to write."""
 
     @property
     def resumed_from_steps(self) -> list:
@@ -262,12 +266,23 @@ def _setup(recipe: Recipe, out_dir, recipe_name: str, resume, view: ProgressView
     run_dir = Path(resume)
     checkpoint = load_checkpoint(run_dir)
     start = restore_trainer(trainer, checkpoint, world.rank, world.size)
-    if start.step >= total:
+    finish_only = start.step >= total and not _saved_whole(run_dir)
+    if start.step >= total and not finish_only:
         raise ValueError(f"{run_dir} has trained {start.step} of training.max_steps={total} steps already; "
                          "raise training.max_steps to train further")
     records = cut_records(run_dir, start.step, recipe.training.gradient_accumulation_steps) if world.is_main else []
     return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, start, checkpoint, records,
-               checkpoint_step=start.step, validation=validation)
+               checkpoint_step=start.step, validation=validation, finish_only=finish_only)
+
+
+def _saved_whole(run_dir: Path) -> bool:
+    """Whether a run's final save got through: the model and a summary that says completed."""
+    summary = run_dir / "summary.json"
+    try:
+        completed = json.loads(summary.read_text()).get("status") == "completed"
+    except (OSError, ValueError, AttributeError):
+        completed = False
+    return completed and (run_dir / MODEL_DIR).is_dir()
 
 
 def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, clock: float) -> LoopEnd:
@@ -358,11 +373,14 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
                   if world.is_main else SilentWriter(run.run_dir))
         if tensorboard is not None and world.is_main:
             live.setup(f"tensorboard: tensorboard --logdir {run.run_dir / TENSORBOARD_DIR}")
-        if resume is not None:
+        if run.finish_only:
+            live.message(f"{run.run_dir} trained all {run.total_steps} steps but its final save was cut: "
+                         "writing the model and the summary")
+        elif resume is not None:
             live.message(f"resuming {run.run_dir} at step {run.start.step} of {run.total_steps}")
         clock = time.perf_counter()
         try:
-            end = _train(run, writer, live, stop, clock)
+            end = LoopEnd() if run.finish_only else _train(run, writer, live, stop, clock)
         finally:
             live.close()
             writer.close()

@@ -105,3 +105,22 @@ def test_a_second_writer_is_refused_before_it_touches_the_run(completed, tmp_pat
             run_training(resume_recipe(run_dir, ["training.max_steps=8"]), view="none", resume=run_dir)
     after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".mimose.lock"}
     assert after == before  # summary, records and checkpoint as they were
+
+
+def test_a_run_whose_final_save_was_cut_finishes_it_on_resume(completed, tmp_path):
+    """A second Ctrl-C while the model was written: the checkpoint of the last step is there, the
+    model and the summary are not (a stray temporary model directory instead)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(completed.run_dir, run_dir)
+    shutil.rmtree(run_dir / "model")
+    (run_dir / "summary.json").unlink()
+    (run_dir / ".model.tmp").mkdir()
+    records = (run_dir / "metrics.jsonl").read_text()
+    done = run_training(resume_recipe(run_dir), view="none", resume=run_dir)
+    assert done.summary["status"] == "completed" and done.summary["steps"] == completed.summary["steps"]
+    assert (run_dir / "model" / "config.json").is_file() and not (run_dir / ".model.tmp").exists()
+    assert (run_dir / "metrics.jsonl").read_text() == records  # nothing trained again
+    with pytest.raises(ValueError, match="raise training.max_steps"):  # now whole: nothing left to do
+        run_training(resume_recipe(run_dir), view="none", resume=run_dir)
