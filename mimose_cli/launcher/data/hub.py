@@ -109,10 +109,16 @@ def _columns(raw, names: list, where: str, texts: int = 0) -> dict:
     return columns
 
 
-def _label_ids(values: list, limit: int, key: str) -> list:
-    """Integer labels as they are; string labels numbered in sorted order."""
+def _label_ids(values: list, limit: int, key: str, names: list | None = None) -> list:
+    """Integer labels as they are; string labels numbered in sorted order of ``names``, the
+    training split's labels (a validation split is numbered as the training split was; a label
+    the training split does not have is refused), or of their own when None."""
     if values and all(isinstance(v, str) for v in values):
-        names = sorted(set(values))
+        if names is not None and set(values) - set(names):
+            unknown = sorted(set(values) - set(names))[0]
+            raise ValueError(f"validation label {unknown!r} does not occur in the training split "
+                             f"(its labels: {', '.join(names)}); labels are numbered from the training split")
+        names = sorted(set(values)) if names is None else names
         values = [names.index(v) for v in values]
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < limit]
     if bad:
@@ -133,7 +139,21 @@ def _rows(encoding, index: int) -> dict:
     return {"input_ids": ids, "token_type_ids": types[index] if types is not None else [0] * len(ids)}
 
 
-def _classification(raw, tokenizer, data) -> list:
+def _label_field(task: str, data) -> str:
+    return (data.label_field or "label") if task == "sequence_classification" else "label"
+
+
+def text_label_names(raw, task: str, data) -> list | None:
+    """The sorted text labels of a split (the training split's number every split), None when
+    its labels are not text or the task has none."""
+    field = _label_field(task, data)
+    if task not in ("sequence_classification", "multiple_choice") or field not in raw.column_names:
+        return None
+    values = raw[field]
+    return sorted(set(values)) if values and all(isinstance(v, str) for v in values) else None
+
+
+def _classification(raw, tokenizer, data, names=None) -> list:
     fields = data.text_fields or ["text"]
     if len(fields) not in (1, 2):
         raise ValueError(f"data.text_fields={fields!r}: expected one or two column names")
@@ -141,18 +161,18 @@ def _classification(raw, tokenizer, data) -> list:
     cols = _columns(raw, [*fields, label_field], "data.text_fields / data.label_field", texts=len(fields))
     second = cols[fields[1]] if len(fields) == 2 else None
     enc = _encode(tokenizer, cols[fields[0]], second, data.max_length)
-    labels = _label_ids(cols[label_field], data.num_labels, "data.num_labels")
+    labels = _label_ids(cols[label_field], data.num_labels, "data.num_labels", names)
     return [{**_rows(enc, i), "label": label} for i, label in enumerate(labels)]
 
 
-def _causal_lm(raw, tokenizer, data) -> list:
+def _causal_lm(raw, tokenizer, data, names=None) -> list:
     fields = data.text_fields or ["text"]
     texts = _columns(raw, fields[:1], "data.text_fields", texts=1)[fields[0]]
     enc = _encode(tokenizer, texts, None, data.max_length)
     return [_rows(enc, i) for i in range(len(texts)) if enc["input_ids"][i]]
 
 
-def _multiple_choice(raw, tokenizer, data) -> list:
+def _multiple_choice(raw, tokenizer, data, names=None) -> list:
     choices = data.num_choices
     endings = [f"ending{c}" for c in range(choices)]
     cols = _columns(raw, ["sent1", "sent2", *endings, "label"], "multiple_choice (SWAG layout)",
@@ -160,7 +180,7 @@ def _multiple_choice(raw, tokenizer, data) -> list:
     first = [s for s in cols["sent1"] for _ in range(choices)]
     second = [f"{s} {cols[e][i]}" for i, s in enumerate(cols["sent2"]) for e in endings]
     enc = _encode(tokenizer, first, second, data.max_length)
-    labels = _label_ids(cols["label"], choices, "data.num_choices")
+    labels = _label_ids(cols["label"], choices, "data.num_choices", names)
     examples = []
     for i, label in enumerate(labels):
         rows = [_rows(enc, i * choices + c) for c in range(choices)]
@@ -193,7 +213,7 @@ def _is_answer(answers) -> bool:
             and all(isinstance(i, int) and not isinstance(i, bool) for i in starts))
 
 
-def _question_answering(raw, tokenizer, data) -> list:
+def _question_answering(raw, tokenizer, data, names=None) -> list:
     if not tokenizer.is_fast:
         raise ValueError("data.tokenizer: question_answering needs a fast tokenizer for character offsets")
     cols = _columns(raw, ["question", "context", "answers"], "question_answering (SQuAD layout)", texts=2)
@@ -229,5 +249,6 @@ def build_hf(recipe, config, validation: bool = False) -> list:
     """Examples of ``data.name`` (``validation``: of ``data.validation_split``) tokenized by
     ``data.tokenizer`` for ``recipe.task``, in file order."""
     raw = load_raw(recipe.data, validation)
+    names = text_label_names(load_raw(recipe.data, False), recipe.task, recipe.data) if validation else None
     tokenizer = load_tokenizer(recipe, config)
-    return TASK_READERS[recipe.task](raw, tokenizer, recipe.data)
+    return TASK_READERS[recipe.task](raw, tokenizer, recipe.data, names)

@@ -140,3 +140,18 @@ def test_tokenizer_larger_than_the_vocabulary_is_named(tmp_path, tokenizer_dir):
     r.model.config_overrides = {"vocab_size": 8}
     with pytest.raises(ValueError, match="vocab_size"):
         build_dataset(r, model_config(r))
+
+
+def test_text_labels_are_numbered_once_for_every_split(tmp_path, tokenizer_dir):
+    from mimose_cli.launcher.data.dataset import build_validation
+
+    train = write_csv(tmp_path / "train.csv", [{"text": s, "label": label}
+                                               for s, label in zip(SENTENCES, ["pos", "neg", "pos", "neg"])])
+    only_pos = write_csv(tmp_path / "val.csv", [{"text": SENTENCES[0], "label": "pos"}])
+    r = recipe("sequence_classification", train, tokenizer_dir, validation_split=str(only_pos))
+    assert [e["label"] for e in build_validation(r, model_config(r))] == [1]  # pos, as in training
+    unseen = write_csv(tmp_path / "unseen.csv", [{"text": SENTENCES[0], "label": "neutral"}])
+    r = recipe("sequence_classification", train, tokenizer_dir, validation_split=str(unseen))
+    with pytest.raises(ValueError, match="validation label 'neutral' does not occur in the training split "
+                                         r"\(its labels: neg, pos\)"):
+        build_validation(r, model_config(r))
