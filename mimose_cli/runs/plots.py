@@ -7,6 +7,7 @@ PNGs and says which it could not draw, and why.
 """
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -385,6 +386,19 @@ def write_plots(path, out_dir=None) -> Plots:
         if isinstance(figure, str):
             plots.skipped.append((name, figure))
             continue
-        figure.savefig(out_dir / name, dpi=DPI)
+        _save(figure, out_dir / name)
         plots.written.append(out_dir / name)
     return plots
+
+
+def _save(figure: Figure, target: Path) -> None:
+    """Write ``figure`` as ``target`` whole or not at all (a temporary file, then a rename); a
+    write that fails (a full disk, no permission) is an OSError naming the file and the way out."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        figure.savefig(tmp, dpi=DPI, format="png")
+        os.replace(tmp, target)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"{target} could not be written ({err.strerror or err}); free the space or fix the "
+                      "permissions, or leave the plots out: mimose report --no-plots") from None

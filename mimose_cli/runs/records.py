@@ -128,12 +128,39 @@ class StepRecord:
             key = _key(str(first["loc"][0])) if first["loc"] else "?"
             if first["type"] == "missing":
                 raise ValueError(f"key {key!r} is missing") from None
-            expected = first["msg"].removeprefix("Input should be ")
+            msg = first["msg"]
+            expected = msg.removeprefix("Input should be ") if msg.startswith("Input should be ") else (
+                "a value of the size a run writes")
             raise ValueError(f"{key}={first['input']!r} is invalid; expected {expected}") from None
         missing = [name for name in COMPLETED_STEP_KEYS if getattr(record, name) is None]
         if not record.oom and missing:
             raise ValueError(f"key {_key(missing[0])!r} is missing (every completed step has it)")
+        _check_values(record)
         return record
+
+
+_MAX_BYTES = 2**60
+"""More than any device holds: a byte figure above it is not one a run writes."""
+_BYTES = ("peak_bytes", "fwd_bwd_peak_bytes", "start_bytes", "activation_bytes", "predicted_peak_bytes",
+          "reached_bytes", "reserved_peak_bytes", "eval_peak_bytes")
+_MS = ("iter_ms", "planner_ms", "excluded_ms", "recompute_ms", "eval_ms")
+_COUNTS = ("step", "micro_step", "retries", "num_blocks", "epoch")
+
+
+def _check_values(record: "StepRecord") -> None:
+    """Values no run writes (a negative, absurd or non-finite figure) raise ValueError naming the key."""
+    for name in _BYTES:
+        value = getattr(record, name)
+        if value is not None and not 0 <= value <= _MAX_BYTES:
+            raise ValueError(f"{_key(name)}={value!r} is invalid; expected bytes between 0 and 2**60")
+    for name in _MS:
+        value = getattr(record, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}={value!r} is invalid; expected milliseconds, finite and >= 0")
+    for name in _COUNTS:
+        value = getattr(record, name)
+        if value is not None and value < 0:
+            raise ValueError(f"{name}={value!r} is invalid; expected a count >= 0")
 
 
 COMPLETED_STEP_KEYS = ("loss", "peak_bytes")
@@ -182,12 +209,18 @@ _RECORD = TypeAdapter(StepRecord)
 def read_records(path) -> list:
     """The ``StepRecord``s of a ``metrics.jsonl``; a torn last line (an interrupted run) is
     skipped, any other bad line raises ValueError naming the file and the record."""
-    records = []
+    records, seen = [], {}
     for number, data in enumerate(read_jsonl(Path(path)), 1):
         try:
-            records.append(StepRecord.from_json(data))
+            record = StepRecord.from_json(data)
         except ValueError as err:
             raise ValueError(f"{path} record {number}: {err}; the file is corrupt") from None
+        where = (record.step, record.micro_step)
+        if where in seen:  # a run records each micro-batch once (a resume cuts what it trains again)
+            raise ValueError(f"{path} record {number}: step {record.step} micro_step {record.micro_step} "
+                             f"again (first as record {seen[where]}); the file is corrupt")
+        seen[where] = number
+        records.append(record)
     return records
 
 

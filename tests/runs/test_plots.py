@@ -3,6 +3,7 @@
 import json
 import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,3 +174,19 @@ def test_a_compare_directory_gets_time_and_memory_against_budget(compare_dir):
     assert "budget" in legend_texts(memory_ax)
     assert len(memory_ax.patches) == 12 and any(t.get_text() == "oom" for t in memory_ax.texts)
     assert json.loads((compare_dir / "compare.json").read_text())["budgets"][0]["budget"] == "30MB"
+
+
+def test_a_plot_that_cannot_be_written_is_named_and_leaves_no_file(mimose_run, tmp_path, monkeypatch):
+    import errno
+
+    from matplotlib.figure import Figure
+
+    def full_disk(self, path, **kwargs):
+        Path(path).write_bytes(b"\x89PNG half")  # a write cut short
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    out = tmp_path / "plots"
+    with pytest.raises(OSError, match=r"memory\.png could not be written \(No space left on device\); .*--no-plots"):
+        write_plots(mimose_run, out)
+    assert list(out.iterdir()) == []  # neither a torn PNG nor its temporary file

@@ -1,5 +1,7 @@
 import json
+import re
 
+import pytest
 import torch
 
 from mimose_cli.launcher.train import run_training
@@ -100,3 +102,28 @@ def test_metrics_of_a_real_run_parse_into_records_of_both_shapes(quick_recipe):
     assert {k: v for k, v in again.items() if k not in run_only} == \
         {k: v for k, v in result.summary.items() if k not in run_only}
     assert result.summary["error"] == records[-1].error
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("memory/peak_bytes", -5, "memory/peak_bytes=-5 is invalid; expected bytes between 0 and 2**60"),
+    ("memory/peak_bytes", 1e300, "memory/peak_bytes=1e+300 is invalid; expected a value of the size a run writes"),
+    ("memory/peak_bytes", 2.0**61, "memory/peak_bytes=2305843009213693952 is invalid; expected bytes between 0"),
+    ("predicted_peak_bytes", -1, "predicted_peak_bytes=-1 is invalid"),
+    ("iter_ms", float("inf"), "iter_ms=inf is invalid; expected milliseconds, finite and >= 0"),
+    ("iter_ms", -3.0, "iter_ms=-3.0 is invalid"),
+    ("retries", -1, "retries=-1 is invalid; expected a count >= 0"),
+])
+def test_values_no_run_writes_are_refused_naming_the_file_record_and_key(tmp_path, key, value, said):
+    good = {"step": 0, "loss": 1.5, "iter_ms": 90.0, "memory/peak_bytes": 7}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "step": 1, key: value}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path} record 2: {said}")):
+        read_records(path)
+
+
+def test_a_micro_batch_recorded_twice_is_refused(tmp_path):
+    line = json.dumps({"step": 0, "loss": 1.5, "iter_ms": 90.0, "memory/peak_bytes": 7}) + "\n"
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(line * 2)
+    with pytest.raises(ValueError, match="record 2: step 0 micro_step 0 again \\(first as record 1\\)"):
+        read_records(path)
