@@ -22,12 +22,13 @@ processes a resume needs.
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from mimose_cli.files import file_mode
+from mimose_cli.launcher.recipe import recipe_to_dict
 from mimose_cli.runs.rundir import CHECKPOINT
 
 MODEL_DIR = "model"
@@ -96,6 +97,7 @@ def save_checkpoint(run_dir: Path, trainer, progress: Progress, other_ranks: lis
         "optimizer": trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
+        "recipe": json.dumps(recipe_to_dict(trainer.recipe)),
         **rank_state(trainer),
         "world_size": 1 + len(other_ranks),
         "other_ranks": list(other_ranks),
@@ -141,6 +143,60 @@ def load_checkpoint(run_dir: Path) -> dict:
     return state
 
 
+_ENTRIES = ("progress", "model", "optimizer", "scheduler", "scaler")
+_RANK_ENTRIES = ("rng", "planner")
+
+
+def check_checkpoint(trainer, checkpoint: dict, rank: int = 0) -> None:
+    """Everything a resume will read of ``checkpoint``, checked against the recipe's trainer before
+    anything is loaded or any file changed: each entry there, the weights' names and shapes those
+    of this model, the optimizer's groups those of this optimizer. ValueError naming what differs."""
+    part = _rank_part(checkpoint, rank) if rank == 0 or len(checkpoint.get("other_ranks", ())) >= rank else {}
+    missing = [key for key in _ENTRIES if key not in checkpoint] + [key for key in _RANK_ENTRIES if key not in part]
+    if missing:
+        raise ValueError(f"the checkpoint has no {missing[0]} entry: it is incomplete (written by something "
+                         "else than mimose train?); start the run again")
+    ours, saved = trainer.model.state_dict(), checkpoint["model"]
+    for name in sorted(set(ours) | set(saved)):
+        if name not in saved or name not in ours:
+            where = "this recipe's model" if name in ours else "the checkpoint"
+            raise ValueError(f"{name} is in {where} only: the checkpoint is of another model (was "
+                             "recipe.yaml edited?); resume with the recipe it was trained with")
+        if tuple(saved[name].shape) != tuple(ours[name].shape):
+            raise ValueError(f"{name} has shape {tuple(saved[name].shape)} in the checkpoint and "
+                             f"{tuple(ours[name].shape)} in this recipe's model: the checkpoint is of another "
+                             "model (was recipe.yaml edited?); resume with the recipe it was trained with")
+    groups = checkpoint["optimizer"].get("param_groups", [])
+    if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in trainer.optimizer.param_groups]:
+        raise ValueError("the checkpoint's optimizer holds other parameter groups than this recipe's; "
+                         "the checkpoint is of another model or optimizer")
+    if set(checkpoint["progress"]) != {f.name for f in fields(Progress)}:
+        raise ValueError("the checkpoint's progress entry is not one mimose writes; start the run again")
+    if "recipe" in checkpoint:  # checkpoints of earlier releases do not hold it
+        _check_same_recipe(json.loads(checkpoint["recipe"]), recipe_to_dict(trainer.recipe))
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _check_same_recipe(trained: dict, now: dict) -> None:
+    """The recipe a run resumes with is the one its checkpoint was trained with, but for
+    ``training.max_steps`` (an edited recipe.yaml would claim settings the run never had)."""
+    a, b = _flat(trained), _flat(now)
+    for key in sorted(set(a) | set(b)):
+        if key != "training.max_steps" and a.get(key) != b.get(key):
+            raise ValueError(f"{key} is {b.get(key)!r} in the recipe now but the run was trained with "
+                             f"{a.get(key)!r} (recipe.yaml edited?); resume with the recipe it was trained "
+                             "with: only training.max_steps may change")
+
+
 def restore_trainer(trainer, checkpoint: dict, rank: int = 0, world_size: int = 1) -> Progress:
     """Load the checkpoint's weights, scheduler, scaler and rank ``rank``'s planner state into a
     freshly built trainer; returns where the run stands. The optimizer's state and the RNG come
@@ -150,6 +206,7 @@ def restore_trainer(trainer, checkpoint: dict, rank: int = 0, world_size: int = 
     if saved != world_size:
         raise ValueError(f"the checkpoint was written by a run of {saved} process(es) and this run has "
                          f"{world_size}; resume it with {saved} (torchrun --nproc_per_node {saved})")
+    check_checkpoint(trainer, checkpoint, rank)
     trainer.model.load_state_dict(checkpoint["model"])
     trainer.scheduler.load_state_dict(checkpoint["scheduler"])
     if trainer.scaler is not None and checkpoint["scaler"] is not None:

@@ -23,7 +23,7 @@ def finished(tmp_path_factory):
 
 def test_checkpoint_holds_every_state_and_loads_with_weights_only(finished):
     state = torch.load(finished.run_dir / CHECKPOINT, weights_only=True)
-    assert set(state) == {"format", "progress", "model", "optimizer", "scheduler", "scaler", "rng", "planner",
+    assert set(state) == {"format", "progress", "model", "optimizer", "scheduler", "scaler", "recipe", "rng", "planner",
                           "world_size", "other_ranks"}
     assert (state["world_size"], state["other_ranks"]) == (1, [])
     # 6 steps of 4 examples over 48 examples: 12 batches per epoch, 6 done.

@@ -3,6 +3,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from mimose_cli.launcher.recipe import RecipeError, load_recipe
 from mimose_cli.launcher.resume import cut_records, resume_recipe
@@ -124,3 +125,36 @@ def test_a_run_whose_final_save_was_cut_finishes_it_on_resume(completed, tmp_pat
     assert (run_dir / "metrics.jsonl").read_text() == records  # nothing trained again
     with pytest.raises(ValueError, match="raise training.max_steps"):  # now whole: nothing left to do
         run_training(resume_recipe(run_dir), view="none", resume=run_dir)
+
+
+@pytest.mark.parametrize("break_it, said", [
+    (lambda state: state.pop("optimizer"), "the checkpoint has no optimizer entry: it is incomplete"),
+    (lambda state: state.pop("rng"), "the checkpoint has no rng entry"),
+    (lambda state: state["model"].update({k: torch.zeros(3) for k in list(state["model"])[:1]}),
+     r"has shape \(3,\) in the checkpoint and .* in this recipe's model: the checkpoint is of another model"),
+    (lambda state: state["model"].pop(next(iter(state["model"]))), "is in this recipe's model only"),
+])
+def test_a_checkpoint_that_cannot_resume_is_refused_before_any_file_changes(completed, tmp_path, break_it, said):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(completed.run_dir, run_dir)
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    break_it(state)
+    torch.save(state, run_dir / "checkpoint.pt")
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    with pytest.raises(ValueError, match=said):
+        run_training(resume_recipe(run_dir, ["training.max_steps=8"]), view="none", resume=run_dir)
+    after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".mimose.lock"}
+    assert after == {k: v for k, v in before.items() if k != ".mimose.lock"}  # summary.json kept, records uncut
+
+
+def test_a_recipe_yaml_edited_since_the_checkpoint_is_refused(completed, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(completed.run_dir, run_dir)
+    recipe = run_dir / "recipe.yaml"
+    recipe.write_text(recipe.read_text().replace("lr: 0.002", "lr: 0.01"))
+    with pytest.raises(ValueError, match=r"training.lr is 0.01 in the recipe now but the run was trained with 0.002"):
+        run_training(resume_recipe(run_dir, ["training.max_steps=8"]), view="none", resume=run_dir)
