@@ -22,6 +22,7 @@ from mimose_cli.memory import build_meter
 from mimose_cli.planners.blocks import BlockRouter, PlanRunner, RecomputeClock, discover_blocks
 from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.recovery import PlanOutOfMemoryError, StepGuard, oom_message, reached_bytes
+from mimose_cli.planners.usage import EnteredOnce, check_trackable, claim, release
 from mimose_cli.units import parse_size
 
 # Provisional until measured on a GPU (docs/MIMOSE.md): the caching allocator rounds requests to
@@ -108,6 +109,9 @@ class Planner:
         self._safety_margin = None if auto else parse_size(safety_margin, allow_zero=True)
         self.blocks = blocks if isinstance(blocks, list) else discover_blocks(model, blocks)
         self.num_blocks = len(self.blocks)
+        self.closed = False
+        claim(model, self)
+        self._stepping = False  # inside a step: a second one would nest
         self.meter = meter
         self._owns_meter = meter is None and self.builds_meter
         if self._owns_meter:
@@ -217,6 +221,7 @@ class Planner:
         kept from step to step. Counted again at each step's start, so what appeared since is
         seen; the model and the step's batch are counted without asking. Accepts what
         ``Meter.track`` does: modules, optimizers, tensors, dicts and lists of them."""
+        check_trackable(objects)
         self._tracked.extend(objects)
 
     @contextlib.contextmanager
@@ -253,9 +258,31 @@ class Planner:
                         measured=decision.measure and self.measurer is not None,
                         excluded_ms=decision.excluded_ms, retries=self.attempt)
 
-    @contextlib.contextmanager
     def step(self, batch=None, input_size=None):
-        """Decide and apply the plan for this batch; yields the ``StepInfo``."""
+        """Decide and apply the plan for this batch, as a ``with`` block around its forward and
+        backward; yields the ``StepInfo``."""
+        self._check_open("step")
+        return EnteredOnce(self._step(batch, input_size), "planner.step(batch)")
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"planner.{what} after close(): this planner put the model's blocks back; "
+                               "build a new planner to plan again")
+
+    @contextlib.contextmanager
+    def _step(self, batch, input_size):
+        if self._stepping:
+            raise RuntimeError("planner.step (or run) inside another step of the same planner: one step "
+                               "at a time, each around one forward and backward")
+        self._stepping = True
+        try:
+            with self._planned_step(batch, input_size) as info:
+                yield info
+        finally:
+            self._stepping = False
+
+    @contextlib.contextmanager
+    def _planned_step(self, batch, input_size):
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
         start = time.perf_counter()
         with self._metered(batch), self.meter.step() if self._owns_meter else contextlib.nullcontext():
@@ -293,6 +320,9 @@ class Planner:
         too, ``PlanOutOfMemoryError`` says why with the budget, the prediction and what was
         reached. The optimizer is never touched here.
         """
+        self._check_open("run")
+        if self._stepping:
+            raise RuntimeError("planner.run inside a step of the same planner: one step at a time")
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
         with self._metered(batch):  # around the attempts: the guard's snapshots are counted too
             return self._run(step_fn, batch, size)
@@ -391,6 +421,8 @@ class Planner:
         if self._use_cache:
             self._config.use_cache, self._use_cache = self._use_cache, None
         self._tracked = []
+        self.closed = True
+        release(self.model, self)
 
     def __enter__(self) -> "Planner":
         return self

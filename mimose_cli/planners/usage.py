@@ -1,0 +1,58 @@
+"""Mistakes in using a planner from code, each said in one line instead of an internal error or
+nothing: a second planner on a model that has one, a step inside a step, a planner used after
+``close``, ``step`` called without ``with``, ``track`` given something it cannot count."""
+
+import warnings
+import weakref
+
+import torch
+
+_OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> weakref to its planner
+
+
+def claim(model, planner) -> None:
+    """Attach ``planner`` to ``model``; ValueError when another open planner already is."""
+    owner = _OWNERS.get(model)
+    holder = owner() if owner is not None else None
+    if holder is not None and not holder.closed:
+        raise ValueError(f"this model already has a {holder.name} planner attached; close() it first "
+                         "(a `with` block closes it) or plan with that one")
+    _OWNERS[model] = weakref.ref(planner)
+
+
+def release(model, planner) -> None:
+    owner = _OWNERS.get(model)
+    if owner is not None and owner() is planner:
+        del _OWNERS[model]
+
+
+def check_trackable(objects) -> None:
+    """What ``track`` counts: modules, optimizers, tensors, and dicts, lists and tuples of them."""
+    for obj in objects:
+        if isinstance(obj, dict):
+            check_trackable(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            check_trackable(obj)
+        elif not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
+            raise ValueError(f"track({obj!r}): expected a module, an optimizer, a tensor, or dicts and "
+                             f"lists of them, not {type(obj).__name__}")
+
+
+class EnteredOnce:
+    """``planner.step(...)``: a context manager that says so when it is never entered (a call
+    without ``with`` plans nothing, silently, otherwise)."""
+
+    def __init__(self, manager, what: str):
+        self._manager, self._what, self._entered = manager, what, False
+
+    def __enter__(self):
+        self._entered = True
+        return self._manager.__enter__()
+
+    def __exit__(self, *exc_info):
+        return self._manager.__exit__(*exc_info)
+
+    def __del__(self):
+        if not self._entered:
+            warnings.warn(f"{self._what} was never entered, so nothing was planned: write "
+                          f"`with {self._what}:` around the forward and backward", RuntimeWarning, stacklevel=2)

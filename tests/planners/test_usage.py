@@ -1,0 +1,58 @@
+"""Mistakes in using a planner from code end in one line naming them, not an internal error or a
+silent no-op."""
+
+import gc
+
+import pytest
+
+import mimose_cli
+
+from helpers import bert_batch, tiny_bert
+
+
+def _backward(model, batch):
+    model(**batch).loss.backward()
+
+
+def test_a_step_inside_a_step_is_refused():
+    model, batch = tiny_bert(), bert_batch(2, 16)
+    with mimose_cli.Mimose(model, "1GB", sheltered_steps=1) as planner:
+        with pytest.raises(RuntimeError, match="inside another step of the same planner"):
+            with planner.step(batch):
+                with planner.step(batch):
+                    _backward(model, batch)
+        with pytest.raises(RuntimeError, match="planner.run inside a step"):
+            planner.run(lambda b: planner.run(lambda c: _backward(model, c), b), batch)
+        planner.run(lambda b: _backward(model, b), batch)  # and the planner still steps afterwards
+
+
+def test_a_closed_planner_is_refused_and_a_model_takes_one_planner_at_a_time():
+    model, batch = tiny_bert(), bert_batch(2, 16)
+    first = mimose_cli.Mimose(model, "1GB")
+    with pytest.raises(ValueError, match="already has a mimose planner attached; close\\(\\) it first"):
+        mimose_cli.build_planner("full", model)
+    first.close()
+    with pytest.raises(RuntimeError, match="planner.run after close\\(\\)"):
+        first.run(lambda b: _backward(model, b), batch)
+    with pytest.raises(RuntimeError, match="planner.step after close\\(\\)"):
+        first.step(batch)
+    mimose_cli.build_planner("full", model).close()  # free once closed
+    mimose_cli.build_planner("full", model)  # dropped without close(): its router is still in the blocks
+    gc.collect()
+    with pytest.raises(ValueError, match="already has a full planner attached"):
+        mimose_cli.build_planner("none", model)
+
+
+def test_step_without_with_warns_that_nothing_was_planned():
+    model, batch = tiny_bert(), bert_batch(2, 16)
+    with mimose_cli.Mimose(model, "1GB") as planner:
+        with pytest.warns(RuntimeWarning, match="was never entered, so nothing was planned"):
+            planner.step(batch)
+            gc.collect()
+
+
+def test_track_refuses_what_it_cannot_count():
+    with mimose_cli.Mimose(tiny_bert(), "1GB") as planner:
+        with pytest.raises(ValueError, match=r"track\('optimizer'\): expected a module, an optimizer, a tensor"):
+            planner.track("optimizer", 42)
+        planner.track({"kept": [bert_batch(2, 8)["input_ids"]]})  # nested tensors are fine
