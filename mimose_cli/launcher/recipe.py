@@ -167,8 +167,8 @@ class DataConfig:
     """Synthetic: override the preset's shortest token length."""
     num_choices: StrictInt = Field(4, ge=1)
     """Multiple choice: choices per example."""
-    num_labels: StrictInt = Field(2, ge=1)
-    """Sequence classification: number of classes."""
+    num_labels: StrictInt = Field(2, ge=2)
+    """Sequence classification: number of classes (at least 2: one would make the head a regression)."""
     name: Optional[str] = None
     """hf: data set name on the hub, or a local json/csv/parquet file or directory."""
     config_name: Optional[str] = None
@@ -260,6 +260,10 @@ class TrainingConfig:
     checkpointed and retries to runs/<id>/tensorboard/ (needs ``pip install tensorboard``)."""
 
     def __post_init__(self):
+        if self.max_steps is not None and self.warmup_steps > self.max_steps:  # a smoke test, or a slip
+            warnings.warn(f"training.warmup_steps={self.warmup_steps} is longer than the run "
+                          f"(training.max_steps={self.max_steps}): the learning rate never reaches "
+                          "training.lr", stacklevel=2)
         # Checked with the recipe, before anything is built; find_spec does not import it.
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise _Invalid("tensorboard", True, "false: the tensorboard package is not installed "
@@ -400,7 +404,17 @@ def _set_dotted(data: dict, key: str, value, where: str) -> None:
         if not isinstance(child, dict):
             raise RecipeError(f"{where}: {key!r} goes inside {part!r}, which is not a section")
         node = child
-    node[parts[-1]] = value
+    old = node.get(parts[-1])
+    # A mapping given for a section sets those keys in it, as a YAML file's section does, instead
+    # of replacing the section with defaults for every key it leaves out.
+    node[parts[-1]] = _merged(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+
+
+def _merged(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, dict) else value
+    return out
 
 
 def _read_earlier_keys(data: dict, where: str, origins: dict) -> None:
@@ -443,6 +457,9 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
     origins = {}
     for text in overrides:
         key, value = _parse_override(text)
+        if key in origins:  # as on a command line, the last one wins; said, since it may be a slip
+            warnings.warn(f"override {_shown(text)}: {key} is given twice (also by {origins[key]}); "
+                          "the last one is used", stacklevel=2)
         origins[key.strip()] = f"override {text!r}"
         _set_dotted(data, key, value, f"{where} (override {text!r})")
     for key, value in (flags or {}).items():

@@ -160,6 +160,10 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr", "hf-every-n"),
     budgets = list(budgets or ([recipe.budget] if recipe.budget else []))
     if not budgets:
         raise ValueError("compare needs a budget: set `budget` in the recipe or pass budgets=[...]")
+    repeated = next((b for n, b in enumerate(budgets) if b in budgets[:n]), None)
+    if repeated is not None:
+        raise ValueError(f"budget {repeated} is given twice among the budgets to compare; give each once "
+                         "(--repeats N runs each budget N times)")
     # Every budget and every planner's recipe checked before the first run.
     at_budgets = [_at_budget(recipe, budget) for budget in budgets]
     for spec in specs:

@@ -51,6 +51,9 @@ def check_out_dir(out_dir) -> Path:
     path = Path(out_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"out_dir={str(path)!r} is a file, not a directory; choose a directory")
+    if (path / "metrics.jsonl").exists() or (path / "compare.json").exists():
+        raise ValueError(f"out_dir={str(path)!r} is a run (or compare) directory; out_dir names where new run "
+                         f"directories go (e.g. {str(path.parent)!r}), and --resume {str(path)} continues that run")
     try:
         path.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=".mimose-check-", dir=path))

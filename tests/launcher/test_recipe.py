@@ -3,7 +3,7 @@ import yaml
 
 from mimose_cli.launcher.recipe import RecipeError, load_recipe, recipe_from_dict, save_recipe
 
-from helpers import ROOT
+from helpers import QUICKSTART, ROOT
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
@@ -66,7 +66,7 @@ SECTION_MISTAKES = [
     ({"data": {"num_examples": 0}}, "data.num_examples=0", "greater than or equal to 1"),
     ({"data": {"max_length": -4}}, "data.max_length=-4", "greater than or equal to 1"),
     ({"data": {"num_choices": 0}}, "data.num_choices=0", "greater than or equal to 1"),
-    ({"data": {"num_labels": 0}}, "data.num_labels=0", "greater than or equal to 1"),
+    ({"data": {"num_labels": 1}}, "data.num_labels=1", "greater than or equal to 2"),
     ({"data": {"shuffle": "yes"}}, "data.shuffle='yes'", "boolean"),
     ({"data": {"length_mean": "long"}}, "data.length_mean='long'", "number"),
     ({"data": {"text_fields": "question"}}, "data.text_fields='question'", "list"),
@@ -185,3 +185,20 @@ def test_a_recipe_of_an_earlier_release_reads_its_planner_options_with_a_warning
     with pytest.warns(UserWarning, match="override 'planner.sheltered_steps=2'"):
         overridden = load_recipe(old, ["planner.sheltered_steps=2"])  # the override still wins
     assert overridden.planner.mimose.sheltered_steps == 2
+
+
+def test_an_override_given_twice_is_said_and_the_last_wins():
+    with pytest.warns(UserWarning, match="override 'seed=4': seed is given twice \\(also by override 'seed=3'\\)"):
+        recipe = load_recipe(QUICKSTART, ["seed=3", "seed=4"])
+    assert recipe.seed == 4
+
+
+def test_a_mapping_override_sets_its_keys_in_the_section():
+    recipe = load_recipe(QUICKSTART, ["training={max_steps: 7}"])
+    assert recipe.training.max_steps == 7
+    assert recipe.training.batch_size == 4 and recipe.training.lr == 2e-3  # the file's, not the defaults
+
+
+def test_warmup_longer_than_the_run_is_said():
+    with pytest.warns(UserWarning, match="training.warmup_steps=5 is longer than the run"):
+        load_recipe(QUICKSTART, ["training.max_steps=3"])
