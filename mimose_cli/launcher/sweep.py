@@ -69,6 +69,7 @@ def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
         "recompute_ms": recompute, "planning_ms_total": summary.get("planning_ms_total"),
         "hit_rate": hit_rate, "error": summary.get("error"),
         "mean_checkpointed_blocks": summary.get("mean_checkpointed_blocks"),
+        "phase": stats.get("phase"),  # mimose: still "sheltered" when the run never left that phase
         "run_dir": str(Path(run_dir).relative_to(compare_dir)) if run_dir else None,
     }
 

@@ -53,6 +53,7 @@ class _RunRow(TypedDict, total=False):
     recompute_ms: float | None
     planning_ms_total: float | None
     hit_rate: float | None
+    phase: str | None
 
 
 class _BudgetEntry(TypedDict, total=False):
@@ -112,4 +113,8 @@ def render_compare(compare_dir, console=None) -> dict:
                   + "; blocks = mean blocks checkpointed (dtr: evicted) per step")
     for entry in data["budgets"]:
         console.print(compare_table(entry))
+    if any(row.get("phase") == "sheltered" for entry in data["budgets"] for row in entry["runs"]):
+        console.print("mimose spent every step of this comparison in its sheltered phase (measuring, every "
+                      "block checkpointed): compare more steps than planner.mimose.sheltered_steps to see "
+                      "it plan", highlight=False)
     return data

@@ -213,3 +213,14 @@ def test_a_bad_variant_is_refused_before_the_first_run(fake_training, tmp_path):
                                       "--out", str(tmp_path / "c")])
     assert result.exit_code == 2 and fake_training == [] and not (tmp_path / "c").exists()
     assert "planner.sublinear.variant='fast'" in result.output
+
+
+@pytest.mark.parametrize("phase, said", [("sheltered", True), ("responsive", False)])
+def test_a_comparison_shorter_than_the_sheltered_phase_says_so(tmp_path, phase, said):
+    row = {"planner": "mimose", "status": "completed", "steps": 5, "train_time_s": 1.0, "phase": phase}
+    (tmp_path / "compare.json").write_text(json.dumps(
+        {"recipe": "q", "steps": 5, "seed": 0, "repeats": 1,
+         "budgets": [{"budget": "40MB", "budget_bytes": 40_000_000, "reference": None, "runs": [row]}]}))
+    console = Console(record=True, width=200)
+    render_compare(tmp_path, console)
+    assert ("spent every step of this comparison in its sheltered phase" in console.export_text()) == said
