@@ -154,10 +154,17 @@ def build_model(recipe) -> torch.nn.Module:
     """
     config = model_config(recipe)
     cls = _model_class(recipe.task, config)
-    if recipe.model.pretrained is not None:
-        model = cls.from_pretrained(recipe.model.pretrained, config=config)
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(recipe.seed)
-            model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    try:
+        if recipe.model.pretrained is not None:
+            model = cls.from_pretrained(recipe.model.pretrained, config=config)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(recipe.seed)
+                model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    except ImportError as err:  # an attention kernel whose package is not installed (flash-attn)
+        if recipe.model.attn_implementation is None:
+            raise
+        reason = " ".join(str(err).split())
+        raise ValueError(f"model.attn_implementation={recipe.model.attn_implementation!r} cannot be used here "
+                         f"({reason}); install its package or use 'sdpa' or 'eager'") from None
     return model.train()

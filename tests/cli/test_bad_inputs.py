@@ -209,6 +209,8 @@ MODEL_AND_DEVICE = [
           named="data.num_labels=1 is invalid; expected greater than or equal to 2"),
     train("out-into-a-run-directory", "--out", "{tmp}/run", files={"run/metrics.jsonl": ""},
           named="is a run (or compare) directory; out_dir names where new run directories go"),
+    train("attention-kernel-not-installed", "model.attn_implementation=flash_attention_2",
+          named="model.attn_implementation='flash_attention_2' cannot be used here", stage="model"),
     train("batch-beyond-host-memory", "training.batch_size=1000000000",
           named="does not fit in this machine's memory; lower training.batch_size", stage="model"),
     train("override-nested-too-deep", "model.config_overrides={x: " + "[" * 500 + "]" * 500 + "}",
