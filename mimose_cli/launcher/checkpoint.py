@@ -29,6 +29,7 @@ import torch
 
 from mimose_cli.files import file_mode
 from mimose_cli.launcher.recipe import recipe_to_dict
+from mimose_cli.launcher.resume import RESUMABLE_KEYS, changed_key
 from mimose_cli.runs.rundir import CHECKPOINT
 
 MODEL_DIR = "model"
@@ -172,29 +173,15 @@ def check_checkpoint(trainer, checkpoint: dict, rank: int = 0) -> None:
                          "the checkpoint is of another model or optimizer")
     if set(checkpoint["progress"]) != {f.name for f in fields(Progress)}:
         raise ValueError("the checkpoint's progress entry is not one mimose writes; start the run again")
-    if "recipe" in checkpoint:  # checkpoints of earlier releases do not hold it
-        _check_same_recipe(json.loads(checkpoint["recipe"]), recipe_to_dict(trainer.recipe))
-
-
-def _flat(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _check_same_recipe(trained: dict, now: dict) -> None:
-    """The recipe a run resumes with is the one its checkpoint was trained with, but for
-    ``training.max_steps`` (an edited recipe.yaml would claim settings the run never had)."""
-    a, b = _flat(trained), _flat(now)
-    for key in sorted(set(a) | set(b)):
-        if key != "training.max_steps" and a.get(key) != b.get(key):
-            raise ValueError(f"{key} is {b.get(key)!r} in the recipe now but the run was trained with "
-                             f"{a.get(key)!r} (recipe.yaml edited?); resume with the recipe it was trained "
-                             "with: only training.max_steps may change")
+    # The recipe it resumes with is the one it was trained with (an edited recipe.yaml would claim
+    # settings the run never had); checkpoints of earlier releases do not hold it.
+    changed = changed_key(json.loads(checkpoint["recipe"]), recipe_to_dict(trainer.recipe)) if (
+        "recipe" in checkpoint) else None
+    if changed is not None:
+        key, trained, now = changed
+        raise ValueError(f"{key} is {now!r} in the recipe now but the run was trained with {trained!r} "
+                         "(recipe.yaml edited?); resume with the recipe it was trained with: only "
+                         f"{', '.join(RESUMABLE_KEYS)} may change")
 
 
 def restore_trainer(trainer, checkpoint: dict, rank: int = 0, world_size: int = 1) -> Progress:

@@ -30,6 +30,14 @@ def _flat(data: dict, prefix: str = "") -> dict:
     return flat
 
 
+def changed_key(before: dict, after: dict) -> tuple | None:
+    """``(dotted key, before, after)`` for the first key but ``RESUMABLE_KEYS`` whose value two
+    recipes (``recipe_to_dict``) do not share, or None: what a resumed run may not change."""
+    a, b = _flat(before), _flat(after)
+    return next(((key, a.get(key), b.get(key)) for key in sorted(set(a) | set(b))
+                 if key not in RESUMABLE_KEYS and a.get(key) != b.get(key)), None)
+
+
 def resume_recipe(run_dir, overrides=(), flags=None):
     """The recipe of ``run_dir`` with ``overrides`` and ``flags`` applied; RecipeError when it is
     not a run directory with a checkpoint, or when they change anything but ``RESUMABLE_KEYS``."""
@@ -40,14 +48,12 @@ def resume_recipe(run_dir, overrides=(), flags=None):
     if not (run_dir / CHECKPOINT).is_file():
         raise RecipeError(f"cannot resume {run_dir}: no {CHECKPOINT}, the run stopped before its first "
                           "checkpoint (training.checkpoint_every); start it again instead")
-    before = _flat(recipe_to_dict(load_recipe(saved)))
     recipe = load_recipe(saved, overrides, flags)
-    after = _flat(recipe_to_dict(recipe))
-    for key in sorted(set(before) | set(after)):
-        if key not in RESUMABLE_KEYS and before.get(key) != after.get(key):
-            raise RecipeError(
-                f"cannot resume {run_dir}: {key} is {before.get(key)!r} in that run, not {after.get(key)!r}; "
-                f"a resumed run keeps its recipe (only {', '.join(RESUMABLE_KEYS)} may change)")
+    changed = changed_key(recipe_to_dict(load_recipe(saved)), recipe_to_dict(recipe))
+    if changed is not None:
+        key, before, after = changed
+        raise RecipeError(f"cannot resume {run_dir}: {key} is {before!r} in that run, not {after!r}; "
+                          f"a resumed run keeps its recipe (only {', '.join(RESUMABLE_KEYS)} may change)")
     return recipe
 
 
