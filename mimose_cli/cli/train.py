@@ -95,6 +95,8 @@ def _check_processes(run_dir: Path, processes: int) -> None:
         trained = json.loads((Path(run_dir) / "summary.json").read_text()).get("world_size") or 1
     except (OSError, ValueError, AttributeError):
         return  # no readable summary (a killed run): the checkpoint itself is checked when loaded
+    if not isinstance(trained, int) or isinstance(trained, bool) or trained < 1:
+        return  # a summary that is not what a run writes: the checkpoint's own count decides
     if trained != processes:
         how = f"--nproc-per-node {trained}" if trained > 1 else "without --nproc-per-node"
         raise RecipeError(f"{run_dir} was trained by {trained} process(es), not {processes}; resume it with "

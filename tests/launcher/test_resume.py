@@ -158,3 +158,20 @@ def test_a_recipe_yaml_edited_since_the_checkpoint_is_refused(completed, tmp_pat
     recipe.write_text(recipe.read_text().replace("lr: 0.002", "lr: 0.01"))
     with pytest.raises(ValueError, match=r"training.lr is 0.01 in the recipe now but the run was trained with 0.002"):
         run_training(resume_recipe(run_dir, ["training.max_steps=8"]), view="none", resume=run_dir)
+
+
+def test_a_summary_with_values_no_run_writes_does_not_stop_a_resume(completed, tmp_path):
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from mimose_cli.cli import app
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(completed.run_dir, run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "world_size": "two"}))
+    result = CliRunner().invoke(app, ["train", "--resume", str(run_dir), "--max-steps", "7", "--view", "none"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 7
