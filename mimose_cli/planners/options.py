@@ -86,8 +86,3 @@ def parse_options(name: str, options: dict):
         first = err.errors()[0]
         expected = first["msg"].removeprefix("Input should be ")
         raise OptionError(str(first["loc"][0]), first["input"], expected) from None
-
-
-def option_keywords(name: str, options: dict) -> dict:
-    """The constructor keywords of planner ``name`` for ``options``, defaults filled in."""
-    return dataclasses.asdict(parse_options(name, options))
