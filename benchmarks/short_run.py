@@ -81,12 +81,14 @@ def sheltered_breakdown(out_dir, size=(4, 256), repeats=5) -> dict:
     with meter.activate():
         meter.track(model)
         ms = {name: timed(build_planner(name, model, None, meter=meter)) for name in ("none", "full")}
-        ms["sheltered"] = timed(Mimose(model, "10GB", meter=meter, sheltered_steps=10**6))
+        ms["sheltered"] = timed(Mimose(model, "10GB", meter=meter, estimate="sheltered",
+                                                 sheltered_steps=10**6))
         dispatch = live_probe.LiveProbe.__torch_dispatch__
         live_probe.LiveProbe.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: func(
             *args, **(kwargs or {}))
         try:
-            ms["sheltered_without_probe"] = timed(Mimose(model, "10GB", meter=meter, sheltered_steps=10**6))
+            ms["sheltered_without_probe"] = timed(Mimose(model, "10GB", meter=meter, estimate="sheltered",
+                                                 sheltered_steps=10**6))
         finally:
             live_probe.LiveProbe.__torch_dispatch__ = dispatch
     none = ms["none"]
@@ -121,6 +123,9 @@ def main():
              "mean_checkpointed_blocks": rounds[-1][p]["blocks"], "peak_bytes": rounds[-1][p]["peak"],
              "every_n_layers": rounds[-1][p]["stats"].get("every_n_layers"),
              "overhead_iterations": rounds[-1][p]["stats"].get("overhead_iterations"),
+             "estimate_source": rounds[-1][p]["stats"].get("estimate_source"),
+             "probe_ms": rounds[-1][p]["stats"].get("probe_ms"),
+             "overhead_ms": rounds[-1][p]["stats"].get("overhead_ms"),
              "sheltered_extra_iterations": rounds[-1][p]["stats"].get("sheltered_extra_iterations")}
             for p in PLANNERS]
     print(f"budget {budget / 2**20:.2f} MiB (60 % of plain's peak {plain_peak / 2**20:.2f} MiB), "
@@ -131,6 +136,9 @@ def main():
         print(f"{r['planner']:11} {r['whole_over_none']:6.3f} {r['late_over_none']:9.3f} "
               f"{r['whole_over_every_n']:8.3f} {r['late_over_every_n']:12.3f} {r['mean_checkpointed_blocks']:6.2f} "
               f"{r['overhead_iterations'] or 0:11.2f} {r['sheltered_extra_iterations'] or 0:18.2f}")
+    mimose = rows[-1]
+    print(f"mimose's estimate from: {mimose['estimate_source']}; probes {mimose['probe_ms'] or 0:.0f} ms, "
+          f"all overhead {mimose['overhead_ms'] or 0:.0f} ms")
     parts = breakdown["in_plain_steps"]
     print(f"one sheltered step at {tuple(breakdown['size'])}, in plain steps beyond one: "
           + ", ".join(f"{k.replace('_', ' ')} +{v:.2f}" for k, v in parts.items()))

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "get_untyped_storages",
-           "top_saved_tensors_hook_name", "tensor_version", "dispatch_modes"]
+           "top_saved_tensors_hook_name", "tensor_version", "dispatch_modes", "without_dispatch_modes"]
 
 
 def top_saved_tensors_hook_name() -> str:
@@ -51,3 +51,10 @@ def dispatch_modes() -> list:
     benchmarks/library_overhead.py). Public replacement: none (torch has no query for the
     active dispatch modes outside ``torch.utils._python_dispatch``)."""
     return list(torch.utils._python_dispatch._get_current_dispatch_mode_stack())
+
+
+def without_dispatch_modes():
+    """A context in which no ``TorchDispatchMode`` active now sees the ops (they are put back on
+    exit): Mimose's probe steps measure themselves, so the simulated device need not count them
+    op by op as well. Public replacement: none (the mode stack is private)."""
+    return torch.utils._python_dispatch._disable_current_modes()

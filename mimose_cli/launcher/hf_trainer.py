@@ -26,12 +26,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
 from mimose_cli.launcher.preflight import optimizer_state_bytes
 from mimose_cli.memory import build_meter, param_bytes
 from mimose_cli.planners.base import Planner, StepInfo
-from mimose_cli.planners.inputs import infer_input_size
+from mimose_cli.planners.inputs import infer_input_size, resized_batch
 from mimose_cli.planners.options import PLANNER_OPTIONS, OptionError, parse_options
 from mimose_cli.planners.registry import PLANNERS, build_planner, library_keywords
 from mimose_cli.planners.trial import model_device
@@ -151,24 +149,6 @@ class TrainerBudget:
         if self._open:
             self.planner.close()
             self._open = False
-
-
-def resized_batch(batch, size: tuple) -> dict:
-    """``batch`` cut or repeated, rows then tokens, to the input size ``size`` = (B, L): a batch of
-    the largest size for planners that plan once, with every key the model takes and valid values."""
-    ids = batch["input_ids"]
-    rows = size[0] // max(1, ids[0, ..., 0].numel())  # (B, C, L) multiple choice: B*C = size[0]
-    length = ids.shape[-1]
-
-    def resize(value):
-        if not isinstance(value, torch.Tensor) or value.ndim == 0:
-            return value
-        value = value[torch.arange(rows, device=value.device) % value.shape[0]]
-        if value.ndim >= 2 and value.shape[-1] == length:
-            value = value[..., torch.arange(size[-1], device=value.device) % length]
-        return value
-
-    return {key: resize(value) for key, value in batch.items()}
 
 
 def fit_budget(trainer, budget, planner: str = "mimose", *, max_input_size=None, blocks=None,

@@ -301,6 +301,9 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
             return LoopEnd(status="oom", at_boundary=False, error=error)
         trainer.planner.prepare(lambda size: make_batch(recipe, run.config, size),
                                 max_input_size(recipe), state_bytes)
+        note = trainer.planner.prepared_note()
+        if note:
+            view.setup(note)
         if run.checkpoint is not None:
             restore_step_state(trainer, run.checkpoint, trainer.world.rank)
         accumulation = recipe.training.gradient_accumulation_steps

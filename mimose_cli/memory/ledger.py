@@ -6,7 +6,7 @@ import weakref
 class _StorageRef(weakref.ref):
     """A weak reference to a storage that remembers its dictionary key and counted bytes."""
 
-    __slots__ = ("key", "nbytes", "counted")
+    __slots__ = ("key", "nbytes", "counted", "index")
 
 
 class StorageLedger:

@@ -12,16 +12,65 @@ def _autocast_on() -> bool:
     return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
 
+class _LifetimeLedger(StorageLedger):
+    """The ledger, also writing down each counted storage's bytes and the points (see
+    ``LiveProbe.point``) at which it was first seen and freed. A storage that changes size
+    (``resize_``) ends one lifetime and starts another, so each lifetime has one size."""
+
+    def __init__(self, probe):
+        super().__init__()
+        self.probe = probe
+        self.nbytes: list = []
+        self.born: list = []
+        self.died: list = []
+        self.shapes: list = []
+        """The shape and element size of the tensor each storage was first seen with."""
+
+    def _start(self, ref, tensor) -> None:
+        ref.index = len(self.nbytes)
+        self.nbytes.append(ref.nbytes)
+        self.born.append(self.probe.points)
+        self.died.append(None)
+        self.shapes.append(None if tensor is None else (tuple(tensor.shape), tensor.element_size()))
+
+    def add(self, storage, counted: bool = True, tensor=None) -> int:
+        ref = self.refs.get(id(storage))
+        before = None if ref is None else ref.nbytes
+        added = super().add(storage, counted)
+        ref = self.refs[id(storage)]
+        if ref.counted and ref.nbytes and before is None:
+            self._start(ref, tensor)
+        elif ref.counted and before is not None and ref.nbytes != before:
+            if getattr(ref, "index", None) is not None:
+                self.died[ref.index] = self.probe.points
+            self._start(ref, tensor)
+        return added
+
+    def _free(self, ref) -> None:
+        if self.refs.get(ref.key) is ref and getattr(ref, "index", None) is not None:
+            self.died[ref.index] = self.probe.points
+        super()._free(ref)
+
+
 class LiveProbe(TorchDispatchMode):
     """Live storage bytes after every op (``trace``), and for each op whether ``flag()`` held
     (``flags``: the collector asks whether a checkpoint was recomputing) and whether autocast was
     on (``autocast``). Storages passed to ``ignore`` (weights, existing gradients) or first seen
     ``uncounted()`` are never counted. It counts as the simulated device does (one
-    ``StorageLedger``), but from zero and on any device: a CUDA step is probed the same way."""
+    ``StorageLedger``), but from zero and on any device: a CUDA step is probed the same way.
 
-    def __init__(self, flag=lambda: False):
+    With ``lifetimes`` it also writes down every counted storage's bytes and when it lived, in
+    *points*: each op's entry in the trace is one, and so is each ``point()`` a caller takes
+    between ops (the collector's marks). So the live bytes at every point can be rebuilt as a
+    sum over storages (``planners.scaling`` scales each storage with the input size)."""
+
+    def __init__(self, flag=lambda: False, lifetimes: bool = False):
         super().__init__()
-        self.ledger = StorageLedger()
+        self.points = 0
+        self.op_points: list = []
+        """The point of each entry of ``trace`` (with ``lifetimes``)."""
+        self.ledger = _LifetimeLedger(self) if lifetimes else StorageLedger()
+        self._lifetimes = lifetimes
         self.trace: list = []
         self.flags: list = []
         self.autocast: list = []
@@ -31,6 +80,11 @@ class LiveProbe(TorchDispatchMode):
     @property
     def live(self) -> int:
         return self.ledger.live
+
+    def point(self) -> int:
+        """A point between ops (a mark): its index in the sequence of points."""
+        self.points += 1
+        return self.points - 1
 
     def ignore(self, tensors) -> None:
         for tensor in tensors:
@@ -51,10 +105,15 @@ class LiveProbe(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:
-                self.ledger.add(leaf.untyped_storage(), self._counting)
+                if self._lifetimes:
+                    self.ledger.add(leaf.untyped_storage(), self._counting, leaf)
+                else:
+                    self.ledger.add(leaf.untyped_storage(), self._counting)
         if not self._counting:
             return out
         self.trace.append(self.ledger.live)
+        self.op_points.append(self.points)
+        self.points += 1
         self.flags.append(self._flag())
         self.autocast.append(_autocast_on())
         return out

@@ -164,6 +164,10 @@ class Planner:
         whole run from the first optimizer step on (the optimizer's state), which a plan made now
         must leave room for. Static planners (sublinear) plan here; the default does nothing."""
 
+    def prepared_note(self) -> str | None:
+        """One line on what ``prepare`` did, for the run's log (None: nothing worth a line)."""
+        return None
+
     # -- budget ---------------------------------------------------------------------------------
 
     @property

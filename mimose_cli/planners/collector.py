@@ -122,16 +122,20 @@ class ShuttlingCollector(BlockRunner):
         self.modules = modules
         self.collector_ms = 0.0
         self.active = False
+        self.lifetimes = False
+        """Whether the probe writes down storage lifetimes (``end`` then returns a ``RawStep``)."""
 
     def begin(self, info=None) -> None:
         """Start a measured step: the probe, the marks."""
-        self.probe = LiveProbe(flag=recomputing)
+        self.probe = LiveProbe(flag=recomputing, lifetimes=self.lifetimes)
+        self._raw = self.lifetimes
         # Gradients already live (accumulation in a loop of the user's) are not ignored: the
         # probe counts each when backward first writes into it, as if it were allocated then,
         # so samples with and without them agree.
         self.probe.ignore([*self.model.parameters(), *self.model.buffers()])
         self.probe.__enter__()
         self.marks: list = []
+        self.mark_points: list = []
         self.calls = [0] * len(self.blocks)
         self.order: list = []  # block indices in the order the forward entered them
         self.dropped: dict = {}
@@ -142,6 +146,7 @@ class ShuttlingCollector(BlockRunner):
 
     def mark(self, label) -> None:
         self.marks.append((label, len(self.probe.trace), self.probe.live))
+        self.mark_points.append(self.probe.point())
 
     def _checkpointed_modules(self) -> set:
         return {n for n, m in self.modules.items() if getattr(m, "gradient_checkpointing", False) is True}
@@ -240,7 +245,8 @@ class ShuttlingCollector(BlockRunner):
 
     def end(self, info=None):
         """Close the step; returns ``(blocks, step, shape)`` for the estimator (see
-        ``build_sample``), or None when no block could be measured."""
+        ``build_sample``), or None when no block could be measured; with ``lifetimes`` the
+        step's ``RawStep`` instead (``planners.scaling`` turns two of them into samples)."""
         self.mark(("end",))
         self.active = False
         probe, self.probe = self.probe, None
@@ -250,6 +256,13 @@ class ShuttlingCollector(BlockRunner):
         trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.flags, dtype=bool),
                       np.array(probe.autocast, dtype=bool))
         per_block = {"saved_bytes": self.saved, "fwd_ms": self.fwd_ms, "resident_bytes": self.resident}
+        if self._raw:
+            ledger = probe.ledger
+            died = [probe.points if d is None else d for d in ledger.died]
+            return RawStep(list(self.marks), np.array(self.mark_points, dtype=np.int64), trace,
+                           np.array(probe.op_points, dtype=np.int64), per_block, dict(self.dropped),
+                           np.array(ledger.nbytes, dtype=float), np.array(ledger.born, dtype=np.int64),
+                           np.array(died, dtype=np.int64), probe.points, list(ledger.shapes))
         return build_sample(self.marks, trace, len(self.blocks), per_block,
                             self.dropped)
 
@@ -286,6 +299,27 @@ class Trace:
             keep &= self.autocast[start:stop] == autocast
         values = values[keep]
         return values if len(values) else None
+
+
+@dataclass
+class RawStep:
+    """A measured step before it becomes a sample: the marks and the trace ``build_sample``
+    takes, where each mark and each op sits in the sequence of points (``mark_points``,
+    ``op_points``), and every counted storage's bytes and the points it lived in,
+    ``born <= point < died``."""
+
+    marks: list
+    mark_points: np.ndarray
+    trace: Trace
+    op_points: np.ndarray
+    per_block: dict
+    dropped: dict
+    nbytes: np.ndarray
+    born: np.ndarray
+    died: np.ndarray
+    points: int
+    shapes: list
+    """Each storage's first tensor: ``(shape, element size)``, or None."""
 
 
 @dataclass

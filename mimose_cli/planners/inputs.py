@@ -40,3 +40,32 @@ def infer_input_size(batch, encoder_decoder: bool = False) -> tuple:
                              "decoder, or call planner.step(input_size=(B, L, D))")
         size += (decoder.shape[-1],)
     return size
+
+
+def resized_batch(batch, size: tuple) -> dict:
+    """``batch`` cut or repeated, rows then tokens, to the input size ``size``: (B, L), an
+    encoder-decoder's (B, L, D) (the decoder's tensors, ``labels`` and ``decoder_*``, take D) or
+    an image batch's (B, H, W) (rows only: the model fixes the image size). A batch of another
+    size for planners that measure ahead, with every key the model takes and valid values."""
+    images = batch.get("pixel_values") is not None
+    ids = batch["pixel_values" if images else "input_ids"]
+    per_row = 1 if images else max(1, ids[0, ..., 0].numel())  # (B, C, L) multiple choice: B*C = size[0]
+    rows = size[0] // per_row
+    lengths = {}
+    if not images:
+        lengths[False] = (ids.shape[-1], size[1])
+        decoder = next((batch[k] for k in DECODER_KEYS if batch.get(k) is not None), None)
+        if len(size) == 3 and decoder is not None:
+            lengths[True] = (decoder.shape[-1], size[2])
+
+    def resize(key, value):
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            return value
+        value = value[torch.arange(rows, device=value.device) % value.shape[0]]
+        is_decoder = True in lengths and (key in DECODER_KEYS or key.startswith("decoder_"))
+        length, target = lengths.get(is_decoder, (None, None))
+        if value.ndim >= 2 and value.shape[-1] == length:
+            value = value[..., torch.arange(target, device=value.device) % length]
+        return value
+
+    return {key: resize(key, value) for key, value in batch.items()}

@@ -36,7 +36,11 @@ from mimose_cli.planners.base import Decision, Planner, StepInfo
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
+from mimose_cli.planners.inputs import resized_batch
+from mimose_cli.planners.scaling import ScaledStep, ScalingError, probe_sizes
 from mimose_cli.planners.scheduler import greedy_plan_checked
+from mimose_cli.planners.trial import probe_step, to_model_device
+from mimose_cli.torch_private import without_dispatch_modes
 
 
 class CachedPlan(NamedTuple):
@@ -71,6 +75,16 @@ class MimoseCounters:
     max_underprediction_bytes: int = 0
     untrusted_reasons: dict = field(default_factory=dict)
     """Why predictions were not trusted -> steps."""
+    probe_ms: float = 0.0
+    """The two probe steps before the first step and scaling them (``estimate="probes"``)."""
+    probe_in_step_ms: float = 0.0
+    """The part of ``probe_ms`` spent inside the first step's planning (no ``prepare``)."""
+    probe_samples: int = 0
+    """Samples the estimator was given from the probes."""
+    estimate_source: str = ""
+    """Where the estimate came from: probes, sheltered (measured training steps), loaded."""
+    estimate_fallback: str = ""
+    """Why the probes could not give the estimate (then the sheltered phase did), or empty."""
     warnings: list = field(default_factory=list)
 
 
@@ -103,8 +117,10 @@ class Mimose(Planner):
     state_file = "estimator.json"
 
     def __init__(self, model, budget=None, *, blocks=None, safety_margin="auto", meter=None,
-                 sheltered_steps: int = 5, granularity: int = 1, bucket: float = 0.10,
+                 estimate: str = "probes", sheltered_steps: int = 5, granularity: int = 1, bucket: float = 0.10,
                  prediction_margin: float = 0.001):
+        if estimate not in ("probes", "sheltered"):
+            raise ValueError(f"estimate={estimate!r} is invalid; expected 'probes' or 'sheltered'")
         if not isinstance(sheltered_steps, int) or sheltered_steps < 1:
             raise ValueError(f"sheltered_steps={sheltered_steps!r} is invalid; expected an integer >= 1")
         if not isinstance(granularity, int) or granularity < 1:
@@ -114,6 +130,8 @@ class Mimose(Planner):
         if not 0.0 <= prediction_margin < 1.0:
             raise ValueError(f"prediction_margin={prediction_margin!r} is invalid; expected a fraction in [0, 1)")
         super().__init__(model, budget, blocks=blocks, safety_margin=safety_margin, meter=meter)
+        self.estimate = estimate
+        self._probed = estimate != "probes"  # the probes run once, before the first step
         self.sheltered_steps = sheltered_steps
         self.granularity = granularity
         self.bucket = bucket
@@ -144,10 +162,98 @@ class Mimose(Planner):
         g = self.granularity
         return (size[0],) + tuple(-(-d // g) * g for d in size[1:])
 
+    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
+        """Before the first step: the estimate from two probe steps (``estimate="probes"``)."""
+        self._probe(make_batch, tuple(max_input_size))
+
+    def prepared_note(self) -> str | None:
+        c = self.counts
+        if c.estimate_source == "probes":
+            return (f"mimose: memory estimate from 2 probe steps ({c.probe_ms / 1e3:.2f} s, scaled to "
+                    f"{c.probe_samples} sizes): the first batch is planned")
+        if c.estimate_fallback:
+            return f"mimose: learning from measured steps first: {c.estimate_fallback}"
+        return None
+
+    def _probe(self, make_batch, max_size: tuple) -> None:
+        """Run the two probe steps (``planners.scaling``) and fit the estimator from samples
+        scaled from them; where they cannot be scaled, say why once and learn from measured
+        steps (the sheltered phase) instead."""
+        if self._probed or self.estimator.fitted:
+            self._probed = True
+            return
+        self._probed = True
+        start = time.perf_counter()
+        collector_ms = self.measurer.collector_ms
+        # An image's height and width are the model's (position embeddings): only the batch varies.
+        images = "pixel_values" in make_batch(max_size)
+        sizes = probe_sizes(max_size, vary_lengths=not images, decoder=self.encoder_decoder)
+        try:
+            raws = [self._probe_step(make_batch, size) for size in sizes]
+            scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set)
+            samples = [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
+        except ScalingError as err:
+            self.counts.estimate_fallback = str(err)
+            self._warn(f"mimose: learning from measured steps (a sheltered phase of {self.sheltered_steps}): "
+                       f"the probe steps cannot be scaled to other input sizes: {err}")
+            return
+        finally:
+            self.measurer.collector_ms = collector_ms  # the probes' measuring runs are in probe_ms
+            self.counts.probe_ms += (time.perf_counter() - start) * 1e3
+        for size, sample in samples:
+            self.estimator.add(size, *sample)
+        self.counts.probe_samples = len(samples)
+        self.counts.estimate_source = "probes"
+        self._fit()
+
+    def _probe_step(self, make_batch, size: tuple):
+        """One probe step at ``size``: measured by the collector with storage lifetimes, unseen by
+        the training run (``trial.probe_step``). The batch is given padding (the last row's last
+        position masked) when it has an attention mask: real batches padded to their longest row
+        take the models' masked code paths, which hold more memory."""
+        batch = to_model_device(self.model, make_batch(size))
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if mask is not None and mask.ndim >= 2 and mask.shape[-1] > 1:
+            mask = mask.clone()
+            mask.view(-1, mask.shape[-1])[-1, -1] = 0
+            batch = {**batch, "attention_mask": mask}
+        self.measurer.lifetimes = True
+        # The probe counts its own bytes: the device's meter (a dispatch mode on the CPU) is set
+        # aside meanwhile, so that each op is seen once. Its peak is reset after (``probe_step``).
+        with without_dispatch_modes():
+            self.measurer.begin()
+            try:
+                peak = probe_step(self, batch)
+            except BaseException:
+                self.measurer.abort()
+                raise
+            finally:
+                self.measurer.lifetimes = False
+            if peak is None:
+                self.measurer.abort()
+                raise ScalingError(f"the probe step at input size {size} ran out of memory")
+            raw = self.measurer.end()
+        if raw is None:
+            raise ScalingError("the collector could not measure any block (checkpointed by the model itself?)")
+        return raw
+
     def decide(self, size: tuple) -> Decision:
         """Sheltered: measure. Responsive: the cached plan for this size, else a new plan from the
-        estimator when the rule in docs/MIMOSE.md trusts its prediction, else measure."""
+        estimator when the rule in docs/MIMOSE.md trusts its prediction, else measure. Before
+        the first step the probes give the estimate (``prepare``, or here from this batch)."""
+        if not self._probed:
+            if isinstance(self.batch, dict) and any(self.batch.get(k) is not None for k in ("input_ids", "pixel_values")):
+                batch, before = self.batch, self.counts.probe_ms
+                self._probe(lambda s: resized_batch(batch, s), size)
+                self.counts.probe_in_step_ms += self.counts.probe_ms - before
+            else:
+                self._probed = True
+                self.counts.estimate_fallback = ("no batch to probe with: pass planner.step(batch) a dict with "
+                                                 "input_ids or pixel_values, or call planner.prepare(make_batch, max_input_size)")
+                self._warn(f"mimose: learning from measured steps: {self.counts.estimate_fallback}")
         if self.sheltered:
+            if not self.counts.estimate_source:
+                self.counts.estimate_source = "sheltered"
             return self._measuring(size, "sheltered")
         if self.limit_bytes is None:
             return Decision(())
@@ -307,7 +413,9 @@ class Mimose(Planner):
         c = self.counts
         lookups = c.hits + c.misses
         iteration_ms = c.responsive_ms / c.responsive_steps if c.responsive_steps else None
-        overhead_ms = self.measurer.collector_ms + c.estimator_fit_ms + self.total_planning_ms
+        # Probes run in ``decide`` are in the planning time already.
+        overhead_ms = (self.measurer.collector_ms + c.estimator_fit_ms + self.total_planning_ms
+                       + c.probe_ms - c.probe_in_step_ms)
         return {**super().stats, **asdict(c), "phase": "sheltered" if self.sheltered else "responsive",
                 "collector_ms": self.measurer.collector_ms,
                 "scheduler_ms_mean": c.scheduler_ms / c.misses if c.misses else 0.0,
@@ -337,6 +445,7 @@ class Mimose(Planner):
         super().load_state_dict(state)
         self.estimator.load_state_dict(state["estimator"])
         self.counts = _counters_of(state)
+        self._probed = True
         self.cache = {}
         if state.get("granularity") == self.granularity:
             self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits))

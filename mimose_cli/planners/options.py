@@ -18,6 +18,11 @@ _STRICT = ConfigDict(extra="forbid")  # strict scalars per field, as the recipe'
 
 @dataclass(config=_STRICT, frozen=True)
 class MimoseOptions:
+    estimate: Literal["probes", "sheltered"] = "probes"
+    """Where the memory estimate comes from: ``probes``, two small measured steps before the
+    first one, scaled to every size (the first batch is planned already); ``sheltered``, the
+    paper's sheltered phase of measured training steps. ``probes`` falls back to ``sheltered``,
+    saying why, where a model's memory cannot be scaled."""
     sheltered_steps: StrictInt = Field(5, ge=1)
     """Iterations of the sheltered (collecting) phase."""
     granularity: StrictInt = Field(1, ge=1)

@@ -148,7 +148,7 @@ VALUES = [
     train("margin-equals-budget", "planner.safety_margin=40MB", named="planner.safety_margin='40MB'"),
     train("margin-text", "planner.safety_margin=lots", named="planner.safety_margin='lots'"),
     train("unknown-planner-option", "planner.mimose={bogus: 1}",
-          named="unknown key planner.mimose.bogus; expected one of sheltered_steps"),
+          named="unknown key planner.mimose.bogus; expected one of estimate, sheltered_steps"),
     train("options-of-a-planner-without-options", "--planner", "dtr", "planner.dtr={cost_fn: 5}",
           named="unknown key planner.dtr; expected one of name, safety_margin, mimose, sublinear"),
     train("unknown-sublinear-variant", "--planner", "sublinear", "planner.sublinear.variant=fast",

@@ -218,8 +218,20 @@ def _train_tight(tmp_path, planner, *overrides):
     return lines, summary, run_dir
 
 
+def test_mimose_plans_from_the_first_step_each_input_size_within_the_budget(tmp_path):
+    lines, summary, run_dir = _train_tight(tmp_path, "mimose")
+    assert all(line["phase"] == "responsive" for line in lines)  # no step measured
+    assert any(line["plan"] for line in lines) and any(not line["plan"] for line in lines)
+    assert all(line["memory/peak_bytes"] <= line["predicted_peak_bytes"] for line in lines)
+    stats = summary["planner"]
+    assert stats["estimate_source"] == "probes" and stats["estimate_fallback"] == ""
+    assert stats["underpredictions"] == 0 and stats["sheltered_iterations"] == stats["measuring_steps"] == 0
+    assert 0 < stats["probe_ms"] <= stats["overhead_ms"]
+
+
 def test_mimose_measures_then_plans_each_input_size_within_the_budget(tmp_path):
-    lines, summary, run_dir = _train_tight(tmp_path, "mimose", "planner.mimose.sheltered_steps=3")
+    lines, summary, run_dir = _train_tight(tmp_path, "mimose", "planner.mimose.sheltered_steps=3",
+                                           "planner.mimose.estimate=sheltered")
     assert [line["phase"] for line in lines[:3]] == ["sheltered"] * 3
     assert all(line["plan"] == [0, 1, 2, 3] for line in lines[:3])  # measured, every block checkpointed
     responsive = [line for line in lines if line["phase"] == "responsive"]
@@ -284,13 +296,13 @@ def test_the_view_says_each_setup_phase_and_the_budget_as_written(tmp_path):
     result = run_training(recipe, view="plain", console=Console(file=out, width=200))
     lines = out.getvalue().splitlines()
     setup = [line.split("] ", 1)[1] for line in lines if line.startswith("[")]
-    assert [line.split(":")[0] for line in setup] == ["data ready", "device", "model built", "pre-flight"]
+    assert [line.split(":")[0] for line in setup] == ["data ready", "device", "model built", "pre-flight", "mimose"]
+    assert "memory estimate from 2 probe steps" in setup[-1]
     assert "32 examples" in setup[0] and "8 steps" in setup[0]
     assert "budget 8MB (7.63 MiB)" in setup[1]
     parameters = sum(p.numel() for p in build_model(recipe).parameters())
     assert f"{parameters / 1e6:.2f} M parameters" in setup[2]
-    assert any(line.startswith("step 0: sheltered phase") and "slower" in line for line in lines)
-    assert any(line.startswith("step 2: ") for line in lines)  # leaving the sheltered phase is said
+    assert not any("sheltered phase" in line for line in lines)  # planned from the first step
     assert "8MB (7.63 MiB)" in out.getvalue().split("summary")[1]  # the summary's budget row
     assert result.summary["budget"] == "8MB"
 

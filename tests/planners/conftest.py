@@ -32,7 +32,7 @@ def sheltered():
     meter = build_meter("simulated", 10**9)
     with meter.activate():
         meter.track(model)
-        planner = Mimose(model, "1GB", meter=meter, sheltered_steps=len(SHELTERED_SIZES))
+        planner = Mimose(model, "1GB", meter=meter, estimate="sheltered", sheltered_steps=len(SHELTERED_SIZES))
         try:
             for size in SHELTERED_SIZES:
                 run_step(planner, meter, bert_batch(*size))

@@ -38,7 +38,7 @@ def test_sheltered_phase_fits_a_budget_none_cannot_and_matches_none():
                 run_step(failing, meter, data)
             finally:
                 failing.close()
-        planner = Mimose(sheltered, budget, meter=meter)
+        planner = Mimose(sheltered, budget, meter=meter, estimate="sheltered")
         loss, peak, info = run_step(planner, meter, data)
         planner.close()
     assert info.phase == "sheltered" and info.plan == (0, 1, 2)
@@ -75,7 +75,7 @@ def test_data_filter_drops_blocks_whose_child_or_parent_is_checkpointed():
     meter = build_meter("simulated", None)
     with meter.activate():
         meter.track(model)
-        planner = Mimose(model, "1GB", meter=meter, sheltered_steps=5)
+        planner = Mimose(model, "1GB", meter=meter, estimate="sheltered", sheltered_steps=5)
         run_step(planner, meter, bert_batch(2, 16))
         model.bert.encoder.gradient_checkpointing = True  # the parent of every block
         run_step(planner, meter, bert_batch(2, 24))
@@ -92,7 +92,7 @@ def test_data_filter_drops_blocks_run_inside_a_user_checkpoint():
     meter = build_meter("simulated", None)
     with meter.activate():
         meter.track(model)
-        planner = Mimose(model, "1GB", meter=meter, sheltered_steps=5)
+        planner = Mimose(model, "1GB", meter=meter, estimate="sheltered", sheltered_steps=5)
         data = bert_batch(2, 16)
         with planner.step(data):
             loss = torch.utils.checkpoint.checkpoint(lambda ids: model(input_ids=ids, labels=data["labels"]).loss,
@@ -150,7 +150,7 @@ def test_save_load_round_trip_skips_the_sheltered_phase(fitted, tmp_path):
 
 def test_library_api_builds_its_own_meter_and_enforces_the_budget():
     model = tiny_bert()
-    planner = mimose_cli.Mimose(model, budget="1GB", sheltered_steps=2)
+    planner = mimose_cli.Mimose(model, budget="1GB", estimate="sheltered", sheltered_steps=2)
     try:
         phases = []
         for size in [(2, 16), (2, 32), (2, 24), (2, 40)]:

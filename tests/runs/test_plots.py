@@ -28,9 +28,11 @@ def png_size(path) -> tuple:
 
 @pytest.fixture(scope="module")
 def mimose_run(tmp_path_factory):
-    """A real quickstart run, cut short: 5 sheltered steps, then 3 planned by the estimator."""
+    """A real quickstart run, cut short, learning as the paper does: 5 sheltered steps, then 3
+    planned by the estimator (the default, planned from the first step, has no phase to shade)."""
     out = tmp_path_factory.mktemp("runs")
-    recipe = load_recipe(QUICKSTART, QUICK_OVERRIDES + ["training.max_steps=8", f"out_dir={out}"])
+    recipe = load_recipe(QUICKSTART, QUICK_OVERRIDES + ["training.max_steps=8", f"out_dir={out}",
+                                                        "planner.mimose.estimate=sheltered"])
     return mimose_cli.launcher.train.run_training(recipe, view="none", recipe_name="quickstart").run_dir
 
 
@@ -100,7 +102,8 @@ def test_the_estimator_fits_pass_through_their_samples(mimose_run, figures):
 
 
 def test_a_run_of_one_step_plots_what_it_has(quick_recipe):
-    run_dir = mimose_cli.launcher.train.run_training(quick_recipe("training.max_steps=1"), view="none").run_dir
+    recipe = quick_recipe("training.max_steps=1", "planner.mimose.estimate=sheltered")
+    run_dir = mimose_cli.launcher.train.run_training(recipe, view="none").run_dir
     plots = write_plots(run_dir)
     assert [p.name for p in plots.written] == RUN_PNGS
     figure = run_figures(run_dir)["estimator.png"]

@@ -1,0 +1,131 @@
+"""Is Mimose's first planned step already well predicted? (issue: Plan from the first step)
+
+For each tiny model of the robustness matrix (4 blocks, hidden 64), on the simulated device and
+one thread: Mimose (``estimate="probes"``, the default) is given the first batch of a run and,
+before that step runs, takes its two probe steps and fits its estimator from them (no training
+step measured). Then, at held-out sizes with padding (rows of different lengths; other batch
+sizes and lengths than the probes'), every block plan of interest (none, every block, every
+other block) is predicted and run once, unseen by training (``trial.probe_with_plan``), and the
+prediction (margins included, as the scheduler uses it) compared with the measured step peak:
+``error = (predicted - measured) / measured``; and ``vs sample``: how far the estimate is from a
+sample measured at that size as the sheltered phase measures one (0: the scaling is exact, so
+what error remains is the step timeline's own upper bounds, the same for measured samples).
+Also the probes' cost in ordinary steps of the first batch's size. Writes benchmarks/results/first_step.json.
+
+    python benchmarks/first_step.py [--models bert,gpt2]
+"""
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from robustness import MODELS, Shape, build_model, make_batch
+
+from mimose_cli.memory import build_meter
+from mimose_cli.planners.mimose import Mimose
+from mimose_cli.planners.registry import build_planner
+from mimose_cli.planners.trial import loss_of, probe_step, probe_with_plan, run_model
+
+from _results import write_results
+
+FIRST = (4, 96)
+HELD_OUT = ((4, 40), (4, 160), (2, 200), (3, 33), (6, 64))
+"""(batch, padded length); the rows' lengths run from the padded length down to half of it."""
+
+
+def _shape(spec, rows: int, length: int, step: int) -> Shape:
+    if spec.kind == "image":
+        return Shape(lengths=(32,) * rows, padded=32)  # the model's own image size
+    lengths = tuple(int(length - (length // 2) * k // max(1, rows - 1)) for k in range(rows))
+    if spec.kind == "seq2seq":
+        targets = tuple(max(4, n // 3) for n in lengths)
+        return Shape(lengths, length, targets, max(targets))
+    return Shape(lengths, length)
+
+
+def _sample_diff(planner, batch, size) -> float:
+    """The largest difference between the estimate at ``size`` and a sample measured there (a
+    sheltered step's, unseen by training), over every quantity the timeline is built from, in
+    percent of that sample's largest value: 0 when the probes' scaling is exact."""
+    planner.measurer.begin()
+    probe_step(planner, batch)
+    blocks, step, _ = planner.measurer.end()
+    predicted = planner.estimator.predict(size)
+    pairs = [(predicted.blocks[q][i], v.max()) for q, per in blocks.items() if q not in ("fwd_ms", "saved_bytes")
+             for i, v in enumerate(per) if v is not None and len(v)]
+    pairs += [(predicted.step[q], v.max()) for q, v in step.items() if v is not None and len(v)]
+    scale = max(abs(m) for _, m in pairs)
+    return max(abs(p - m) for p, m in pairs) / scale * 100
+
+
+def measure(name: str) -> dict:
+    spec = MODELS[name]
+    model = build_model(spec).train()
+    meter = build_meter("simulated", 10**11)
+    row = {"model": name, "cases": []}
+    with meter.activate():
+        meter.track(model)
+        first = make_batch(spec, _shape(spec, *FIRST, 0), 0)
+        plain = build_planner("none", model, None, meter=meter)
+        with plain.applying():
+            probe_step(plain, first)  # warm-up: the first ops a process runs are slow
+            start = time.perf_counter()
+            for _ in range(3):
+                probe_step(plain, first)
+            plain_ms = (time.perf_counter() - start) * 1e3 / 3
+        plain.close()
+        planner = Mimose(model, "100GB", meter=meter)
+        with planner.step(first):  # the probes run before this step is planned
+            loss_of(run_model(model, first)).backward()
+        for p in model.parameters():
+            p.grad = None
+        stats = planner.stats
+        row.update(source=stats["estimate_source"], fallback=stats["estimate_fallback"],
+                   first_phase=planner.last.phase, probe_ms=stats["probe_ms"], plain_ms=plain_ms,
+                   probe_in_plain=stats["probe_ms"] / plain_ms)
+        n = planner.num_blocks
+        plans = {"none": (), "all": tuple(range(n)), "every other": tuple(range(0, n, 2))}
+        for step, (rows, length) in enumerate(HELD_OUT, start=1):
+            batch = make_batch(spec, _shape(spec, rows, length, step), step)
+            from mimose_cli.planners.inputs import infer_input_size
+            size = infer_input_size(batch, planner.encoder_decoder)
+            row.setdefault("sample_diff_pct", 0.0)
+            row["sample_diff_pct"] = max(row["sample_diff_pct"], _sample_diff(planner, batch, size))
+            for label, plan in plans.items():
+                predicted = planner.predict_peak(size, plan)
+                measured = probe_with_plan(planner, batch, plan)
+                error = None if predicted is None else (predicted - measured) / measured * 100
+                row["cases"].append({"size": list(size), "plan": label, "predicted": predicted,
+                                     "measured": measured, "error_pct": error})
+        planner.close()
+    errors = [c["error_pct"] for c in row["cases"] if c["error_pct"] is not None]
+    row["untrusted"] = sum(c["error_pct"] is None for c in row["cases"])
+    row["max_over_pct"] = max(errors, default=None)
+    row["max_under_pct"] = min(errors, default=None)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="bert,roberta,xlnet,gpt2,llama,t5-nocache,vit")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    np.seterr(all="ignore")
+    rows = []
+    print(f"{'model':11} {'source':8} {'probes/plain':>12} {'cases':>5} {'untrusted':>9} {'max over %':>10} "
+          f"{'max under %':>11} {'vs sample %':>11}  fallback")
+    for name in args.models.split(","):
+        row = measure(name)
+        rows.append(row)
+        over = "-" if row["max_over_pct"] is None else f"{row['max_over_pct']:+.3f}"
+        under = "-" if row["max_under_pct"] is None else f"{row['max_under_pct']:+.3f}"
+        print(f"{name:11} {row['source']:8} {row['probe_in_plain']:11.2f}x {len(row['cases']):5} "
+              f"{row['untrusted']:9} {over:>10} {under:>11} {row.get('sample_diff_pct', 0):11.2g}  {row['fallback']}",
+              flush=True)
+    write_results("first_step", rows, first=list(FIRST), held_out=[list(s) for s in HELD_OUT],
+                  threads=torch.get_num_threads())
+
+
+if __name__ == "__main__":
+    main()

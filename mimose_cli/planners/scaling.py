@@ -1,0 +1,256 @@
+"""Plan from the first step: Mimose's estimate from two small measured steps before training.
+
+A sheltered step measures the step's live bytes after every op at one input size; the estimator
+needs several sizes to fit how each op's bytes grow. But the live bytes are a sum over tensor
+storages, and each storage's bytes are one term of the regression's features: a hidden state is
+``c * B * L``, an attention matrix ``c * B * L**2``, a weight gradient ``c``. Two measured steps at
+sizes chosen so that every feature grows by a different factor between them (``probe_sizes``)
+therefore tell each storage's term exactly: its bytes grew by the factor of exactly one feature.
+Knowing every storage's term and when it lived (``memory.probe.LiveProbe`` with ``lifetimes``),
+the live bytes at every op are known at *any* size, and ``scaled_samples`` writes them out as
+samples at sizes spanning the features, for the estimator to fit as it fits measured ones.
+
+The two steps are small (a short length; the full batch and twice it), so they cost little more
+than one ordinary step. What this cannot describe raises ``ScalingError`` with the reason,
+and Mimose learns from measured steps instead: the op sequence differs between the two sizes (a
+kernel chosen by size, data-dependent shapes such as MoE routing or ``nonzero``), or a storage's
+bytes are not one term (a buffer padded to a multiple, a cat of two terms). A size at which a
+kernel choice differs from the probes' is caught by the check every planned step makes (its
+measured peak against the prediction), which then measures that size.
+"""
+
+import numpy as np
+
+from mimose_cli.planners.collector import RawStep, Trace, build_sample
+
+_RTOL = 1e-9
+_LENGTH_PAIRS = ((8, 12), (4, 6))
+"""Shorter and longer length of the two probes, for a dimension that allows the first pair (else
+the second): a factor 1.5; an encoder-decoder's decoder length takes a factor 1.25 (``(8, 10)``,
+``(4, 5)``), so that no two features grow alike."""
+_DECODER_PAIRS = ((8, 10), (4, 5))
+_MAX_SLOPE = 4
+
+
+class ScalingError(ValueError):
+    """The two probe steps cannot be scaled to other sizes; the message says why (one line)."""
+
+
+def probe_sizes(max_size: tuple, vary_lengths: bool, decoder: bool = False) -> list:
+    """The two probe sizes for a recipe whose largest size is ``max_size``: the full batch and
+    twice it (a multiple of whatever a batch's rows must be a multiple of, as a multiple-choice
+    batch's; and never a batch of one, a special case of many kernels, unless training runs
+    batches of one: then the batch stays one and only the lengths vary), each length dimension at
+    a short pair when ``vary_lengths`` (token inputs; an image's height and width stay those of
+    ``max_size``)."""
+    batch = int(max_size[0])
+    batches = (batch, 2 * batch) if batch > 1 else (1, 1)
+    lengths = []
+    for position, longest in enumerate(max_size[1:]):
+        pairs = _DECODER_PAIRS if decoder and position == 1 else _LENGTH_PAIRS
+        pair = next((p for p in pairs if p[1] <= longest), None) if vary_lengths else None
+        lengths.append(pair or (int(longest), int(longest)))
+    return [(batches[k], *(pair[k] for pair in lengths)) for k in range(2)]
+
+
+def _classes(fa: np.ndarray, fb: np.ndarray):
+    """Each feature's factor of growth between the two sizes, and for each feature the first
+    feature that grows by the same factor (its representative)."""
+    ratio = np.where(fa > 0, fb / np.where(fa > 0, fa, 1.0), np.nan)
+    rep = np.arange(len(fa))
+    for j in range(len(fa)):
+        same = [k for k in range(j) if np.isfinite(ratio[k]) and abs(ratio[k] - ratio[j]) <= _RTOL * ratio[j]]
+        rep[j] = same[0] if same else j
+    return ratio, rep
+
+
+def term_of(a: np.ndarray, b: np.ndarray, fa: np.ndarray, fb: np.ndarray) -> np.ndarray:
+    """For bytes ``a`` at the first size and ``b`` at the second (arrays), the feature whose
+    growth each follows (its representative, see ``_classes``), or -1 where none does. Zero bytes
+    at both sizes are the constant feature's."""
+    ratio, rep = _classes(fa, fb)
+    candidates = [j for j in range(len(fa)) if rep[j] == j and np.isfinite(ratio[j])]
+    term = np.full(len(a), -1)
+    for j in candidates:
+        hit = (term < 0) & (a > 0) & (np.abs(b - a * ratio[j]) <= _RTOL * np.maximum(b, 1.0) + 0.5)
+        term[hit] = j
+    constant = next(j for j in candidates if abs(ratio[j] - 1.0) <= _RTOL)
+    term[(a == 0) & (b == 0)] = constant
+    return term
+
+
+def exponents(feature_set) -> tuple:
+    """The variables of a feature set's names (``B``, ``L``; ``B``, ``E``, ``D``) and each
+    feature's exponents over them: ``BL2`` is B * L**2."""
+    variables, parsed = [], []
+    for name in feature_set.names:
+        powers, k = {}, 0
+        while k < len(name):
+            letter, k = name[k], k + 1
+            power = 1
+            if k < len(name) and name[k].isdigit():
+                power, k = int(name[k]), k + 1
+            if letter != "1":
+                powers[letter] = powers.get(letter, 0) + power
+                if letter not in variables:
+                    variables.append(letter)
+        parsed.append(powers)
+    return tuple(variables), [tuple(p.get(v, 0) for v in variables) for p in parsed]
+
+
+def _dimension(da: int, db: int, va: tuple, vb: tuple):
+    """One dimension of a tensor at the two sizes as a polynomial in one variable, ``{exponents:
+    coefficient}``: a constant; ``k * x`` (it grew by the factor the variable ``x`` did); else,
+    for a length (not the batch, variable 0), ``k * x + c`` with a whole ``k`` up to
+    ``_MAX_SLOPE`` (a padded, shifted or relative-position length: ``L + 1``, ``2 * L - 1``).
+    None when it is none of these, or when two readings of the same kind fit."""
+    width = len(va)
+    if da == db:
+        return {(0,) * width: float(da)}
+    proportional, affine = [], []
+    for x in range(width):
+        if va[x] == vb[x]:
+            continue
+        unit = tuple(int(i == x) for i in range(width))
+        if db * va[x] == da * vb[x] and da % va[x] == 0:
+            proportional.append({unit: float(da // va[x])})
+        slope, rest = divmod(db - da, vb[x] - va[x])
+        if x > 0 and not rest and 1 <= slope <= _MAX_SLOPE:
+            affine.append({unit: float(slope), (0,) * width: float(da - slope * va[x])})
+    found = proportional or affine
+    return found[0] if len(found) == 1 else None
+
+
+def _polynomial(shape_a, shape_b, itemsize: int, va: tuple, vb: tuple):
+    """A tensor's bytes as a polynomial ``{exponents: coefficient}`` in the size's variables,
+    from its shape at the two sizes, or None."""
+    if len(shape_a) != len(shape_b):
+        return None
+    poly = {(0,) * len(va): float(itemsize)}
+    for da, db in zip(shape_a, shape_b):
+        dim = _dimension(int(da), int(db), va, vb)
+        if dim is None:
+            return None
+        product = {}
+        for ea, ca in poly.items():
+            for eb, cb in dim.items():
+                key = tuple(x + y for x, y in zip(ea, eb))
+                product[key] = product.get(key, 0.0) + ca * cb
+        poly = product
+    return poly
+
+
+def coefficients(a: RawStep, b: RawStep, size_a: tuple, size_b: tuple, feature_set) -> np.ndarray:
+    """Each storage's bytes as coefficients over the features (storages x features), exact at
+    both sizes: one feature's growth when its bytes grew as one feature does, else the product
+    of its dimensions (``_polynomial``). Raises ``ScalingError`` for a storage neither
+    describes."""
+    fa, fb = feature_set.of(size_a), feature_set.of(size_b)
+    coef = np.zeros((len(a.nbytes), len(fa)))
+    term = term_of(a.nbytes, b.nbytes, fa, fb)
+    known = term >= 0
+    coef[np.flatnonzero(known), term[known]] = a.nbytes[known] / fa[term[known]]
+    variables, powers = exponents(feature_set)
+    index = {p: j for j, p in enumerate(powers)}
+    va = (size_a[0], *feature_set.lengths(size_a))
+    vb = (size_b[0], *feature_set.lengths(size_b))
+    for k in np.flatnonzero(~known):
+        poly = None
+        if a.shapes[k] is not None and b.shapes[k] is not None:
+            (shape_a, item), (shape_b, _) = a.shapes[k], b.shapes[k]
+            poly = _polynomial(shape_a, shape_b, item, va, vb)
+        if poly is not None and all(e in index for e in poly):
+            for e, c in poly.items():
+                coef[k, index[e]] += c
+            if abs(coef[k] @ fa - a.nbytes[k]) <= 0.5 and abs(coef[k] @ fb - b.nbytes[k]) <= 0.5:
+                continue
+        raise ScalingError(f"a tensor's bytes grow with the input size as no sum of the features "
+                           f"{', '.join(feature_set.names)} does ({int(a.nbytes[k])} bytes at {tuple(size_a)}, "
+                           f"{int(b.nbytes[k])} at {tuple(size_b)})")
+    return coef
+
+
+def _same_structure(a: RawStep, b: RawStep) -> str | None:
+    """Why the two probes did not run the same ops on the same storages, or None."""
+    if a.points != b.points or len(a.nbytes) != len(b.nbytes):
+        return (f"the op sequence changed with the input size ({len(a.trace.live)} and {len(b.trace.live)} ops, "
+                f"{len(a.nbytes)} and {len(b.nbytes)} storages)")
+    if [m[0] for m in a.marks] != [m[0] for m in b.marks] or not np.array_equal(a.mark_points, b.mark_points):
+        return "the blocks ran in another order at the other input size"
+    if not (np.array_equal(a.born, b.born) and np.array_equal(a.died, b.died)):
+        return "tensors lived at other ops at the other input size"
+    if not (np.array_equal(a.trace.recompute, b.trace.recompute) and np.array_equal(a.trace.autocast, b.trace.autocast)):
+        return "the op sequence changed with the input size (recomputes or autocast)"
+    if a.dropped != b.dropped:
+        return "the data filter dropped other blocks at the other input size"
+    return None
+
+
+class ScaledStep:
+    """One probe step scaled to any size: the live bytes at each point of the step as a linear
+    function of the size's features (``live(features)``), and the per-block quantities measured
+    directly (saved bytes, resident bytes) likewise."""
+
+    def __init__(self, a: RawStep, size_a: tuple, b: RawStep, size_b: tuple, feature_set):
+        reason = _same_structure(a, b)
+        if reason is not None:
+            raise ScalingError(reason)
+        self.feature_set = feature_set
+        self.raw = a
+        self.size_a, self.size_b = tuple(size_a), tuple(size_b)
+        fa, fb = feature_set.of(size_a), feature_set.of(size_b)
+        self.fa = fa
+        coef = coefficients(a, b, size_a, size_b, feature_set)
+        # Each feature's bytes per unit, summed over the storages alive at each point.
+        diff = np.zeros((a.points + 1, len(fa)))
+        np.add.at(diff, a.born, coef)
+        np.add.at(diff, a.died, -coef)
+        self.terms = np.cumsum(diff, axis=0)[: a.points].T
+        rebuilt = fa @ self.terms
+        recorded = np.empty(a.points)
+        recorded[a.op_points] = a.trace.live
+        recorded[a.mark_points] = [live for _, _, live in a.marks]
+        if a.points and np.abs(rebuilt - recorded).max() > 0.5:
+            raise ScalingError("the probe's storages do not add up to its live bytes (a storage counted twice?)")
+        self.per_block = {}
+        for quantity in ("saved_bytes", "resident_bytes"):
+            va, vb = a.per_block[quantity], b.per_block[quantity]
+            known = ~(np.isnan(va) | np.isnan(vb))
+            scalar_term = np.full(len(va), -1)
+            scalar_term[known] = term_of(va[known], vb[known], fa, fb)
+            self.per_block[quantity] = (np.where(known, va, np.nan), scalar_term)
+        unknown = self.per_block["resident_bytes"][1] < 0
+        if (unknown & ~np.isnan(a.per_block["resident_bytes"])).any():
+            raise ScalingError("what a block leaves live until the forward ends grows as no feature does")
+
+    def varied(self) -> tuple:
+        """Which dimensions of the input size differ between the probes (the others must stay at
+        the probes' value in every size this describes)."""
+        return tuple(x != y for x, y in zip(self.size_a, self.size_b))
+
+    def sample(self, size: tuple):
+        """The sample the collector would have measured at ``size``: ``(blocks, step, shape)``."""
+        f = self.feature_set.of(size)
+        live = f @ self.terms
+        a = self.raw
+        scale = f / np.where(self.fa > 0, self.fa, 1.0)
+        trace = Trace(live[a.op_points], a.trace.recompute, a.trace.autocast)
+        marks = [(label, index, float(live[p])) for (label, index, _), p in zip(a.marks, a.mark_points)]
+        per_block = {"fwd_ms": np.full(len(a.per_block["fwd_ms"]), np.nan)}
+        for quantity, (values, term) in self.per_block.items():
+            per_block[quantity] = np.where(term >= 0, values * scale[np.maximum(term, 0)], np.nan)
+        blocks, step, shape = build_sample(marks, trace, len(per_block["fwd_ms"]), per_block, a.dropped)
+        for quantity in ("fwd_ms", "saved_bytes"):  # not measured at this size: no value
+            blocks[quantity] = [None if v is None or np.isnan(v).any() else v for v in blocks[quantity]]
+        return blocks, step, shape
+
+    def sizes(self, max_size: tuple) -> list:
+        """Sizes to write samples at: in each dimension the probes varied, both probes' values and
+        the largest (``max_size``), enough for the estimator's features to be determined at every
+        size that keeps the other dimensions; the others at the probes' value."""
+        axes = []
+        for d, varies in enumerate(self.varied()):
+            values = {self.size_a[d], self.size_b[d], int(max_size[d])} if varies else {self.size_a[d]}
+            axes.append(sorted(values))
+        grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(axes))
+        return [tuple(int(v) for v in point) for point in grid]
