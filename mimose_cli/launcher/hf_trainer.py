@@ -107,14 +107,15 @@ class TrainerBudget:
             # count as live, as on a GPU; each storage is counted once however often tracked.
             self.meter.track(self.trainer.model, self.trainer.optimizer,
                              dict(inputs) if isinstance(inputs, Mapping) else inputs)
-            self._prepare(inputs)
-            loss = self.planner.run(lambda batch: original(model, batch, *args, **kwargs), inputs)
+            step_fn = lambda batch: original(model, batch, *args, **kwargs)  # noqa: E731
+            self._prepare(inputs, step_fn)
+            loss = self.planner.run(step_fn, inputs)
             peak = self.meter.peak_bytes()
         self.window.add(self.planner.last, peak)
         self.totals.add(self.planner.last, peak)
         return loss
 
-    def _prepare(self, inputs) -> None:
+    def _prepare(self, inputs, step_fn) -> None:
         """Let a planner that plans ahead (sublinear) plan once, at ``max_input_size``, from
         this first batch resized to it."""
         if self._prepared or type(self.planner).prepare is Planner.prepare:
@@ -122,7 +123,7 @@ class TrainerBudget:
         size = self.max_input_size or infer_input_size(inputs, self.planner.encoder_decoder)
         optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # accelerate's wrapper
         reserve = optimizer_state_bytes(optimizer) if optimizer is not None else 0
-        self.planner.prepare(lambda s: resized_batch(inputs, s), tuple(size), reserve)
+        self.planner.prepare(lambda s: resized_batch(inputs, s), tuple(size), reserve, step_fn=step_fn)
         self._prepared = True
 
     def log(self, original, logs: dict, *args, **kwargs):

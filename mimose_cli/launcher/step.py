@@ -68,6 +68,14 @@ class Trainer:
         """Planner-controlled forward and backward of one micro-batch, retried by the planner
         when it runs out of memory (``Planner.run``); no optimizer side effects. ``loss_weight``
         scales the gradient (a rank's share of a global batch, ``distributed.local_batch``)."""
+        step_fn = self.step_fn(counter, loss_weight)
+        loss, activation_bytes = self.planner.run(step_fn, batch)
+        return loss, self.planner.last, activation_bytes
+
+    def step_fn(self, counter: SavedBytesCounter, loss_weight: float = 1.0):
+        """One micro-batch's forward (under the recipe's autocast) and backward (scaled as the
+        accumulation, the rank's share and the GradScaler ask): ``step_fn(batch) -> (loss,
+        activation bytes)``, what ``Planner.run`` and a planner's probe steps run."""
         accumulation = self.recipe.training.gradient_accumulation_steps
 
         def step_fn(batch):
@@ -81,8 +89,7 @@ class Trainer:
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             return loss.detach(), activation_bytes
 
-        loss, activation_bytes = self.planner.run(step_fn, batch)
-        return loss, self.planner.last, activation_bytes
+        return step_fn
 
     def optimizer_step(self) -> None:
         clip = self.recipe.training.max_grad_norm

@@ -300,7 +300,8 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         if error is not None:  # the run's error: the command prints it
             return LoopEnd(status="oom", at_boundary=False, error=error)
         trainer.planner.prepare(lambda size: make_batch(recipe, run.config, size),
-                                max_input_size(recipe), state_bytes)
+                                max_input_size(recipe), state_bytes,
+                                step_fn=trainer.step_fn(SavedBytesCounter(exclude=list(trainer.model.parameters()))))
         note = trainer.planner.prepared_note()
         if note:
             view.setup(note)

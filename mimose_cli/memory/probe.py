@@ -103,7 +103,14 @@ class LiveProbe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
+        # Most ops return one tensor or a flat tuple of them: no pytree walk for those.
+        if type(out) is torch.Tensor:
+            leaves = (out,)
+        elif type(out) is tuple and all(type(leaf) is torch.Tensor for leaf in out):
+            leaves = out
+        else:
+            leaves = tree_leaves(out)
+        for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:
                 if self._lifetimes:
                     self.ledger.add(leaf.untyped_storage(), self._counting, leaf)

@@ -126,6 +126,8 @@ class Planner:
         self.recompute_clock = RecomputeClock()
         self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
         self.attempt = 0  # failed attempts of the step being run (``run``)
+        self.step_fn = None
+        """The step function of the ``run`` in progress (None in ``step``): how a batch is run."""
         self.retries_total = 0
         self.plan_runner = PlanRunner(self.recompute_clock)
         self.runner = self.plan_runner
@@ -157,12 +159,14 @@ class Planner:
         """After each step: its ``StepInfo``, the measured peak (None without a meter) and what the
         measurer measured (None unless the step was decided with ``measure=True``)."""
 
-    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
+    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
         """Called once before training by the loop. ``make_batch(input_size)`` returns a
         training batch of that size on the device; ``max_input_size`` is the largest size the
         recipe allows; ``reserve_bytes`` is memory that is not allocated yet but will be for the
         whole run from the first optimizer step on (the optimizer's state), which a plan made now
-        must leave room for. Static planners (sublinear) plan here; the default does nothing."""
+        must leave room for; ``step_fn(batch)``, when given, runs a batch's forward and backward
+        as training does (autocast, loss scaling: what ``run`` is given). Static planners
+        (sublinear) plan here, Mimose takes its probe steps; the default does nothing."""
 
     def prepared_note(self) -> str | None:
         """One line on what ``prepare`` did, for the run's log (None: nothing worth a line)."""
@@ -328,8 +332,12 @@ class Planner:
         if self._stepping:
             raise RuntimeError("planner.run inside a step of the same planner: one step at a time")
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
-        with self._metered(batch):  # around the attempts: the guard's snapshots are counted too
-            return self._run(step_fn, batch, size)
+        self.step_fn = step_fn
+        try:
+            with self._metered(batch):  # around the attempts: the guard's snapshots are counted too
+                return self._run(step_fn, batch, size)
+        finally:
+            self.step_fn = None
 
     def _run(self, step_fn, batch, size):
         guard = StepGuard(self.model, batch)

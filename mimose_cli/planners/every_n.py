@@ -36,7 +36,7 @@ class EveryN(Planner):
         self.prepare_ms = 0.0
         self.stride_peaks: dict = {}  # stride -> measured peak at the largest input (None: out of memory)
 
-    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
+    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
         """Find the stride (unless given) and fix the plan; ``reserve_bytes`` is kept free for the
         optimizer's state."""
         start = time.perf_counter()

@@ -162,9 +162,10 @@ class Mimose(Planner):
         g = self.granularity
         return (size[0],) + tuple(-(-d // g) * g for d in size[1:])
 
-    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
-        """Before the first step: the estimate from two probe steps (``estimate="probes"``)."""
-        self._probe(make_batch, tuple(max_input_size))
+    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
+        """Before the first step: the estimate from two probe steps (``estimate="probes"``), each
+        run by ``step_fn`` when given (training's autocast and loss scaling)."""
+        self._probe(make_batch, tuple(max_input_size), step_fn)
 
     def prepared_note(self) -> str | None:
         c = self.counts
@@ -175,7 +176,7 @@ class Mimose(Planner):
             return f"mimose: learning from measured steps first: {c.estimate_fallback}"
         return None
 
-    def _probe(self, make_batch, max_size: tuple) -> None:
+    def _probe(self, make_batch, max_size: tuple, step_fn=None) -> None:
         """Run the two probe steps (``planners.scaling``) and fit the estimator from samples
         scaled from them; where they cannot be scaled, say why once and learn from measured
         steps (the sheltered phase) instead."""
@@ -189,7 +190,7 @@ class Mimose(Planner):
         images = "pixel_values" in make_batch(max_size)
         sizes = probe_sizes(max_size, vary_lengths=not images, decoder=self.encoder_decoder)
         try:
-            raws = [self._probe_step(make_batch, size) for size in sizes]
+            raws = [self._probe_step(make_batch, size, step_fn) for size in sizes]
             scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set)
             samples = [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
         except ScalingError as err:
@@ -206,7 +207,7 @@ class Mimose(Planner):
         self.counts.estimate_source = "probes"
         self._fit()
 
-    def _probe_step(self, make_batch, size: tuple):
+    def _probe_step(self, make_batch, size: tuple, step_fn=None):
         """One probe step at ``size``: measured by the collector with storage lifetimes, unseen by
         the training run (``trial.probe_step``). The batch is given padding (the last row's last
         position masked) when it has an attention mask: real batches padded to their longest row
@@ -223,7 +224,7 @@ class Mimose(Planner):
         with without_dispatch_modes():
             self.measurer.begin()
             try:
-                peak = probe_step(self, batch)
+                peak = probe_step(self, batch, step_fn)
             except BaseException:
                 self.measurer.abort()
                 raise
@@ -244,7 +245,7 @@ class Mimose(Planner):
         if not self._probed:
             if isinstance(self.batch, dict) and any(self.batch.get(k) is not None for k in ("input_ids", "pixel_values")):
                 batch, before = self.batch, self.counts.probe_ms
-                self._probe(lambda s: resized_batch(batch, s), size)
+                self._probe(lambda s: resized_batch(batch, s), size, self.step_fn)
                 self.counts.probe_in_step_ms += self.counts.probe_ms - before
             else:
                 self._probed = True

@@ -156,7 +156,7 @@ class Oracle(Planner):
         self.excluded_ms_total = 0.0
         self.margin_bytes = 0
 
-    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
+    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
         # the oracle plans each step against the bytes live at its start: nothing to reserve
         self._make_batch = make_batch
 

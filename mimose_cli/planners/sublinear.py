@@ -164,7 +164,7 @@ class Sublinear(Planner):
         self.prepare_ms = 0.0
         self.reserve_bytes = 0
 
-    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0) -> None:
+    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
         """Measure the blocks at the largest input and fix the plan, leaving ``reserve_bytes``
         (the optimizer state the first step will allocate) free."""
         start = time.perf_counter()

@@ -46,11 +46,12 @@ def side_effect_free(model, batch):
         yield
 
 
-def probe_step(planner, batch):
+def probe_step(planner, batch, step_fn=None):
     """One forward and backward on ``batch`` that the training run never sees: RNG forked,
     buffers restored, the gradients put back as they were (the probe starts from none), the
-    meter's peak reset afterwards. Returns the probe's peak (0 without a meter), or None when it
-    ran out of memory."""
+    meter's peak reset afterwards. ``step_fn(batch)`` runs them as training does (its autocast,
+    its loss scaling); without it, the model's loss (``loss_of``) is backpropagated. Returns the
+    probe's peak (0 without a meter), or None when it ran out of memory."""
     meter = planner.meter
     params = list(planner.model.parameters())
     grads = [p.grad for p in params]
@@ -60,7 +61,10 @@ def probe_step(planner, batch):
         meter.reset_peak()
     try:
         with side_effect_free(planner.model, batch), torch.enable_grad():
-            loss_of(run_model(planner.model, batch)).backward()
+            if step_fn is not None:
+                step_fn(batch)
+            else:
+                loss_of(run_model(planner.model, batch)).backward()
         return meter.peak_bytes() if meter is not None else 0
     except torch.OutOfMemoryError:
         return None

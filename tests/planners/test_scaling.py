@@ -67,7 +67,6 @@ def test_a_scaled_sample_is_the_sample_the_collector_measures_at_that_size():
     """What the probes' samples say at a size is what measuring a step there says, every block
     and step quantity the timeline is built from, to float rounding."""
     with metered_mimose() as (planner, meter):
-        model = planner.model
         planner.prepare(lambda size: padded(bert_batch(*size)), (4, 64))
         for size in HELD_OUT:
             predicted = planner.estimator.predict(size)
@@ -131,7 +130,6 @@ class _Stack(torch.nn.Module):
 def test_memory_the_features_cannot_describe_falls_back_to_measured_steps_saying_why():
     model = _Stack()
     with metered_mimose(model, sheltered_steps=2) as (planner, meter):
-        model = planner.model
         batch = {"input_ids": torch.randint(0, 16, (4, 20))}
         with pytest.warns(UserWarning, match="learning from measured steps.*grow with the input size"):
             with planner.step(batch) as info:
@@ -144,7 +142,6 @@ def test_memory_the_features_cannot_describe_falls_back_to_measured_steps_saying
 
 def test_estimate_sheltered_keeps_the_papers_sheltered_phase():
     with metered_mimose(estimate="sheltered", sheltered_steps=1) as (planner, meter):
-        model = planner.model
         _, _, info = run_step(planner, meter, bert_batch(4, 24))
         assert info.phase == "sheltered" and planner.stats["probe_ms"] == 0
     with pytest.raises(ValueError, match="estimate='guess' is invalid"):
@@ -196,3 +193,36 @@ def test_probe_sizes_grow_every_feature_by_a_different_factor():
     assert probe_sizes((3, 224, 224), vary_lengths=False) == [(3, 224, 224), (6, 224, 224)]
     assert probe_sizes((4, 6), vary_lengths=True) == [(4, 4), (8, 6)]
     assert probe_sizes((1, 64), vary_lengths=True) == [(1, 8), (1, 12)]  # batches of one stay one
+
+
+def _bf16_step(model):
+    def step_fn(batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+    return step_fn
+
+
+@pytest.mark.parametrize("probe_as_training", [True, False])
+def test_the_probes_run_the_batch_as_training_does(probe_as_training):
+    """Given training's step function (here bf16 autocast), the probes measure what a training
+    step holds; the model's plain loss in fp32 instead would describe another step."""
+    with metered_mimose() as (planner, meter):
+        step_fn = _bf16_step(planner.model)
+        planner.prepare(lambda size: padded(bert_batch(*size)), (4, 64),
+                        step_fn=step_fn if probe_as_training else None)
+        errors = []
+        for size in HELD_OUT:
+            batch = padded(bert_batch(*size))
+            for p in planner.model.parameters():
+                p.grad = None
+            meter.track(batch)
+            with meter.step() as mem:
+                with planner.step(batch) as info:
+                    step_fn(batch)
+            assert info.phase == "responsive"
+            errors.append(info.predicted_peak_bytes / mem.peak_bytes - 1)
+    if probe_as_training:
+        assert 0 <= min(errors) and max(errors) <= 0.10, errors  # bf16: over by the casts' upper bound
+    else:
+        assert min(errors) > 0.10, errors  # fp32 activations: far over a bf16 step
