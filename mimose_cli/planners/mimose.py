@@ -37,7 +37,7 @@ from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.inputs import resized_batch
-from mimose_cli.planners.scaling import ScaledStep, ScalingError, probe_sizes
+from mimose_cli.planners.scaling import ScaledStep, ScalingError, probe_sizes, structure_difference
 from mimose_cli.planners.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import probe_step, to_model_device
 from mimose_cli.torch_private import without_dispatch_modes
@@ -77,6 +77,8 @@ class MimoseCounters:
     """Why predictions were not trusted -> steps."""
     probe_ms: float = 0.0
     """The two probe steps before the first step and scaling them (``estimate="probes"``)."""
+    probe_steps: int = 0
+    """Probe steps run: 2, or 3 when the first one did what only a first step does."""
     probe_in_step_ms: float = 0.0
     """The part of ``probe_ms`` spent inside the first step's planning (no ``prepare``)."""
     probe_samples: int = 0
@@ -170,7 +172,7 @@ class Mimose(Planner):
     def prepared_note(self) -> str | None:
         c = self.counts
         if c.estimate_source == "probes":
-            return (f"mimose: memory estimate from 2 probe steps ({c.probe_ms / 1e3:.2f} s, scaled to "
+            return (f"mimose: memory estimate from {c.probe_steps} probe steps ({c.probe_ms / 1e3:.2f} s, scaled to "
                     f"{c.probe_samples} sizes): the first batch is planned")
         if c.estimate_fallback:
             return f"mimose: learning from measured steps first: {c.estimate_fallback}"
@@ -191,6 +193,12 @@ class Mimose(Planner):
         sizes = probe_sizes(max_size, vary_lengths=not images, decoder=self.encoder_decoder)
         try:
             raws = [self._probe_step(make_batch, size, step_fn) for size in sizes]
+            self.counts.probe_steps = 2
+            if structure_difference(*raws) is not None:
+                # What only the first step of a process does (a GradScaler creating its scale,
+                # a lazily built cache) differs from the second probe: the first size once more.
+                raws[0] = self._probe_step(make_batch, sizes[0], step_fn)
+                self.counts.probe_steps = 3
             scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set)
             samples = [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
         except ScalingError as err:

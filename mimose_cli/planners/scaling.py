@@ -170,7 +170,7 @@ def coefficients(a: RawStep, b: RawStep, size_a: tuple, size_b: tuple, feature_s
     return coef
 
 
-def _same_structure(a: RawStep, b: RawStep) -> str | None:
+def structure_difference(a: RawStep, b: RawStep) -> str | None:
     """Why the two probes did not run the same ops on the same storages, or None."""
     if a.points != b.points or len(a.nbytes) != len(b.nbytes):
         return (f"the op sequence changed with the input size ({len(a.trace.live)} and {len(b.trace.live)} ops, "
@@ -192,7 +192,7 @@ class ScaledStep:
     directly (saved bytes, resident bytes) likewise."""
 
     def __init__(self, a: RawStep, size_a: tuple, b: RawStep, size_b: tuple, feature_set):
-        reason = _same_structure(a, b)
+        reason = structure_difference(a, b)
         if reason is not None:
             raise ScalingError(reason)
         self.feature_set = feature_set

@@ -226,3 +226,19 @@ def test_the_probes_run_the_batch_as_training_does(probe_as_training):
         assert 0 <= min(errors) and max(errors) <= 0.10, errors  # bf16: over by the casts' upper bound
     else:
         assert min(errors) > 0.10, errors  # fp32 activations: far over a bf16 step
+
+
+def test_what_only_a_first_step_does_is_probed_again_not_taken_for_a_size_effect():
+    """A GradScaler creates its scale at its first ``scale()``: the first probe has two storages
+    the second has not. The first size is probed once more, and the estimate comes from the probes."""
+    with metered_mimose() as (planner, meter):
+        model, scaler = planner.model, torch.amp.GradScaler("cpu")
+
+        def step_fn(batch):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**batch).loss
+            scaler.scale(loss).backward()
+
+        planner.prepare(lambda size: padded(bert_batch(*size)), (4, 64), step_fn=step_fn)
+        stats = planner.stats
+        assert stats["estimate_source"] == "probes" and stats["probe_steps"] == 3
