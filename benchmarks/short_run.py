@@ -6,9 +6,10 @@ of 60 % of the largest step peak plain training (``none``) reaches on these batc
 first, without a budget). Every planner trains the same batches with the same seed, on the
 simulated device, one thread; rounds rotate the planners' order, and each ratio is the median
 over rounds of the per-round ratio. Columns: the whole run, and steps 10-59 (past Mimose's
-sheltered phase), against ``none`` without a budget and against ``hf-every-n`` (the largest
+sheltered phase of earlier releases), against ``none`` without a budget and against ``hf-every-n`` (the largest
 transformers ``every_n_layers`` stride whose largest batch fits, found before training);
-Mimose's own accounting of its overhead in iterations. Then one sheltered step taken apart:
+Mimose's own accounting of its overhead in iterations (the median over rounds): its probe steps
+before step 0, fits and planning, over its mean iteration. Then one sheltered step taken apart:
 its time against a plain step with every block checkpointed (``full``), the measuring runs
 added, and the per-op probe added (the probe switched off for one measurement).
 Writes benchmarks/results/short_run.json.
@@ -98,6 +99,13 @@ def sheltered_breakdown(out_dir, size=(4, 256), repeats=5) -> dict:
                                "probe": (ms["sheltered"] - ms["sheltered_without_probe"]) / none}}
 
 
+def _median_stat(rounds: list, planner: str, key: str):
+    """The median over rounds of one of the planner's stats (None where it has none)."""
+    values = [r[planner]["stats"].get(key) for r in rounds]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -122,10 +130,10 @@ def main():
              "late_over_every_n": ratio("late_ms", p, "hf-every-n"),
              "mean_checkpointed_blocks": rounds[-1][p]["blocks"], "peak_bytes": rounds[-1][p]["peak"],
              "every_n_layers": rounds[-1][p]["stats"].get("every_n_layers"),
-             "overhead_iterations": rounds[-1][p]["stats"].get("overhead_iterations"),
+             "overhead_iterations": _median_stat(rounds, p, "overhead_iterations"),
              "estimate_source": rounds[-1][p]["stats"].get("estimate_source"),
-             "probe_ms": rounds[-1][p]["stats"].get("probe_ms"),
-             "overhead_ms": rounds[-1][p]["stats"].get("overhead_ms"),
+             "probe_ms": _median_stat(rounds, p, "probe_ms"),
+             "overhead_ms": _median_stat(rounds, p, "overhead_ms"),
              "sheltered_extra_iterations": rounds[-1][p]["stats"].get("sheltered_extra_iterations")}
             for p in PLANNERS]
     print(f"budget {budget / 2**20:.2f} MiB (60 % of plain's peak {plain_peak / 2**20:.2f} MiB), "

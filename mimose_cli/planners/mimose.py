@@ -233,6 +233,11 @@ class Mimose(Planner):
             self.measurer.begin()
             try:
                 peak = probe_step(self, batch, step_fn)
+            except Exception as error:  # a model that cannot run this small a batch: say so, measure
+                self.measurer.abort()
+                first = str(error).splitlines()[0] if str(error) else ""
+                raise ScalingError(f"the probe step at input size {size} failed ({type(error).__name__}: "
+                                   f"{first[:160]})") from error
             except BaseException:
                 self.measurer.abort()
                 raise

@@ -242,3 +242,24 @@ def test_what_only_a_first_step_does_is_probed_again_not_taken_for_a_size_effect
         planner.prepare(lambda size: padded(bert_batch(*size)), (4, 64), step_fn=step_fn)
         stats = planner.stats
         assert stats["estimate_source"] == "probes" and stats["probe_steps"] == 3
+
+
+class _NeedsLength(_Stack):
+    """A model that refuses inputs shorter than 16 tokens (a window, a convolution's kernel)."""
+
+    def forward(self, input_ids):
+        if input_ids.shape[1] < 16:
+            raise RuntimeError("input shorter than the window")
+        return super().forward(input_ids)
+
+
+def test_a_probe_step_the_model_cannot_run_falls_back_saying_why():
+    model = _NeedsLength()
+    for layer in model.layers:
+        layer.forward = torch.nn.Linear(8, 8).forward  # memory the features describe
+    with metered_mimose(model, sheltered_steps=1) as (planner, meter):
+        batch = {"input_ids": torch.randint(0, 16, (4, 20))}
+        with pytest.warns(UserWarning, match=r"probe step at input size \(4, 8\) failed \(RuntimeError: input shorter"):
+            with planner.step(batch) as info:
+                model(**batch).backward()
+        assert info.phase == "sheltered" and "input shorter than the window" in planner.stats["estimate_fallback"]
