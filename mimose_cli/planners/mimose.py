@@ -36,8 +36,8 @@ from mimose_cli.planners.base import Decision, Planner, StepInfo
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
-from mimose_cli.planners.inputs import resized_batch
-from mimose_cli.planners.scaling import ScaledStep, ScalingError, probe_sizes, structure_difference
+from mimose_cli.planners.inputs import infer_input_size, resized_batch
+from mimose_cli.planners.scaling import ScaledStep, ScalingError, probe_batches, probe_sizes, structure_difference
 from mimose_cli.planners.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import probe_step, to_model_device
 from mimose_cli.torch_private import without_dispatch_modes
@@ -190,7 +190,7 @@ class Mimose(Planner):
         collector_ms = self.measurer.collector_ms
         # An image's height and width are the model's (position embeddings): only the batch varies.
         images = "pixel_values" in make_batch(max_size)
-        sizes = probe_sizes(max_size, vary_lengths=not images, decoder=self.encoder_decoder)
+        sizes = self._probe_sizes(make_batch, max_size, not images)
         try:
             raws = [self._probe_step(make_batch, size, step_fn) for size in sizes]
             self.counts.probe_steps = 2
@@ -215,12 +215,31 @@ class Mimose(Planner):
         self.counts.estimate_source = "probes"
         self._fit()
 
+    def _probe_sizes(self, make_batch, max_size: tuple, vary_lengths: bool) -> list:
+        """The probes' two sizes at the smallest batch ``make_batch`` can make both of (two rows,
+        or whole multiple-choice examples): the probes cost what their batches hold."""
+        for batch in probe_batches(int(max_size[0])):
+            sizes = probe_sizes(max_size, vary_lengths, self.encoder_decoder, batch)
+            if all(self._makes(make_batch, size) for size in sizes):
+                return sizes
+        return probe_sizes(max_size, vary_lengths, self.encoder_decoder)
+
+    def _makes(self, make_batch, size: tuple) -> bool:
+        """Whether ``make_batch(size)`` gives a batch of exactly that size."""
+        try:
+            return infer_input_size(make_batch(size), self.encoder_decoder) == tuple(size)
+        except ValueError:
+            return False
+
     def _probe_step(self, make_batch, size: tuple, step_fn=None):
         """One probe step at ``size``: measured by the collector with storage lifetimes, unseen by
         the training run (``trial.probe_step``). The batch is given padding (the last row's last
         position masked) when it has an attention mask: real batches padded to their longest row
         take the models' masked code paths, which hold more memory."""
         batch = to_model_device(self.model, make_batch(size))
+        made = infer_input_size(batch, self.encoder_decoder)
+        if made != tuple(size):
+            raise ScalingError(f"a probe batch of input size {size} came out as {made}")
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         if mask is not None and mask.ndim >= 2 and mask.shape[-1] > 1:
             mask = mask.clone()

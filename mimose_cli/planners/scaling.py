@@ -10,8 +10,8 @@ Knowing every storage's term and when it lived (``memory.probe.LiveProbe`` with 
 the live bytes at every op are known at *any* size, and ``scaled_samples`` writes them out as
 samples at sizes spanning the features, for the estimator to fit as it fits measured ones.
 
-The two steps are small (a short length; the full batch and twice it), so they cost little more
-than one ordinary step. What this cannot describe raises ``ScalingError`` with the reason,
+The two steps are small (a short length; the smallest batch that can be made, from two rows, and
+twice it), so they cost little more than one ordinary step. What this cannot describe raises ``ScalingError`` with the reason,
 and Mimose learns from measured steps instead: the op sequence differs between the two sizes (a
 kernel chosen by size, data-dependent shapes such as MoE routing or ``nonzero``), or a storage's
 bytes are not one term (a buffer padded to a multiple, a cat of two terms). A size at which a
@@ -36,14 +36,23 @@ class ScalingError(ValueError):
     """The two probe steps cannot be scaled to other sizes; the message says why (one line)."""
 
 
-def probe_sizes(max_size: tuple, vary_lengths: bool, decoder: bool = False) -> list:
-    """The two probe sizes for a recipe whose largest size is ``max_size``: the full batch and
-    twice it (a multiple of whatever a batch's rows must be a multiple of, as a multiple-choice
-    batch's; and never a batch of one, a special case of many kernels, unless training runs
-    batches of one: then the batch stays one and only the lengths vary), each length dimension at
-    a short pair when ``vary_lengths`` (token inputs; an image's height and width stay those of
-    ``max_size``)."""
-    batch = int(max_size[0])
+def probe_batches(max_batch: int) -> list:
+    """Batch sizes a pair of probes may start from, smallest first: the largest batch halved
+    while it stays whole, never one (a special case of many kernels) unless training runs batches
+    of one. The caller takes the first whose batches can be made (a multiple-choice batch's rows
+    come in whole examples)."""
+    if max_batch <= 1:
+        return [1]
+    return sorted({max_batch >> k for k in range(max_batch.bit_length()) if max_batch >> k >= 2} | {max_batch})
+
+
+def probe_sizes(max_size: tuple, vary_lengths: bool, decoder: bool = False, batch: int | None = None) -> list:
+    """The two probe sizes for a recipe whose largest size is ``max_size``: ``batch`` (by
+    default the largest) and twice it (then still a multiple of whatever a batch's rows must be a
+    multiple of), or one and one when training runs batches of one (only the lengths vary); each
+    length dimension at a short pair when ``vary_lengths`` (token inputs; an image's height and
+    width stay those of ``max_size``)."""
+    batch = int(max_size[0] if batch is None else batch)
     batches = (batch, 2 * batch) if batch > 1 else (1, 1)
     lengths = []
     for position, longest in enumerate(max_size[1:]):

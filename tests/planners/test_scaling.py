@@ -9,7 +9,7 @@ import torch
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.features import BLOCK_QUANTITIES, NO_EVENT, STEP_QUANTITIES, TOKENS
 from mimose_cli.planners.mimose import Mimose
-from mimose_cli.planners.scaling import _dimension, _polynomial, exponents, probe_sizes
+from mimose_cli.planners.scaling import _dimension, _polynomial, exponents, probe_batches, probe_sizes
 from mimose_cli.planners.trial import probe_step, probe_with_plan
 
 from helpers import bert_batch, run_step, tiny_bert
@@ -185,6 +185,18 @@ def test_a_tensor_s_bytes_are_the_product_of_its_dimensions():
     assert variables == ("B", "L") and powers == [(1, 2), (1, 1), (0, 0), (1, 0), (0, 2), (0, 1)]
 
 
+def test_probes_start_from_the_smallest_batch_that_can_be_made():
+    assert probe_batches(64) == [2, 4, 8, 16, 32, 64] and probe_batches(12) == [3, 6, 12]
+    assert probe_batches(1) == [1] and probe_batches(2) == [2]
+    with metered_mimose() as (planner, meter):
+        # Rows in whole examples of 4 (multiple choice): 2 rows cannot be made, 4 can.
+        def make(size):
+            if size[0] % 4:
+                raise ValueError("B_eff must be a multiple of 4")
+            return padded(bert_batch(*size))
+        assert planner._probe_sizes(make, (64, 128), True) == [(4, 8), (8, 12)]
+
+
 def test_probe_sizes_grow_every_feature_by_a_different_factor():
     a, b = probe_sizes((4, 512), vary_lengths=True)
     assert (a, b) == ((4, 8), (8, 12))
@@ -259,7 +271,7 @@ def test_a_probe_step_the_model_cannot_run_falls_back_saying_why():
         layer.forward = torch.nn.Linear(8, 8).forward  # memory the features describe
     with metered_mimose(model, sheltered_steps=1) as (planner, meter):
         batch = {"input_ids": torch.randint(0, 16, (4, 20))}
-        with pytest.warns(UserWarning, match=r"probe step at input size \(4, 8\) failed \(RuntimeError: input shorter"):
+        with pytest.warns(UserWarning, match=r"probe step at input size \(2, 8\) failed \(RuntimeError: input shorter"):
             with planner.step(batch) as info:
                 model(**batch).backward()
         assert info.phase == "sheltered" and "input shorter than the window" in planner.stats["estimate_fallback"]
