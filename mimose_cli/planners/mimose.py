@@ -84,7 +84,8 @@ class MimoseCounters:
     probe_samples: int = 0
     """Samples the estimator was given from the probes."""
     estimate_source: str = ""
-    """Where the estimate came from: probes, sheltered (measured training steps), loaded."""
+    """Where the estimate came from: probes, or sheltered (measured training steps); a loaded
+    estimator keeps the source of the run that fitted it."""
     estimate_fallback: str = ""
     """Why the probes could not give the estimate (then the sheltered phase did), or empty."""
     warnings: list = field(default_factory=list)
@@ -134,6 +135,7 @@ class Mimose(Planner):
         super().__init__(model, budget, blocks=blocks, safety_margin=safety_margin, meter=meter)
         self.estimate = estimate
         self._probed = estimate != "probes"  # the probes run once, before the first step
+        self._loaded = False  # the estimator came from a saved state (no probes in this process)
         self.sheltered_steps = sheltered_steps
         self.granularity = granularity
         self.bucket = bucket
@@ -171,6 +173,9 @@ class Mimose(Planner):
 
     def prepared_note(self) -> str | None:
         c = self.counts
+        if self._loaded:
+            return (f"mimose: memory estimate loaded with the checkpoint (fitted from {c.estimate_source or 'measured steps'}"
+                    "); no probe steps")
         if c.estimate_source == "probes":
             return (f"mimose: memory estimate from {c.probe_steps} probe steps ({c.probe_ms / 1e3:.2f} s, scaled to "
                     f"{c.probe_samples} sizes): the first batch is planned")
@@ -188,19 +193,11 @@ class Mimose(Planner):
         self._probed = True
         start = time.perf_counter()
         collector_ms = self.measurer.collector_ms
-        # An image's height and width are the model's (position embeddings): only the batch varies.
-        images = "pixel_values" in make_batch(max_size)
-        sizes = self._probe_sizes(make_batch, max_size, not images)
         try:
-            raws = [self._probe_step(make_batch, size, step_fn) for size in sizes]
-            self.counts.probe_steps = 2
-            if structure_difference(*raws) is not None:
-                # What only the first step of a process does (a GradScaler creating its scale,
-                # a lazily built cache) differs from the second probe: the first size once more.
-                raws[0] = self._probe_step(make_batch, sizes[0], step_fn)
-                self.counts.probe_steps = 3
-            scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set)
-            samples = [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
+            # The probes' batches and steps are the planner's, not training's: the device's meter
+            # (a dispatch mode on the CPU) is set aside, and the probe counts its own bytes.
+            with without_dispatch_modes():
+                samples = self._probe_samples(make_batch, max_size, step_fn)
         except ScalingError as err:
             self.counts.estimate_fallback = str(err)
             self._warn(f"mimose: learning from measured steps (a sheltered phase of {self.sheltered_steps}): "
@@ -215,6 +212,27 @@ class Mimose(Planner):
         self.counts.estimate_source = "probes"
         self._fit()
 
+    def _probe_samples(self, make_batch, max_size: tuple, step_fn) -> list:
+        """The probe steps, scaled: ``[(size, sample)]`` at the sizes that determine the fit."""
+        try:
+            first = make_batch(max_size)
+        except Exception as error:  # a batch this planner cannot cut (only inputs_embeds, ...)
+            raise ScalingError(f"no probe batch can be made from this batch ({type(error).__name__}: "
+                               f"{str(error)[:120]})") from error
+        # An image's height and width are the model's (position embeddings): only the batch varies.
+        images = isinstance(first, dict) and first.get("pixel_values") is not None
+        del first
+        sizes = self._probe_sizes(make_batch, max_size, not images)
+        raws = [self._probe_step(make_batch, size, step_fn) for size in sizes]
+        self.counts.probe_steps = 2
+        if structure_difference(*raws) is not None:
+            # What only the first step of a process does (a GradScaler creating its scale,
+            # a lazily built cache) differs from the second probe: the first size once more.
+            raws[0] = self._probe_step(make_batch, sizes[0], step_fn)
+            self.counts.probe_steps = 3
+        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set)
+        return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
+
     def _probe_sizes(self, make_batch, max_size: tuple, vary_lengths: bool) -> list:
         """The probes' two sizes at the smallest batch ``make_batch`` can make both of (two rows,
         or whole multiple-choice examples): the probes cost what their batches hold."""
@@ -228,7 +246,7 @@ class Mimose(Planner):
         """Whether ``make_batch(size)`` gives a batch of exactly that size."""
         try:
             return infer_input_size(make_batch(size), self.encoder_decoder) == tuple(size)
-        except ValueError:
+        except Exception:  # noqa: BLE001 - a size that cannot be made is one not to probe at
             return False
 
     def _probe_step(self, make_batch, size: tuple, step_fn=None):
@@ -245,12 +263,10 @@ class Mimose(Planner):
             mask = mask.clone()
             mask.view(-1, mask.shape[-1])[-1, -1] = 0
             batch = {**batch, "attention_mask": mask}
-        self.measurer.lifetimes = True
-        # The probe counts its own bytes: the device's meter (a dispatch mode on the CPU) is set
-        # aside meanwhile, so that each op is seen once. Its peak is reset after (``probe_step``).
-        with without_dispatch_modes():
-            self.measurer.begin()
+        with without_dispatch_modes():  # (already, from _probe; kept for direct callers)
             try:
+                self.measurer.lifetimes = True
+                self.measurer.begin()
                 peak = probe_step(self, batch, step_fn)
             except Exception as error:  # a model that cannot run this small a batch: say so, measure
                 self.measurer.abort()
@@ -479,6 +495,7 @@ class Mimose(Planner):
         self.estimator.load_state_dict(state["estimator"])
         self.counts = _counters_of(state)
         self._probed = True
+        self._loaded = True
         self.cache = {}
         if state.get("granularity") == self.granularity:
             self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits))

@@ -5,7 +5,8 @@ needs several sizes to fit how each op's bytes grow. But the live bytes are a su
 storages, and each storage's bytes are one term of the regression's features: a hidden state is
 ``c * B * L``, an attention matrix ``c * B * L**2``, a weight gradient ``c``. Two measured steps at
 sizes chosen so that every feature grows by a different factor between them (``probe_sizes``)
-therefore tell each storage's term exactly: its bytes grew by the factor of exactly one feature.
+therefore tell each storage's polynomial: its first tensor's shape, read dimension by dimension
+(``coefficients``), or, for a view of part of a storage, the one feature that grew by its factor.
 Knowing every storage's term and when it lived (``memory.probe.LiveProbe`` with ``lifetimes``),
 the live bytes at every op are known at *any* size, and ``scaled_samples`` writes them out as
 samples at sizes spanning the features, for the estimator to fit as it fits measured ones.
@@ -19,6 +20,9 @@ kernel choice differs from the probes' is caught by the check every planned step
 measured peak against the prediction), which then measures that size.
 """
 
+import functools
+import math
+
 import numpy as np
 
 from mimose_cli.planners.collector import RawStep, Trace, build_sample
@@ -29,7 +33,7 @@ _LENGTH_PAIRS = ((8, 12), (4, 6))
 the second): a factor 1.5; an encoder-decoder's decoder length takes a factor 1.25 (``(8, 10)``,
 ``(4, 5)``), so that no two features grow alike."""
 _DECODER_PAIRS = ((8, 10), (4, 5))
-_MAX_SLOPE = 4
+_MAX_SLOPE = 2
 
 
 class ScalingError(ValueError):
@@ -107,16 +111,24 @@ def exponents(feature_set) -> tuple:
     return tuple(variables), [tuple(p.get(v, 0) for v in variables) for p in parsed]
 
 
-def _dimension(da: int, db: int, va: tuple, vb: tuple):
+@functools.lru_cache(maxsize=4096)
+def _dimension(da: int, db: int, va: tuple, vb: tuple, monomials: tuple = ()):
     """One dimension of a tensor at the two sizes as a polynomial in one variable, ``{exponents:
     coefficient}``: a constant; ``k * x`` (it grew by the factor the variable ``x`` did); else,
-    for a length (not the batch, variable 0), ``k * x + c`` with a whole ``k`` up to
-    ``_MAX_SLOPE`` (a padded, shifted or relative-position length: ``L + 1``, ``2 * L - 1``).
+    for a length (not the batch, variable 0), ``k * x + c`` with ``k`` 1 or 2 (a padded, shifted
+    or relative-position length: ``L + 1``, ``2 * L - 1``; a steeper slope would also fit sums of
+    two lengths, ``E + D``, and is refused).
     None when it is none of these, or when two readings of the same kind fit."""
     width = len(va)
     if da == db:
         return {(0,) * width: float(da)}
     proportional, affine = [], []
+    for powers in monomials:  # a flattened dimension: B * L rows
+        if sum(powers) < 2:
+            continue
+        ma, mb = (math.prod(v ** e for v, e in zip(vals, powers)) for vals in (va, vb))
+        if ma != mb and db * ma == da * mb and da % ma == 0:
+            proportional.append({tuple(powers): float(da // ma)})
     for x in range(width):
         if va[x] == vb[x]:
             continue
@@ -130,14 +142,16 @@ def _dimension(da: int, db: int, va: tuple, vb: tuple):
     return found[0] if len(found) == 1 else None
 
 
-def _polynomial(shape_a, shape_b, itemsize: int, va: tuple, vb: tuple):
+@functools.lru_cache(maxsize=4096)
+def _polynomial(shape_a, shape_b, itemsize: int, va: tuple, vb: tuple, monomials: tuple = ()):
     """A tensor's bytes as a polynomial ``{exponents: coefficient}`` in the size's variables,
-    from its shape at the two sizes, or None."""
+    from its shape at the two sizes (a dimension may be a flattened product: ``monomials``), or
+    None."""
     if len(shape_a) != len(shape_b):
         return None
     poly = {(0,) * len(va): float(itemsize)}
     for da, db in zip(shape_a, shape_b):
-        dim = _dimension(int(da), int(db), va, vb)
+        dim = _dimension(int(da), int(db), va, vb, monomials)
         if dim is None:
             return None
         product = {}
@@ -151,28 +165,36 @@ def _polynomial(shape_a, shape_b, itemsize: int, va: tuple, vb: tuple):
 
 def coefficients(a: RawStep, b: RawStep, size_a: tuple, size_b: tuple, feature_set) -> np.ndarray:
     """Each storage's bytes as coefficients over the features (storages x features), exact at
-    both sizes: one feature's growth when its bytes grew as one feature does, else the product
-    of its dimensions (``_polynomial``). Raises ``ScalingError`` for a storage neither
-    describes."""
+    both sizes: the product of its dimensions (``_polynomial``) when its first tensor's shape
+    accounts for its bytes at both sizes (a fresh tensor) and is read, else (a storage whose tensor
+    is a view of part of it, a dimension no reading explains) the one feature that grew by the
+    same factor. Raises ``ScalingError`` for
+    a storage neither describes. The shape goes first because a factor alone can mislead: a
+    (B, L + 24) tensor grows by 2.25 between the probes, which is also L²'s factor."""
     fa, fb = feature_set.of(size_a), feature_set.of(size_b)
     coef = np.zeros((len(a.nbytes), len(fa)))
     term = term_of(a.nbytes, b.nbytes, fa, fb)
-    known = term >= 0
-    coef[np.flatnonzero(known), term[known]] = a.nbytes[known] / fa[term[known]]
-    variables, powers = exponents(feature_set)
+    _, powers = exponents(feature_set)
     index = {p: j for j, p in enumerate(powers)}
-    va = (size_a[0], *feature_set.lengths(size_a))
-    vb = (size_b[0], *feature_set.lengths(size_b))
-    for k in np.flatnonzero(~known):
-        poly = None
+    va = tuple(int(v) for v in (size_a[0], *feature_set.lengths(size_a)))
+    vb = tuple(int(v) for v in (size_b[0], *feature_set.lengths(size_b)))
+    monomials = tuple(tuple(p) for p in powers)
+    for k in range(len(a.nbytes)):
+        fresh = False
         if a.shapes[k] is not None and b.shapes[k] is not None:
             (shape_a, item), (shape_b, _) = a.shapes[k], b.shapes[k]
-            poly = _polynomial(shape_a, shape_b, item, va, vb)
-        if poly is not None and all(e in index for e in poly):
-            for e, c in poly.items():
-                coef[k, index[e]] += c
-            if abs(coef[k] @ fa - a.nbytes[k]) <= 0.5 and abs(coef[k] @ fb - b.nbytes[k]) <= 0.5:
-                continue
+            fresh = item * math.prod(shape_a) == a.nbytes[k] and item * math.prod(shape_b) == b.nbytes[k]
+        if fresh:
+            poly = _polynomial(tuple(shape_a), tuple(shape_b), item, va, vb, monomials)
+            if poly is not None and all(e in index for e in poly):
+                for e, c in poly.items():
+                    coef[k, index[e]] += c
+                if abs(coef[k] @ fa - a.nbytes[k]) <= 0.5 and abs(coef[k] @ fb - b.nbytes[k]) <= 0.5:
+                    continue
+            coef[k] = 0.0
+        if term[k] >= 0:  # a view's storage, or a shape no reading explains: its growth factor
+            coef[k, term[k]] = a.nbytes[k] / fa[term[k]]
+            continue
         raise ScalingError(f"a tensor's bytes grow with the input size as no sum of the features "
                            f"{', '.join(feature_set.names)} does ({int(a.nbytes[k])} bytes at {tuple(size_a)}, "
                            f"{int(b.nbytes[k])} at {tuple(size_b)})")

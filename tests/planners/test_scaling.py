@@ -173,14 +173,20 @@ def test_a_dimension_is_read_as_a_constant_a_multiple_or_a_shifted_length(da, db
 def test_a_proportional_reading_wins_over_a_shifted_one_and_two_shifts_are_refused():
     # (B, E, D) = (2, 8, 8) -> (4, 12, 10): 2 -> 4 is the batch, though D also grew by 2.
     assert _dimension(2, 4, (2, 8, 8), (4, 12, 10)) == {(1, 0, 0): 1.0}
-    # 7 -> 9: D - 1 (E grew by 4); 8 -> 16 would be 2 E or 4 D: refused.
+    # 7 -> 9: D - 1 (E grew by 4); 7 -> 11 would be E - 1 or 2 D - 9: refused; E + D (16 -> 22)
+    # fits only a slope of 3, which is refused rather than read as 3 D - 8.
     assert _dimension(7, 9, (2, 8, 8), (4, 12, 10)) == {(0, 0, 1): 1.0, (0, 0, 0): -1.0}
-    assert _dimension(6, 14, (2, 8, 8), (4, 12, 10)) is None
+    assert _dimension(7, 11, (2, 8, 8), (4, 12, 10)) is None
+    assert _dimension(16, 22, (2, 8, 8), (4, 12, 10)) is None
 
 
 def test_a_tensor_s_bytes_are_the_product_of_its_dimensions():
     # int64 (B, L + 1): 8 B L + 8 B, the features BL and B.
     assert _polynomial((2, 9), (4, 13), 8, (2, 8), (4, 12)) == {(1, 1): 8.0, (1, 0): 8.0}
+    # (B, L + 24, 4) floats grow 2.25x between the probes, as L**2 would: the shape says B (L + 24).
+    assert _polynomial((2, 32, 4), (4, 36, 4), 4, (2, 8), (4, 12)) == {(1, 1): 16.0, (1, 0): 384.0}
+    # A flattened (B * L, 4) dimension is the monomial B L.
+    assert _polynomial((16, 4), (48, 4), 4, (2, 8), (4, 12), ((1, 1),)) == {(1, 1): 16.0}
     variables, powers = exponents(TOKENS)
     assert variables == ("B", "L") and powers == [(1, 2), (1, 1), (0, 0), (1, 0), (0, 2), (0, 1)]
 
