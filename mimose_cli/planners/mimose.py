@@ -250,8 +250,9 @@ class Mimose(Planner):
             return False
 
     def _probe_step(self, make_batch, size: tuple, step_fn=None):
-        """One probe step at ``size``: measured by the collector with storage lifetimes, unseen by
-        the training run (``trial.probe_step``). The batch is given padding (the last row's last
+        """One probe step at ``size`` (called with the device's meter set aside, ``_probe``):
+        measured by the collector with storage lifetimes, unseen by the training run
+        (``trial.probe_step``). The batch is given padding (the last row's last
         position masked) when it has an attention mask: real batches padded to their longest row
         take the models' masked code paths, which hold more memory."""
         batch = to_model_device(self.model, make_batch(size))
@@ -263,25 +264,24 @@ class Mimose(Planner):
             mask = mask.clone()
             mask.view(-1, mask.shape[-1])[-1, -1] = 0
             batch = {**batch, "attention_mask": mask}
-        with without_dispatch_modes():  # (already, from _probe; kept for direct callers)
-            try:
-                self.measurer.lifetimes = True
-                self.measurer.begin()
-                peak = probe_step(self, batch, step_fn)
-            except Exception as error:  # a model that cannot run this small a batch: say so, measure
-                self.measurer.abort()
-                first = str(error).splitlines()[0] if str(error) else ""
-                raise ScalingError(f"the probe step at input size {size} failed ({type(error).__name__}: "
-                                   f"{first[:160]})") from error
-            except BaseException:
-                self.measurer.abort()
-                raise
-            finally:
-                self.measurer.lifetimes = False
-            if peak is None:
-                self.measurer.abort()
-                raise ScalingError(f"the probe step at input size {size} ran out of memory")
-            raw = self.measurer.end()
+        try:
+            self.measurer.lifetimes = True
+            self.measurer.begin()
+            peak = probe_step(self, batch, step_fn)
+        except Exception as error:  # a model that cannot run this small a batch: say so, measure
+            self.measurer.abort()
+            first = str(error).splitlines()[0] if str(error) else ""
+            raise ScalingError(f"the probe step at input size {size} failed ({type(error).__name__}: "
+                               f"{first[:160]})") from error
+        except BaseException:
+            self.measurer.abort()
+            raise
+        finally:
+            self.measurer.lifetimes = False
+        if peak is None:
+            self.measurer.abort()
+            raise ScalingError(f"the probe step at input size {size} ran out of memory")
+        raw = self.measurer.end()
         if raw is None:
             raise ScalingError("the collector could not measure any block (checkpointed by the model itself?)")
         return raw

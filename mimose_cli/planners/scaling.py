@@ -7,15 +7,16 @@ storages, and each storage's bytes are one term of the regression's features: a 
 sizes chosen so that every feature grows by a different factor between them (``probe_sizes``)
 therefore tell each storage's polynomial: its first tensor's shape, read dimension by dimension
 (``coefficients``), or, for a view of part of a storage, the one feature that grew by its factor.
-Knowing every storage's term and when it lived (``memory.probe.LiveProbe`` with ``lifetimes``),
-the live bytes at every op are known at *any* size, and ``scaled_samples`` writes them out as
-samples at sizes spanning the features, for the estimator to fit as it fits measured ones.
+Knowing every storage's polynomial and when it lived (``memory.probe.LiveProbe`` with
+``lifetimes``), the live bytes at every op are known at *any* size, and ``ScaledStep.sample``
+writes them out as the samples the collector would measure, at sizes spanning the features
+(``ScaledStep.sizes``), for the estimator to fit as it fits measured ones.
 
 The two steps are small (a short length; the smallest batch that can be made, from two rows, and
-twice it), so they cost little more than one ordinary step. What this cannot describe raises ``ScalingError`` with the reason,
-and Mimose learns from measured steps instead: the op sequence differs between the two sizes (a
-kernel chosen by size, data-dependent shapes such as MoE routing or ``nonzero``), or a storage's
-bytes are not one term (a buffer padded to a multiple, a cat of two terms). A size at which a
+twice it). What this cannot describe raises ``ScalingError`` with the reason, and Mimose learns
+from measured steps instead: the op sequence differs between the two sizes (a kernel chosen by
+size, data-dependent shapes such as MoE routing or ``nonzero``), or a storage's bytes are no sum
+of the features (a buffer padded to a multiple, a cube of the length). A size at which a
 kernel choice differs from the probes' is caught by the check every planned step makes (its
 measured peak against the prediction), which then measures that size.
 """
