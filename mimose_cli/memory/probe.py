@@ -70,7 +70,7 @@ class LiveProbe(TorchDispatchMode):
         self.op_points: list = []
         """The point of each entry of ``trace`` (with ``lifetimes``)."""
         self.ledger = _LifetimeLedger(self) if lifetimes else StorageLedger()
-        self._lifetimes = lifetimes
+        self.lifetimes = lifetimes
         self.trace: list = []
         self.flags: list = []
         self.autocast: list = []
@@ -112,7 +112,7 @@ class LiveProbe(TorchDispatchMode):
             leaves = tree_leaves(out)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:
-                if self._lifetimes:
+                if self.lifetimes:
                     self.ledger.add(leaf.untyped_storage(), self._counting, leaf)
                 else:
                     self.ledger.add(leaf.untyped_storage(), self._counting)

@@ -128,7 +128,6 @@ class ShuttlingCollector(BlockRunner):
     def begin(self, info=None) -> None:
         """Start a measured step: the probe, the marks."""
         self.probe = LiveProbe(flag=recomputing, lifetimes=self.lifetimes)
-        self._raw = self.lifetimes
         # Gradients already live (accumulation in a loop of the user's) are not ignored: the
         # probe counts each when backward first writes into it, as if it were allocated then,
         # so samples with and without them agree.
@@ -256,7 +255,7 @@ class ShuttlingCollector(BlockRunner):
         trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.flags, dtype=bool),
                       np.array(probe.autocast, dtype=bool))
         per_block = {"saved_bytes": self.saved, "fwd_ms": self.fwd_ms, "resident_bytes": self.resident}
-        if self._raw:
+        if probe.lifetimes:  # the step began with lifetimes on (they may be off again by now)
             ledger = probe.ledger
             died = [probe.points if d is None else d for d in ledger.died]
             return RawStep(list(self.marks), np.array(self.mark_points, dtype=np.int64), trace,
