@@ -10,7 +10,9 @@ prediction (margins included, as the scheduler uses it) compared with the measur
 ``error = (predicted - measured) / measured``; and ``vs sample``: how far the estimate is from a
 sample measured at that size as the sheltered phase measures one (0: the scaling is exact, so
 what error remains is the step timeline's own upper bounds, the same for measured samples).
-Also the probes' cost in ordinary steps of the first batch's size. Writes benchmarks/results/first_step.json.
+Also the probes' cost in ordinary steps of the first batch's size, how many probe steps ran, and
+how many blocks they took from an earlier block alike in parameters instead of measuring their
+plain run (``alike``). Writes benchmarks/results/first_step.json.
 
     python benchmarks/first_step.py [--models bert,gpt2]
 """
@@ -83,7 +85,8 @@ def measure(name: str) -> dict:
         stats = planner.stats
         row.update(source=stats["estimate_source"], fallback=stats["estimate_fallback"],
                    first_phase=planner.last.phase, probe_ms=stats["probe_ms"], plain_ms=plain_ms,
-                   probe_in_plain=stats["probe_ms"] / plain_ms)
+                   probe_in_plain=stats["probe_ms"] / plain_ms, probe_steps=stats["probe_steps"],
+                   probe_twins=stats["probe_twins"], blocks=planner.num_blocks)
         n = planner.num_blocks
         plans = {"none": (), "all": tuple(range(n)), "every other": tuple(range(0, n, 2))}
         for step, (rows, length) in enumerate(HELD_OUT, start=1):
@@ -113,14 +116,15 @@ def main():
     torch.set_num_threads(1)
     np.seterr(all="ignore")
     rows = []
-    print(f"{'model':11} {'source':8} {'probes/plain':>12} {'cases':>5} {'untrusted':>9} {'max over %':>10} "
+    print(f"{'model':11} {'source':8} {'probes/plain':>12} {'steps':>5} {'alike':>7} {'cases':>5} {'untrusted':>9} {'max over %':>10} "
           f"{'max under %':>11} {'vs sample %':>11}  fallback")
     for name in args.models.split(","):
         row = measure(name)
         rows.append(row)
         over = "-" if row["max_over_pct"] is None else f"{row['max_over_pct']:+.3f}"
         under = "-" if row["max_under_pct"] is None else f"{row['max_under_pct']:+.3f}"
-        print(f"{name:11} {row['source']:8} {row['probe_in_plain']:11.2f}x {len(row['cases']):5} "
+        print(f"{name:11} {row['source']:8} {row['probe_in_plain']:11.2f}x {row['probe_steps']:5} "
+              f"{row['probe_twins']:>3}/{row['blocks']:<3} {len(row['cases']):5} "
               f"{row['untrusted']:9} {over:>10} {under:>11} {row.get('sample_diff_pct', 0):11.2g}  {row['fallback']}",
               flush=True)
     write_results("first_step", rows, first=list(FIRST), held_out=[list(s) for s in HELD_OUT],

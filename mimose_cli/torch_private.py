@@ -17,11 +17,28 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 # allocations of decomposed ops); dispatch modes are documented but live in a private module.
 from torch.utils._python_dispatch import TorchDispatchMode
 
+
+class UncompiledDispatchMode(TorchDispatchMode):
+    """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` torch does not wrap in a Dynamo-off
+    guard (``_should_skip_dynamo``): the guard costs about 5 % of a probe step (one wrapper call
+    per op), and Dynamo compiles nothing while a mode like ours is active anyway. Public
+    replacement: none (the flag is private; torch's default may flip once its rollout ends)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+def autocast_enabled() -> bool:
+    """Whether autocast is on for any device type, in one call (asked after every op the probe
+    sees). Public replacement: ``torch.is_autocast_enabled(device_type)`` for each device type."""
+    return torch._C._is_any_autocast_enabled()
+
 # Flattening nested batches and block arguments. Public replacement: ``torch.utils.pytree``
 # (announced, not in 2.13), or the ``optree`` package.
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "get_untyped_storages",
+__all__ = ["TorchDispatchMode", "UncompiledDispatchMode", "autocast_enabled", "tree_leaves", "tree_map", "get_untyped_storages",
            "top_saved_tensors_hook_name", "tensor_version", "dispatch_modes", "without_dispatch_modes"]
 
 

@@ -5,11 +5,7 @@ import contextlib
 import torch
 
 from mimose_cli.memory.ledger import StorageLedger
-from mimose_cli.torch_private import TorchDispatchMode, tree_leaves
-
-
-def _autocast_on() -> bool:
-    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+from mimose_cli.torch_private import UncompiledDispatchMode, autocast_enabled, tree_leaves
 
 
 class _LifetimeLedger(StorageLedger):
@@ -52,7 +48,7 @@ class _LifetimeLedger(StorageLedger):
         super()._free(ref)
 
 
-class LiveProbe(TorchDispatchMode):
+class LiveProbe(UncompiledDispatchMode):
     """Live storage bytes after every op (``trace``), and for each op whether ``flag()`` held
     (``flags``: the collector asks whether a checkpoint was recomputing) and whether autocast was
     on (``autocast``). Storages passed to ``ignore`` (weights, existing gradients) or first seen
@@ -122,5 +118,5 @@ class LiveProbe(TorchDispatchMode):
         self.op_points.append(self.points)
         self.points += 1
         self.flags.append(self._flag())
-        self.autocast.append(_autocast_on())
+        self.autocast.append(autocast_enabled())
         return out

@@ -76,6 +76,24 @@ def discover_blocks(model: nn.Module, pattern: str | None = None) -> list:
     return found
 
 
+def twin_blocks(blocks: list) -> dict:
+    """``{block index: index of the first block like it}`` for every block that has an earlier
+    one of the same class with the same parameters and buffers (names, shapes, dtypes, whether
+    they need gradients): the layers of a homogeneous stack. Alike in these, blocks usually run
+    the same ops on the same bytes; whoever relies on it checks it (``planners.scaling``)."""
+    first: dict = {}
+    twins = {}
+    for index, (_, module) in enumerate(blocks):
+        signature = (type(module),
+                     tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()),
+                     tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()))
+        if signature in first:
+            twins[index] = first[signature]
+        else:
+            first[signature] = index
+    return twins
+
+
 _CHECKPOINT_HOOKS = ("_checkpoint_hook", "_recomputation_hook")
 
 
@@ -86,8 +104,8 @@ def inside_checkpoint(markers=_CHECKPOINT_HOOKS) -> bool:
 
 
 def recomputing() -> bool:
-    """True while backward recomputes a checkpointed region."""
-    return inside_checkpoint(("_recomputation_hook",))
+    """True while backward recomputes a checkpointed region (asked after every op a probe sees)."""
+    return "_recomputation_hook" in top_saved_tensors_hook_name()
 
 
 class RecomputeClock:

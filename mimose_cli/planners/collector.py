@@ -124,6 +124,10 @@ class ShuttlingCollector(BlockRunner):
         self.active = False
         self.lifetimes = False
         """Whether the probe writes down storage lifetimes (``end`` then returns a ``RawStep``)."""
+        self.twins: dict = {}
+        """``{block: the earlier block like it}`` (``blocks.twin_blocks``) whose measuring run is
+        skipped once that block was measured in the step: its forward quantities are taken as
+        that block's (``build_sample``). Set for probe steps, whose scaling checks it holds."""
 
     def begin(self, info=None) -> None:
         """Start a measured step: the probe, the marks."""
@@ -138,6 +142,7 @@ class ShuttlingCollector(BlockRunner):
         self.calls = [0] * len(self.blocks)
         self.order: list = []  # block indices in the order the forward entered them
         self.dropped: dict = {}
+        self.twin_of: dict = {}  # the twins run without a measuring run this step
         self.fwd_ms = np.full(len(self.blocks), np.nan)
         self.saved = np.full(len(self.blocks), np.nan)
         self.resident = np.full(len(self.blocks), np.nan)
@@ -167,6 +172,14 @@ class ShuttlingCollector(BlockRunner):
             self.mark(("enter", index))  # unmeasured, but its neighbours stay attributable
             out = run_checkpointed(forward, args, kwargs, self.clock)
             self.mark(("ckpt", index))
+            self._hook_backward(index, args, out)
+            return out
+        twin = self.twins.get(index)
+        if twin is not None and twin not in self.dropped and not np.isnan(self.saved[twin]):
+            self.mark(("enter", index))
+            out = run_checkpointed(forward, args, kwargs, self.clock)
+            self.mark(("ckpt", index))
+            self.twin_of[index] = twin
             self._hook_backward(index, args, out)
             return out
         return self._shuttle(index, forward, args, kwargs)
@@ -261,9 +274,9 @@ class ShuttlingCollector(BlockRunner):
             return RawStep(list(self.marks), np.array(self.mark_points, dtype=np.int64), trace,
                            np.array(probe.op_points, dtype=np.int64), per_block, dict(self.dropped),
                            np.array(ledger.nbytes, dtype=float), np.array(ledger.born, dtype=np.int64),
-                           np.array(died, dtype=np.int64), probe.points, list(ledger.shapes))
-        return build_sample(self.marks, trace, len(self.blocks), per_block,
-                            self.dropped)
+                           np.array(died, dtype=np.int64), probe.points, list(ledger.shapes),
+                           dict(self.twin_of))
+        return build_sample(self.marks, trace, len(self.blocks), per_block, self.dropped, self.twin_of)
 
     def abort(self) -> None:
         """The step raised (out of memory): leave the probe, keep nothing."""
@@ -319,6 +332,8 @@ class RawStep:
     points: int
     shapes: list
     """Each storage's first tensor: ``(shape, element size)``, or None."""
+    twins: dict
+    """The blocks run without a measuring run, ``{block: the block like it}``."""
 
 
 @dataclass
@@ -333,11 +348,14 @@ class StepShape:
     backward_reversed: bool
 
 
-def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dropped: dict):
+def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dropped: dict,
+                 twins: dict | None = None):
     """Per-block and step quantities (``{quantity: [array | None per block]}``, ``{quantity:
     array | None}``) and the step's ``StepShape`` from one step's marks ``(label, op index,
     live bytes)``. Dropped blocks and stretches a missing mark leaves unattributable are None;
-    the shape is None when not every block ran."""
+    the shape is None when not every block ran. A block of ``twins`` ran only checkpointed: what
+    its plain run would hold and peak at (above its entry) is its twin's."""
+    twins = twins or {}
     at = {label: (index, live) for label, index, live in marks}
     blocks = {q: [None] * num_blocks for q in BLOCK_QUANTITIES}
     step = {q: None for q in STEP_QUANTITIES}
@@ -354,10 +372,14 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
     step["pre_peak_bytes"] = trace.ops(0, at[("enter", order[0])][0], 0.0)
     if step["pre_peak_bytes"] is None:
         step["pre_peak_bytes"] = np.array([])
-    for position, i in enumerate(order):
+    for position, i in sorted(enumerate(order), key=lambda item: item[1] in twins):  # twins last
         following = order[position + 1] if position + 1 < num_blocks else None
-        if i not in dropped:
-            _block_forward(blocks, i, following, at, entry[i], after[i], trace, per_block)
+        if i in twins and i not in dropped:
+            _twin_forward(blocks, i, twins[i], at, entry[i], after[i], trace)
+        elif i not in dropped:
+            _block_forward(blocks, i, at, entry[i], after[i], trace, per_block)
+        if following is not None and blocks["ckpt_bytes"][i] is not None and ("enter", following) in at:
+            blocks["gap_peak_bytes"][following] = trace.ops(at[("ckpt", i)][0], *at[("enter", following)])
     shape = StepShape(tuple(order), _backward_order(marks) == order[::-1])
     _block_backward(blocks, step, at, entry, marks, trace, shape, dropped)
     return blocks, step, shape
@@ -367,8 +389,8 @@ def _backward_order(marks: list) -> list:
     return [label[1] for label, _, _ in marks if label[0] == "bwd"]
 
 
-def _block_forward(blocks: dict, i: int, following, at: dict, entry: float, after: float,
-                   trace: Trace, per_block: dict) -> None:
+def _block_forward(blocks: dict, i: int, at: dict, entry: float, after: float, trace: Trace,
+                   per_block: dict) -> None:
     """The block's forward quantities; ``per_block`` holds what the collector measured
     directly (saved bytes, forward ms, resident bytes), an array over blocks each."""
     enter, plain, dropped, ckpt = (at.get((kind, i)) for kind in ("enter", "plain", "dropped", "ckpt"))
@@ -384,8 +406,27 @@ def _block_forward(blocks: dict, i: int, following, at: dict, entry: float, afte
     blocks["plain_bytes"][i] = np.array([ckpt_bytes + plain[1] - ckpt[1]])
     blocks["fwd_peak_bytes"][i] = trace.ops(enter[0], plain[0], entry)
     blocks["ckpt_fwd_peak_bytes"][i] = trace.ops(dropped[0], ckpt[0], entry)
-    if following is not None and ("enter", following) in at:
-        blocks["gap_peak_bytes"][following] = trace.ops(ckpt[0], *at[("enter", following)])
+
+
+def _twin_forward(blocks: dict, i: int, twin: int, at: dict, entry: float, after: float, trace: Trace) -> None:
+    """A block run only checkpointed: its checkpointed run measured, the rest its twin's."""
+    enter, ckpt = at.get(("enter", i)), at.get(("ckpt", i))
+    if enter is None or ckpt is None or blocks["plain_bytes"][twin] is None:
+        return
+    for quantity in ("saved_bytes", "fwd_ms", "resident_bytes", "fwd_peak_bytes"):
+        blocks[quantity][i] = blocks[quantity][twin]
+    blocks["ckpt_bytes"][i] = np.array([after - entry])
+    blocks["plain_bytes"][i] = blocks["ckpt_bytes"][i] + blocks["plain_bytes"][twin] - blocks["ckpt_bytes"][twin]
+    blocks["ckpt_fwd_peak_bytes"][i] = trace.ops(enter[0], ckpt[0], entry)
+
+
+def backward_stretch(marks: list, at: dict, i: int) -> tuple:
+    """The ops ``start..stop-1`` of block ``i``'s backward (its recompute, then its gradients):
+    from its output's gradient to the next backward mark."""
+    start = at[("bwd", i)][0]
+    stop = next(index for label, index, _ in marks if index >= start and label != ("bwd", i)
+                and label[0] in ("bwd", "bwd_end", "end"))
+    return start, stop
 
 
 def _block_backward(blocks: dict, step: dict, at: dict, entry: dict, marks: list, trace: Trace,
@@ -406,9 +447,7 @@ def _block_backward(blocks: dict, step: dict, at: dict, entry: dict, marks: list
     for i in shape.order:
         if ("bwd", i) not in at:
             continue
-        start = at[("bwd", i)][0]
-        stop = next(index for label, index, _ in marks if index >= start and label != ("bwd", i)
-                    and label[0] in ("bwd", "bwd_end", "end"))
+        start, stop = backward_stretch(marks, at, i)
         if i not in dropped:
             reference = entry[i] if shape.backward_reversed else top
             blocks["bwd_peak_bytes"][i] = trace.ops(start, stop, reference, recompute=False)

@@ -33,11 +33,19 @@ from typing import NamedTuple
 import numpy as np
 
 from mimose_cli.planners.base import Decision, Planner, StepInfo
+from mimose_cli.planners.blocks import twin_blocks
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.inputs import infer_input_size, resized_batch
-from mimose_cli.planners.scaling import ScaledStep, ScalingError, probe_batches, probe_sizes, structure_difference
+from mimose_cli.planners.scaling import (
+    ScaledStep,
+    ScalingError,
+    probe_batches,
+    probe_sizes,
+    structure_difference,
+    twin_difference,
+)
 from mimose_cli.planners.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import probe_step, to_model_device
 from mimose_cli.torch_private import without_dispatch_modes
@@ -78,7 +86,10 @@ class MimoseCounters:
     probe_ms: float = 0.0
     """The two probe steps before the first step and scaling them (``estimate="probes"``)."""
     probe_steps: int = 0
-    """Probe steps run: 2, or 3 when the first one did what only a first step does."""
+    """Probe steps run: 2, or 3 when the first one did what only a first step does (4 or 5 when
+    blocks alike in parameters did not run alike: the probes again, every block measured)."""
+    probe_twins: int = 0
+    """Blocks the probes ran without a measuring run, taken as an earlier block like them."""
     probe_in_step_ms: float = 0.0
     """The part of ``probe_ms`` spent inside the first step's planning (no ``prepare``)."""
     probe_samples: int = 0
@@ -223,13 +234,19 @@ class Mimose(Planner):
         images = isinstance(first, dict) and first.get("pixel_values") is not None
         del first
         sizes = self._probe_sizes(make_batch, max_size, not images)
-        raws = [self._probe_step(make_batch, size, step_fn) for size in sizes]
-        self.counts.probe_steps = 2
-        if structure_difference(*raws) is not None:
-            # What only the first step of a process does (a GradScaler creating its scale,
-            # a lazily built cache) differs from the second probe: the first size once more.
-            raws[0] = self._probe_step(make_batch, sizes[0], step_fn)
-            self.counts.probe_steps = 3
+        # A block like an earlier one (a layer of a stack) skips its measuring run: the probes
+        # cost about one run of each block less; should it not run like it, every block is measured.
+        for twins in (twin_blocks(self.blocks), {}):
+            raws = [self._probe_step(make_batch, size, step_fn, twins) for size in sizes]
+            self.counts.probe_steps += 2
+            if structure_difference(*raws) is not None:
+                # What only the first step of a process does (a GradScaler creating its scale,
+                # a lazily built cache) differs from the second probe: the first size once more.
+                raws[0] = self._probe_step(make_batch, sizes[0], step_fn, twins)
+                self.counts.probe_steps += 1
+            if not twins or not any(map(twin_difference, raws)):
+                break
+        self.counts.probe_twins = len(raws[0].twins)
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set)
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
@@ -249,12 +266,13 @@ class Mimose(Planner):
         except Exception:  # noqa: BLE001 - a size that cannot be made is one not to probe at
             return False
 
-    def _probe_step(self, make_batch, size: tuple, step_fn=None):
+    def _probe_step(self, make_batch, size: tuple, step_fn=None, twins=None):
         """One probe step at ``size`` (called with the device's meter set aside, ``_probe``):
         measured by the collector with storage lifetimes, unseen by the training run
         (``trial.probe_step``). The batch is given padding (the last row's last
         position masked) when it has an attention mask: real batches padded to their longest row
-        take the models' masked code paths, which hold more memory."""
+        take the models' masked code paths, which hold more memory. Blocks of ``twins`` skip
+        their measuring run (``ShuttlingCollector.twins``)."""
         batch = to_model_device(self.model, make_batch(size))
         made = infer_input_size(batch, self.encoder_decoder)
         if made != tuple(size):
@@ -265,7 +283,7 @@ class Mimose(Planner):
             mask.view(-1, mask.shape[-1])[-1, -1] = 0
             batch = {**batch, "attention_mask": mask}
         try:
-            self.measurer.lifetimes = True
+            self.measurer.lifetimes, self.measurer.twins = True, twins or {}
             self.measurer.begin()
             peak = probe_step(self, batch, step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
@@ -277,7 +295,7 @@ class Mimose(Planner):
             self.measurer.abort()
             raise
         finally:
-            self.measurer.lifetimes = False
+            self.measurer.lifetimes, self.measurer.twins = False, {}
         if peak is None:
             self.measurer.abort()
             raise ScalingError(f"the probe step at input size {size} ran out of memory")

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from mimose_cli.planners.collector import RawStep, Trace, build_sample
+from mimose_cli.planners.collector import RawStep, Trace, backward_stretch, build_sample
 
 _RTOL = 1e-9
 _LENGTH_PAIRS = ((8, 12), (4, 6))
@@ -215,6 +215,38 @@ def structure_difference(a: RawStep, b: RawStep) -> str | None:
         return "the op sequence changed with the input size (recomputes or autocast)"
     if a.dropped != b.dropped:
         return "the data filter dropped other blocks at the other input size"
+    if a.twins != b.twins:
+        return "other blocks ran without a measuring run at the other input size"
+    return None
+
+
+def twin_difference(raw: RawStep) -> str | None:
+    """Why a block run without a measuring run (``RawStep.twins``) is not like its twin, or None.
+    Its forward must run as its twin's: the recompute of it in backward the same ops at the same
+    bytes above the backward's start (what it saves, and what a tensor allocated before then
+    holds), and its checkpointed run the same bytes above its entry (what it allocates after the
+    last tensor it saves) unless autocast made the twin's run shorter (the twin's measuring run
+    left its weights cast). What it holds checkpointed and its backward's other ops are
+    measured, not taken from the twin (they differ at the ends of a stack)."""
+    at = {label: (index, live) for label, index, live in raw.marks}
+
+    def recompute(i):
+        if ("bwd", i) not in at:
+            return None
+        start, stop = backward_stretch(raw.marks, at, i)
+        return raw.trace.ops(start, stop, at[("bwd", i)][1], recompute=True)
+
+    def checkpointed(i):
+        start = at[("dropped", i)][0] if ("dropped", i) in at else at[("enter", i)][0]
+        return raw.trace.ops(start, at[("ckpt", i)][0], at[("enter", i)][1])
+
+    for i, twin in sorted(raw.twins.items()):
+        mine, theirs = recompute(i), recompute(twin)
+        if mine is None or theirs is None or not np.array_equal(mine, theirs):
+            return f"block {i}'s forward, recomputed, runs other ops than block {twin}'s, which has the same parameters"
+        mine, theirs = checkpointed(i), checkpointed(twin)
+        if mine is not None and theirs is not None and len(mine) == len(theirs) and not np.array_equal(mine, theirs):
+            return f"block {i}'s forward holds other bytes than block {twin}'s, which has the same parameters"
     return None
 
 
@@ -271,7 +303,7 @@ class ScaledStep:
         per_block = {"fwd_ms": np.full(len(a.per_block["fwd_ms"]), np.nan)}
         for quantity, (values, term) in self.per_block.items():
             per_block[quantity] = np.where(term >= 0, values * scale[np.maximum(term, 0)], np.nan)
-        blocks, step, shape = build_sample(marks, trace, len(per_block["fwd_ms"]), per_block, a.dropped)
+        blocks, step, shape = build_sample(marks, trace, len(per_block["fwd_ms"]), per_block, a.dropped, a.twins)
         for quantity in ("fwd_ms", "saved_bytes"):  # not measured at this size: no value
             blocks[quantity] = [None if v is None or np.isnan(v).any() else v for v in blocks[quantity]]
         return blocks, step, shape

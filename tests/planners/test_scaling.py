@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mimose_cli.memory import build_meter
+from mimose_cli.planners.blocks import twin_blocks
 from mimose_cli.planners.features import BLOCK_QUANTITIES, NO_EVENT, STEP_QUANTITIES, TOKENS
 from mimose_cli.planners.mimose import Mimose
 from mimose_cli.planners.scaling import _dimension, _polynomial, exponents, probe_batches, probe_sizes
@@ -63,25 +64,102 @@ def test_the_first_step_is_planned_and_held_out_sizes_are_predicted_exactly():
                 assert measured <= predicted <= measured * 1.02, (size, plan, predicted, measured)
 
 
+def assert_estimate_is_measured(planner, make_batch, sizes):
+    """The estimator's every block and step quantity at each size equals what the collector
+    measures in a step there (every block measured), to float rounding."""
+    for size in sizes:
+        predicted = planner.estimator.predict(size)
+        batch = make_batch(size)  # made before the probe starts counting
+        planner.measurer.begin()
+        probe_step(planner, batch)
+        blocks, step, _ = planner.measurer.end()
+        for q in BLOCK_QUANTITIES:
+            if q in ("fwd_ms", "saved_bytes"):  # not scaled (times; a sum of terms)
+                continue
+            measured = np.array([NO_EVENT if v is None or not len(v) else v.max() for v in blocks[q]])
+            np.testing.assert_allclose(predicted.blocks[q], measured, rtol=1e-9, err_msg=f"{size} {q}")
+        for q in STEP_QUANTITIES:
+            measured = NO_EVENT if step[q] is None or not len(step[q]) else step[q].max()
+            np.testing.assert_allclose(predicted.step[q], measured, rtol=1e-9, err_msg=f"{size} {q}")
+
+
 def test_a_scaled_sample_is_the_sample_the_collector_measures_at_that_size():
     """What the probes' samples say at a size is what measuring a step there says, every block
-    and step quantity the timeline is built from, to float rounding."""
+    and step quantity the timeline is built from, to float rounding; the probes measured only
+    the first layer plainly, the others (alike in parameters) are taken from it."""
     with metered_mimose() as (planner, meter):
         planner.prepare(lambda size: padded(bert_batch(*size)), (4, 64))
-        for size in HELD_OUT:
-            predicted = planner.estimator.predict(size)
-            batch = padded(bert_batch(*size))  # made before the probe starts counting
-            planner.measurer.begin()
-            probe_step(planner, batch)
-            blocks, step, _ = planner.measurer.end()
-            for q in BLOCK_QUANTITIES:
-                if q in ("fwd_ms", "saved_bytes"):  # not scaled (times; a sum of terms)
-                    continue
-                measured = np.array([NO_EVENT if v is None or not len(v) else v.max() for v in blocks[q]])
-                np.testing.assert_allclose(predicted.blocks[q], measured, rtol=1e-9, err_msg=f"{size} {q}")
-            for q in STEP_QUANTITIES:
-                measured = NO_EVENT if step[q] is None or not len(step[q]) else step[q].max()
-                np.testing.assert_allclose(predicted.step[q], measured, rtol=1e-9, err_msg=f"{size} {q}")
+        assert planner.stats["probe_twins"] == len(planner.blocks) - 1 >= 2
+        assert planner.stats["probe_steps"] == 2
+        assert_estimate_is_measured(planner, lambda size: padded(bert_batch(*size)), HELD_OUT)
+
+
+def test_blocks_alike_are_the_same_class_with_the_same_parameters_and_buffers():
+    frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+    blocks = [(str(n), m) for n, m in enumerate([torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(8, 8),
+                                                  frozen, torch.nn.BatchNorm1d(8), torch.nn.BatchNorm1d(8),
+                                                  torch.nn.Linear(8, 8)])]
+    assert twin_blocks(blocks) == {2: 0, 5: 4, 6: 0}
+
+
+class _TwoStacks(torch.nn.Module):
+    """Two stacks of layers of different widths with a projection between (an encoder and a
+    decoder): the last layer of the first stack holds, checkpointed, what runs up to the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.first = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)])
+        self.middle = torch.nn.Linear(8, 16)
+        self.second = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                           for _ in range(3)])
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.first:
+            x = layer(x)
+        x = self.middle(x)
+        for layer in self.second:
+            x = layer(x)
+        return x.sum()
+
+
+def test_layers_of_two_stacks_are_taken_from_the_first_layer_of_their_own_stack():
+    model = _TwoStacks()
+    with metered_mimose(model, blocks="[fs]*.[0-9]") as (planner, meter):
+        make = lambda size: {"input_ids": torch.randint(0, 16, size)}  # noqa: E731
+        planner.prepare(make, (4, 64))
+        assert planner.stats["probe_twins"] == 4 and planner.stats["probe_steps"] == 2
+        assert_estimate_is_measured(planner, make, HELD_OUT)
+
+
+class _Indexed(torch.nn.Module):
+    """A layer like every other in its parameters, holding a tensor whose size depends on its
+    position in the stack (a per-layer window, a layer type): blocks alike that run differently."""
+
+    def __init__(self, position: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.position = position
+
+    def forward(self, x):
+        extra = x.repeat(1, 1, self.position + 1)  # saved by the product below
+        return self.linear(x) * extra[..., :8].tanh()
+
+
+def test_blocks_alike_that_run_differently_are_each_measured():
+    """Taking a layer's plain run from the layer like it is checked against its recompute in
+    backward: where they differ the probes run again with every block measured, and the estimate
+    is as exact as with blocks all different."""
+    model = _Stack()
+    model.layers = torch.nn.ModuleList([_Indexed(k) for k in range(3)])
+    with metered_mimose(model) as (planner, meter):
+        make = lambda size: {"input_ids": torch.randint(0, 16, size)}  # noqa: E731
+        planner.prepare(make, (4, 64))
+        stats = planner.stats
+        assert stats["estimate_source"] == "probes"
+        assert stats["probe_steps"] == 4 and stats["probe_twins"] == 0
+        assert_estimate_is_measured(planner, make, HELD_OUT)
 
 
 def test_the_probes_leave_no_trace_in_training():
