@@ -119,15 +119,20 @@ def check_model_state(trainer) -> tuple[int, str | None]:
     return state_bytes, model_state_error(trainer, state_bytes)
 
 
+class HostMemoryError(ValueError):
+    """The recipe's largest batch cannot even be made in the machine's memory (the host's)."""
+
+
 def preflight(trainer, config, state_bytes: int) -> BudgetRange:
     """The budgets the recipe needs at its largest input: besides the step, the
-    optimizer's state and, with accumulation, the gradients set aside during a micro-batch."""
+    optimizer's state and, with accumulation, the gradients set aside during a micro-batch.
+    Raises ``HostMemoryError`` when that batch cannot be made."""
     recipe = trainer.recipe
     size = max_input_size(recipe)
     try:
         batch = trainer.to_device(make_batch(recipe, config, size))
     except MemoryError:  # the host, not the device: numpy or torch could not allocate the batch
-        raise ValueError(f"a batch of the largest input the recipe allows ({' x '.join(map(str, size))} tokens) "
+        raise HostMemoryError(f"a batch of the largest input the recipe allows ({' x '.join(map(str, size))} tokens) "
                          "does not fit in this machine's memory; lower training.batch_size or data.max_length") from None
     later = state_bytes + (param_bytes(trainer.model) if recipe.training.gradient_accumulation_steps > 1 else 0)
     return measure_range(trainer.planner, batch, size, later)

@@ -43,7 +43,14 @@ from mimose_cli.launcher.distributed import (
 )
 from mimose_cli.launcher.evaluate import eval_line, evaluate
 from mimose_cli.launcher.models import model_config
-from mimose_cli.launcher.preflight import BudgetRange, budget_error, check_model_state, optimizer_state_bytes, preflight
+from mimose_cli.launcher.preflight import (
+    BudgetRange,
+    HostMemoryError,
+    budget_error,
+    check_model_state,
+    optimizer_state_bytes,
+    preflight,
+)
 from mimose_cli.launcher.recipe import Recipe, recipe_yaml
 from mimose_cli.launcher.resume import cut_records
 from mimose_cli.launcher.signals import EXIT_CODES, StopRequest
@@ -99,7 +106,14 @@ def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
     """Optimizer steps in the run (each of ``gradient_accumulation_steps`` micro-batches)."""
     if recipe.training.max_steps is not None:
         return recipe.training.max_steps
-    return max(1, recipe.training.epochs * batches_per_epoch // recipe.training.gradient_accumulation_steps)
+    training = recipe.training
+    if 0 < training.epochs * batches_per_epoch < training.gradient_accumulation_steps:
+        raise ValueError(
+            f"training.gradient_accumulation_steps={training.gradient_accumulation_steps} needs that many batches "
+            f"for one optimizer step, but training.epochs={training.epochs} of {batches_per_epoch} batches hold "
+            f"{training.epochs * batches_per_epoch}: lower it, raise training.epochs, or set training.max_steps "
+            "to train across epochs")
+    return max(1, training.epochs * batches_per_epoch // training.gradient_accumulation_steps)
 
 
 def _data_batches(recipe: Recipe, dataset, config, micro_batches: int, first_loader, start: Progress,
@@ -292,8 +306,12 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
     with trainer.meter.activate():
         state_bytes, error = check_model_state(trainer)
         if error is None:
-            run.preflight = preflight(trainer, run.config, state_bytes)
-            error = budget_error(recipe.budget_bytes, run.preflight, recipe.budget)
+            try:
+                run.preflight = preflight(trainer, run.config, state_bytes)
+            except HostMemoryError as host:  # ends the run as a budget it cannot hold does
+                error = str(host)
+            else:
+                error = budget_error(recipe.budget_bytes, run.preflight, recipe.budget)
             if error is None:  # else the error says it
                 view.setup(f"pre-flight: {run.preflight.describe()}")
         error = first_error(error, trainer.world)  # one rank that cannot train stops them all

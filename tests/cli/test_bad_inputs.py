@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import datasets  # noqa: F401  (imported here, not inside CliRunner: its log handler keeps the stderr it sees)
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
@@ -120,6 +120,8 @@ VALUES = [
     train("warmup-negative", "training.warmup_steps=-1", named="training.warmup_steps=-1"),
     train("accumulation-zero", "training.gradient_accumulation_steps=0",
           named="training.gradient_accumulation_steps=0"),
+    train("accumulation-over-the-epochs", "training.max_steps=null", "training.gradient_accumulation_steps=13",
+          named="training.gradient_accumulation_steps=13 needs that many batches", stage="data"),
     train("log-every-zero", "training.log_every=0", named="training.log_every=0"),
     train("precision-fp8", "training.precision=fp8", named="training.precision='fp8'"),
     train("seed-too-large", f"seed={2**64}", named=f"seed={2**64} is invalid"),
@@ -212,7 +214,7 @@ MODEL_AND_DEVICE = [
     train("attention-kernel-not-installed", "model.attn_implementation=flash_attention_2",
           named="model.attn_implementation='flash_attention_2' cannot be used here", stage="model"),
     train("batch-beyond-host-memory", "training.batch_size=1000000000",
-          named="does not fit in this machine's memory; lower training.batch_size", stage="model"),
+          named="does not fit in this machine's memory; lower training.batch_size", code=1, stage="model"),
     train("override-nested-too-deep", "model.config_overrides={x: " + "[" * 500 + "]" * 500 + "}",
           named="nested deeper than Python can read"),
     recipe_file("recipe-nested-too-deep", "model:\n  config_overrides:\n    x: " + "[" * 500 + "]" * 500 + "\n",
@@ -278,6 +280,10 @@ HF_DATA = [
        named="vocab_size", files={"d.csv": CSV}),
     hf("hf-validation-split-of-one-file", "data.name={tmp}/d.csv", "data.validation_split=validation",
        named="data.validation_split='validation': data.name='{tmp}/d.csv' is one file", files={"d.csv": CSV}),
+    hf("hf-training-split-of-one-file", "data.name={tmp}/d.csv", "data.split=validation",
+       named="data.split='validation': data.name='{tmp}/d.csv' is one file", files={"d.csv": CSV}),
+    hf("hf-max-length-under-special-tokens", "data.name={tmp}/d.csv", "data.max_length=1",
+       named="data.max_length=1 leaves no room for text: the tokenizer adds 2 special tokens", files={"d.csv": CSV}),
     hf("hf-validation-file-missing", "data.name={tmp}/d.csv", "data.validation_split={tmp}/v.csv",
        named="data.validation_split='{tmp}/v.csv': no such file", files={"d.csv": CSV}),
     hf("hf-validation-split-not-in-directory", "data.name={tmp}/d", "data.validation_split=validation",
@@ -368,6 +374,9 @@ def tokenizer_dir(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(["the cat sat", "a dog ran"], trainers.WordLevelTrainer(
         special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"]))
+    special = [(t, tok.token_to_id(t)) for t in ("[CLS]", "[SEP]")]  # as BERT's: [CLS] text [SEP]
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=special)
     path = tmp_path_factory.mktemp("tokenizer")
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
                             cls_token="[CLS]", sep_token="[SEP]").save_pretrained(path)

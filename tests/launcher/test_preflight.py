@@ -49,6 +49,17 @@ def test_a_budget_below_every_plan_ends_before_the_first_step_with_both_figures(
     assert fits.summary["status"] == "completed"
 
 
+def test_a_batch_beyond_the_hosts_memory_ends_the_run_with_its_summary(quick_recipe):
+    """The largest batch cannot even be made (a MemoryError on the host): the run ends as one
+    whose budget is too small does, its directory whole (summary, status, the error), not empty."""
+    from mimose_cli.runs.rundir import load_run
+
+    result = run_training(quick_recipe("training.batch_size=1000000000"), view="none")
+    assert result.summary["status"] == "oom" and result.records == [] and result.exit_code == 1
+    assert "does not fit in this machine's memory" in result.summary["error"]
+    assert load_run(result.run_dir)[0]["status"] == "oom"  # not a run cut off ("interrupted")
+
+
 def test_dry_run_prints_the_range_and_trains_nothing(tmp_path):
     out = tmp_path / "runs"
     ok = CliRunner().invoke(app, ["train", str(QUICKSTART), "--dry-run", "--out", str(out)])

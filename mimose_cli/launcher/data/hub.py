@@ -18,6 +18,9 @@ def load_raw(data, validation: bool = False):
     ``data.name``. A file that cannot be read as its type, or holds no rows, a split that is not
     there, or a hub name that cannot be reached, raises ValueError naming the key."""
     if not validation:
+        if data.split != "train" and Path(data.name).is_file():
+            raise ValueError(f"data.split={data.split!r}: data.name={data.name!r} is one file, which holds one "
+                             "split; leave data.split at 'train', or give the file of that split as data.name")
         return _load_split(data.name, data.split, f"data.name={data.name!r}", data.config_name)
     split = data.validation_split
     if _looks_local(split) or Path(split).is_file():
@@ -251,4 +254,8 @@ def build_hf(recipe, config, validation: bool = False) -> list:
     raw = load_raw(recipe.data, validation)
     names = text_label_names(load_raw(recipe.data, False), recipe.task, recipe.data) if validation else None
     tokenizer = load_tokenizer(recipe, config)
+    special = tokenizer.num_special_tokens_to_add(pair=recipe.task in ("multiple_choice", "question_answering"))
+    if recipe.data.max_length <= special:
+        raise ValueError(f"data.max_length={recipe.data.max_length} leaves no room for text: the tokenizer adds "
+                         f"{special} special tokens to each example; raise it to at least {special + 1}")
     return TASK_READERS[recipe.task](raw, tokenizer, recipe.data, names)
