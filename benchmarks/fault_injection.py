@@ -2,24 +2,32 @@
 
 Signal trials: the tiny recipe of tests/faults (quickstart cut to 16 steps of a tiny BERT, a
 checkpoint every 3 steps) runs as ``python -m mimose_cli train`` in a subprocess; up to --faults
-signals, each drawn from SIGTERM, SIGINT and SIGKILL, are sent at random steps (each beyond the
+signals, each drawn from SIGTERM, SIGINT, SIGHUP (a closed terminal) and SIGKILL, are sent at random steps (each beyond the
 last step recorded, the first from step 3 on, once a checkpoint exists), the run being resumed
 with ``--resume`` after each, and finally resumed to its end. Full-disk trials run in this
 process: metrics.jsonl (at a random line) or a checkpoint (a random one but the first) fails with
-ENOSPC part-way through its write, then the run is resumed to its end.
+ENOSPC part-way through its write, then the run is resumed to its end. Final-save trials: a
+SIGKILL while the finished run writes its model (once its temporary model directory exists),
+then ``--resume`` must finish that save without training again. Concurrent-resume trials: a run
+stopped by SIGTERM is resumed by two ``--resume`` processes started together; one must train it to
+its end, the other be refused in one line (the run directory's lock) or find nothing left to do.
 
-A fault is survived when its exit status is the expected one (143 SIGTERM, 130 SIGINT, killed,
-1 full disk), the directory is readable by ``mimose report`` right after it, and the run, once
+A fault is survived when its exit status is the expected one (143 SIGTERM, 130 SIGINT, 129
+SIGHUP, killed, 1 full disk), the directory is readable by ``mimose report`` right after it, and the run, once
 resumed to its end, has trained every batch exactly once with the uninterrupted run's losses bit
 for bit. Writes benchmarks/results/fault_injection.json.
 
-    python benchmarks/fault_injection.py [--trials 6] [--faults 3] [--disk-trials 6] [--seed 0]
+    python benchmarks/fault_injection.py [--trials 6] [--faults 3] [--disk-trials 6] [--save-trials 3]
+        [--concurrent-trials 3] [--seed 0]
 """
 
 import argparse
 import random
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -28,9 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from faults.driver import (  # noqa: E402
+    ENV,
     QUICKSTART,
     SIGNALS,
+    TIMEOUT_S,
     TINY,
+    command,
     full_disk,
     interrupt,
     last_step,
@@ -48,7 +59,8 @@ from mimose_cli.runs.rundir import load_run  # noqa: E402
 
 from _results import write_results  # noqa: E402
 
-EXPECTED = {"SIGTERM": 143, "SIGINT": 130, "SIGKILL": -9}
+SIGNALS = {**SIGNALS, "SIGHUP": signal.SIGHUP}
+EXPECTED = {"SIGTERM": 143, "SIGINT": 130, "SIGHUP": 129, "SIGKILL": -9}
 LAST_STEP = 15
 
 
@@ -94,11 +106,57 @@ def disk_trial(rng: random.Random, out: Path, reference: list) -> dict:
             "expected": expected, "survived": expected and same}
 
 
+def save_trial(out: Path, reference: list) -> dict | None:
+    """SIGKILL while the model of the finished run is written, then ``--resume``; None when the
+    save was over before the kill could land (the run completed)."""
+    proc = subprocess.Popen(command(QUICKSTART, *TINY, "--out", out), env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline, sent = time.monotonic() + TIMEOUT_S, False
+    while proc.poll() is None and time.monotonic() < deadline:
+        run_dir = next((p for p in out.iterdir() if p.is_dir()), None) if out.exists() else None
+        if run_dir is not None and (run_dir / ".model.tmp").exists():
+            proc.send_signal(signal.SIGKILL)
+            sent = True
+            break
+        time.sleep(0.001)
+    code = proc.wait(timeout=TIMEOUT_S)
+    run_dir = run_dir_in(out)
+    if not sent or summary_status(run_dir) == "completed":
+        return None
+    load_run(run_dir)
+    done = resume(run_dir)
+    whole = (done.returncode == 0 and summary_status(run_dir) == "completed"
+             and (run_dir / "model" / "config.json").is_file() and not (run_dir / ".model.tmp").exists())
+    return {"fault": "SIGKILL in the final save", "at": "model", "exit_code": code, "expected": code == -9,
+            "survived": code == -9 and whole and records(run_dir) == reference}
+
+
+def concurrent_trial(rng: random.Random, out: Path, reference: list) -> dict:
+    """Two ``--resume`` at once on a run stopped by SIGTERM: one trains it to its end, the other
+    is refused in one line (or, started after the first ended, finds nothing left to train)."""
+    at_step = rng.randrange(3, LAST_STEP - 4)
+    code, _, _ = interrupt(signal.SIGTERM, at_step, out=out)
+    run_dir = run_dir_in(out)
+    procs = [subprocess.Popen(command("--resume", run_dir), env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=TIMEOUT_S), p.stdout.read()) for p in procs]
+    trained = [c for c, _ in results if c == 0]
+    others = [text for c, text in results if c != 0]
+    refused = all("is being written by process" in text or "raise training.max_steps" in text for text in others)
+    expected = code == 143 and len(trained) == 1 and len(others) == 1 and refused
+    return {"fault": "two --resume at once", "at_step": at_step, "exit_code": [c for c, _ in results],
+            "refused_by": ["lock" if "is being written by process" in text else "nothing left" for text in others],
+            "expected": expected, "survived": expected and summary_status(run_dir) == "completed"
+            and records(run_dir) == reference}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--faults", type=int, default=3, help="signals per signal trial, at most")
     parser.add_argument("--disk-trials", type=int, default=6)
+    parser.add_argument("--save-trials", type=int, default=3)
+    parser.add_argument("--concurrent-trials", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -110,6 +168,14 @@ def main():
         reference = records(run_dir_in(tmp / "reference"))
         for trial in range(args.trials):
             rows += signal_trial(rng, tmp / f"signals-{trial}", args.faults, reference)
+        save_attempts = 0
+        while sum(r["fault"].endswith("final save") for r in rows) < args.save_trials and save_attempts < 4 * args.save_trials:
+            row = save_trial(tmp / f"save-{save_attempts}", reference)
+            save_attempts += 1
+            if row is not None:
+                rows.append(row)
+        for trial in range(args.concurrent_trials):
+            rows.append(concurrent_trial(rng, tmp / f"concurrent-{trial}", reference))
         torch.set_num_threads(1)  # as the subprocesses run (OMP_NUM_THREADS=1)
         disk_reference = records(run_training(load_recipe(QUICKSTART, TINY + [f"out_dir={tmp / 'disk-ref'}"]),
                                               view="none").run_dir)
@@ -122,7 +188,7 @@ def main():
         print(f"{kind:<26} {injected[kind]:>8} {survived[kind]:>8}")
     print(f"{'total':<26} {sum(injected.values()):>8} {sum(survived.values()):>8}")
     write_results("fault_injection", rows, seed=args.seed, trials=args.trials, faults_per_trial=args.faults,
-                  disk_trials=args.disk_trials, injected=sum(injected.values()), survived=sum(survived.values()),
+                  disk_trials=args.disk_trials, save_attempts=save_attempts, concurrent_trials=args.concurrent_trials, injected=sum(injected.values()), survived=sum(survived.values()),
                   recipe=["recipes/quickstart.yaml", *TINY])
 
 

@@ -29,6 +29,14 @@ class UncompiledDispatchMode(TorchDispatchMode):
         return False
 
 
+def is_compiled(model) -> bool:
+    """Whether ``model`` is ``torch.compile``'d (the ``OptimizedModule`` it returns) or holds a
+    module compiled in place (``module.compile()``). Public replacement: none (both keep the
+    compiled callable in private attributes)."""
+    return hasattr(model, "_orig_mod") or any(getattr(m, "_compiled_call_impl", None) is not None
+                                              for m in model.modules())
+
+
 def autocast_enabled() -> bool:
     """Whether autocast is on for any device type, in one call (asked after every op the probe
     sees). Public replacement: ``torch.is_autocast_enabled(device_type)`` for each device type."""
@@ -38,7 +46,7 @@ def autocast_enabled() -> bool:
 # (announced, not in 2.13), or the ``optree`` package.
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["TorchDispatchMode", "UncompiledDispatchMode", "autocast_enabled", "tree_leaves", "tree_map", "get_untyped_storages",
+__all__ = ["TorchDispatchMode", "UncompiledDispatchMode", "autocast_enabled", "is_compiled", "tree_leaves", "tree_map", "get_untyped_storages",
            "top_saved_tensors_hook_name", "tensor_version", "dispatch_modes", "without_dispatch_modes"]
 
 

@@ -22,7 +22,7 @@ from mimose_cli.memory import build_meter
 from mimose_cli.planners.blocks import BlockRouter, PlanRunner, RecomputeClock, discover_blocks
 from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.recovery import PlanOutOfMemoryError, StepGuard, oom_message, reached_bytes
-from mimose_cli.planners.usage import EnteredOnce, check_trackable, claim, release
+from mimose_cli.planners.usage import EnteredOnce, check_supported, check_trackable, claim, release, warn_if_eager
 from mimose_cli.units import parse_size
 
 # Provisional until measured on a GPU (docs/MIMOSE.md): the caching allocator rounds requests to
@@ -107,6 +107,7 @@ class Planner:
         self.budget_bytes = None if budget is None else parse_size(budget)
         auto = safety_margin in (None, "auto")
         self._safety_margin = None if auto else parse_size(safety_margin, allow_zero=True)
+        check_supported(model)
         self.blocks = blocks if isinstance(blocks, list) else discover_blocks(model, blocks)
         self.num_blocks = len(self.blocks)
         self.closed = False
@@ -116,6 +117,7 @@ class Planner:
         self._owns_meter = meter is None and self.builds_meter
         if self._owns_meter:
             self.meter = self._build_meter()
+        warn_if_eager(model, self.meter)
         self._tracked: list = []  # what ``track`` was given: counted again at every step's start
         self._metering = False  # inside a step or ``run``: what exists has been counted
         self.steps = 0

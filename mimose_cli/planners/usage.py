@@ -1,11 +1,15 @@
 """Mistakes in using a planner from code, each said in one line instead of an internal error or
 nothing: a second planner on a model that has one, a step inside a step, a planner used after
-``close``, ``step`` called without ``with``, ``track`` given something it cannot count."""
+``close``, ``step`` called without ``with``, ``track`` given something it cannot count, a model
+sharded by FSDP or wrapped by DeepSpeed; and a compiled model on the simulated device, which runs
+eagerly."""
 
 import warnings
 import weakref
 
 import torch
+
+from mimose_cli.torch_private import is_compiled
 
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> weakref to its planner
 
@@ -18,6 +22,27 @@ def claim(model, planner) -> None:
         raise ValueError(f"this model already has a {holder.name} planner attached; close() it first "
                          "(a `with` block closes it) or plan with that one")
     _OWNERS[model] = weakref.ref(planner)
+
+
+def check_supported(model) -> None:
+    """ValueError for a model mimose cannot plan: one sharded by FSDP (``FullyShardedDataParallel``
+    or ``fully_shard``) or wrapped by DeepSpeed, which gather, shard and offload its parameters
+    block by block themselves, in memory neither the meter nor the plans model."""
+    names = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
+    if names & {"FullyShardedDataParallel", "FSDPModule"}:
+        raise ValueError("mimose does not plan FSDP-sharded models (FSDP gathers and frees each block's "
+                         "parameters itself); plan the unsharded model, under torchrun for data parallelism")
+    if "DeepSpeedEngine" in names:
+        raise ValueError("mimose does not plan DeepSpeed engines (ZeRO shards and offloads the model itself); "
+                         "plan the model before deepspeed.initialize, or drop mimose")
+
+
+def warn_if_eager(model, meter) -> None:
+    """A compiled model on the simulated device runs eagerly: its dispatch mode turns Dynamo off."""
+    if meter is not None and getattr(meter, "kind", "") == "simulated" and is_compiled(model):
+        warnings.warn("the model is torch.compile'd, but on the simulated device it runs eagerly (the "
+                      "device's dispatch mode turns Dynamo off): times are eager ones; compiled speed "
+                      "needs a GPU run", UserWarning, stacklevel=3)
 
 
 def release(model, planner) -> None:
