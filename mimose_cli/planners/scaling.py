@@ -118,7 +118,8 @@ def _dimension(da: int, db: int, va: tuple, vb: tuple, monomials: tuple = ()):
     coefficient}``: a constant; ``k * x`` (it grew by the factor the variable ``x`` did); else,
     for a length (not the batch, variable 0), ``k * x + c`` with ``k`` 1 or 2 (a padded, shifted
     or relative-position length: ``L + 1``, ``2 * L - 1``; a steeper slope would also fit sums of
-    two lengths, ``E + D``, and is refused).
+    two lengths, ``E + D``, and is refused), or the batch's rows of one flattened into it,
+    ``B * (k * x + c)`` (``B * (L - 1)``: a causal LM's shifted tokens).
     None when it is none of these, or when two readings of the same kind fit."""
     width = len(va)
     if da == db:
@@ -139,6 +140,14 @@ def _dimension(da: int, db: int, va: tuple, vb: tuple, monomials: tuple = ()):
         slope, rest = divmod(db - da, vb[x] - va[x])
         if x > 0 and not rest and 1 <= slope <= _MAX_SLOPE:
             affine.append({unit: float(slope), (0,) * width: float(da - slope * va[x])})
+        # Flattened rows of a shifted length, B * (L - 1) (a causal LM's shifted tokens, in one row).
+        if x > 0 and va[0] != vb[0] and not da % va[0] and not db % vb[0]:
+            per_a, per_b = da // va[0], db // vb[0]
+            slope, rest = divmod(per_b - per_a, vb[x] - va[x])
+            if not rest and 1 <= slope <= _MAX_SLOPE and per_a != slope * va[x]:
+                batch = tuple(int(i == 0) for i in range(width))
+                affine.append({tuple(int(i in (0, x)) for i in range(width)): float(slope),
+                               batch: float(per_a - slope * va[x])})
     found = proportional or affine
     return found[0] if len(found) == 1 else None
 

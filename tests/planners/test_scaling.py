@@ -242,6 +242,7 @@ def test_a_step_without_a_batch_to_probe_with_learns_from_measured_steps():
     (16, 24, {(0, 1): 2.0}),                     # 2 L, proportional
     (9, 13, {(0, 1): 1.0, (0, 0): 1.0}),         # L + 1 (labels padded by one)
     (15, 23, {(0, 1): 2.0, (0, 0): -1.0}),       # 2 L - 1 (relative positions)
+    (14, 44, {(1, 1): 1.0, (1, 0): -1.0}),       # B (L - 1), flattened (a causal LM's shifted tokens)
     (5, 100, None),                              # nothing
 ])
 def test_a_dimension_is_read_as_a_constant_a_multiple_or_a_shifted_length(da, db, expected):
