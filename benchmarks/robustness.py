@@ -9,7 +9,8 @@ out-of-memory past the budget):
   blocks, target lengths varying independently of the inputs; ``t5`` as configured by default,
   ``t5-nocache`` with ``use_cache=False``, see MODELS), ViT (image classification, the
   image side varying per batch, 32-96 px in multiples of the 8 px patch, with
-  ``interpolate_pos_encoding=True``);
+  ``interpolate_pos_encoding=True``), ResNet (image classification, bottleneck stages of 2, 3,
+  6 and 2 layers, all 13 of them blocks, BatchNorm in each; the same images);
 - settings: fp32; bf16 and fp16 autocast around the forward (fp16 with a GradScaler); lengths
   padded up to a multiple of 128 (images: the side up to a multiple of 32 px); gradient
   accumulation over 4 micro-batches (gradients alive at the start of 3 in 4); a batch size
@@ -100,6 +101,11 @@ MODELS = {
     "vit": ModelSpec("ViTForImageClassification", "image",
                      dict(model_type="vit", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                           intermediate_size=128, image_size=32, patch_size=8, num_labels=10)),
+    # Bottleneck stages of 2, 3, 6 and 2 layers: every stage's layers are blocks (13), though
+    # transformers has no checkpointing of its own for it.
+    "resnet": ModelSpec("ResNetForImageClassification", "image",
+                        dict(model_type="resnet", embedding_size=16, hidden_sizes=[16, 32, 64, 128],
+                             depths=[2, 3, 6, 2], layer_type="bottleneck", num_labels=10)),
 }
 
 
@@ -236,7 +242,7 @@ def build_model(spec: ModelSpec) -> torch.nn.Module:
 def make_step_fn(model, spec: ModelSpec, setting: Setting, scaler):
     """Forward (under autocast for bf16/fp16) and backward of one micro-batch; returns the loss."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setting.precision)
-    extra = {"interpolate_pos_encoding": True} if spec.kind == "image" else {}
+    extra = {"interpolate_pos_encoding": True} if spec.config["model_type"] == "vit" else {}
 
     def step_fn(batch):
         with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():

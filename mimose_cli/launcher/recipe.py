@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Hashable
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 import yaml
 from pydantic import (
@@ -145,8 +145,9 @@ class ModelConfig:
     """Hugging Face config fields to override, e.g. {num_hidden_layers: 4}."""
     attn_implementation: Optional[str] = None
     """'eager' or 'sdpa'; the library default when unset."""
-    blocks: Optional[str] = None
-    """Glob over module names selecting the checkpointable blocks, e.g. 'bert.encoder.layer.*'."""
+    blocks: Optional[Union[str, list[str]]] = None
+    """Glob over module names selecting the checkpointable blocks, e.g. 'bert.encoder.layer.*', or
+    a list of globs (the blocks of each, in forward order): ['encoder.block.*', 'decoder.block.*']."""
 
 
 @dataclass(config=FORBID_UNKNOWN_KEYS)

@@ -108,7 +108,8 @@ class Planner:
         auto = safety_margin in (None, "auto")
         self._safety_margin = None if auto else parse_size(safety_margin, allow_zero=True)
         check_supported(model)
-        self.blocks = blocks if isinstance(blocks, list) else discover_blocks(model, blocks)
+        pairs = isinstance(blocks, list) and all(isinstance(b, tuple) for b in blocks)  # (name, module)
+        self.blocks = blocks if pairs and blocks else discover_blocks(model, blocks)
         self.num_blocks = len(self.blocks)
         self.closed = False
         claim(model, self)

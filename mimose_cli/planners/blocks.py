@@ -37,36 +37,71 @@ def _outermost(named: list) -> list:
     return [(n, m) for n, m in named if not any(n.startswith(o + ".") for o in names if o != n)]
 
 
-def _longest_homogeneous_list(model: nn.Module) -> list:
-    best = []
+def _units_like(model: nn.Module, unit: type) -> list:
+    """Every child of class ``unit`` of the model's ``ModuleList``s and ``Sequential``s, in forward
+    (registration) order, outermost (a list of one such child counts too)."""
+    found = []
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
-            continue
-        kinds = {type(child) for child in module}
-        if len(kinds) == 1 and len(module) > len(best):
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
             prefix = f"{name}." if name else ""
-            best = [(f"{prefix}{i}", child) for i, child in enumerate(module)]
-    return best
+            found += [(f"{prefix}{i}", child) for i, child in enumerate(module) if type(child) is unit]
+    return _outermost(found)
 
 
-def discover_blocks(model: nn.Module, pattern: str | None = None) -> list:
+def _repeated_unit(model: nn.Module) -> list:
+    """The layers of the model's most repeated unit. Candidates are the classes the model's
+    homogeneous ``ModuleList``/``Sequential``s hold (two or more children of one class); a class
+    of which every instance of another candidate holds the same number is a part of that unit, not
+    a unit (the q/k/v projections or the experts of a stack's layers, the convolutions of a
+    residual block); of the rest, the one with the most layers in all of its lists wins, a tie
+    going to the inner class. So a ResNet's or a ConvNeXt's stages, whose depths differ, give way
+    to the layers inside them, every stage's."""
+    held: dict = {}  # class -> its children in homogeneous lists, in forward order
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            kinds = {type(child) for child in module}
+            if len(kinds) == 1:
+                prefix = f"{name}." if name else ""
+                held.setdefault(kinds.pop(), []).extend((f"{prefix}{i}", child) for i, child in enumerate(module))
+    units = {kind: _units_like(model, kind) for kind in held}
+
+    def within(kind, outer) -> list:  # how many of ``kind`` each ``outer`` holds
+        return [sum(name.startswith(o + ".") for name, _ in units[kind]) for o, _ in units[outer]]
+
+    def part_of(kind, outer) -> bool:
+        counts = within(kind, outer)
+        return outer is not kind and counts[0] > 0 and len(set(counts)) == 1
+
+    kinds = [k for k in held if not any(part_of(k, outer) for outer in held)]
+    if not kinds:
+        return []
+    most = max(len(units[k]) for k in kinds)
+    tied = [k for k in kinds if len(units[k]) == most]
+    unit = next((k for k in tied if any(outer is not k and any(within(k, outer)) for outer in tied)), tied[0])
+    return units[unit]
+
+
+def discover_blocks(model: nn.Module, pattern: str | list | None = None) -> list:
     """Return ``[(name, module), ...]`` in forward order.
 
-    A glob ``pattern`` over module names wins; else Hugging Face ``GradientCheckpointingLayer``s;
-    else the children of the longest homogeneous ``ModuleList``/``Sequential``.
+    A glob ``pattern`` over module names (or a list of globs: modules any of them matches) wins; else Hugging Face ``GradientCheckpointingLayer``s;
+    else the layers of the model's most repeated unit (``_repeated_unit``: a stack's layers, every
+    stage's layers of a CNN).
     """
     if pattern:
-        found = [(n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)]
-        if not found:
-            raise ValueError(
-                f"blocks={pattern!r} (model.blocks in a recipe) matches no module; module names look like "
-                f"{[n for n, _ in list(model.named_modules())[1:6]]}"
-            )
-        return _outermost(found)
+        globs = [pattern] if isinstance(pattern, str) else list(pattern)
+        for glob in globs:
+            if not any(n and fnmatch.fnmatchcase(n, glob) for n, _ in model.named_modules()):
+                raise ValueError(
+                    f"blocks={glob!r} (model.blocks in a recipe) matches no module; module names look like "
+                    f"{[n for n, _ in list(model.named_modules())[1:6]]}"
+                )
+        return _outermost([(n, m) for n, m in model.named_modules()
+                           if n and any(fnmatch.fnmatchcase(n, glob) for glob in globs)])
     found = _outermost([(n, m) for n, m in model.named_modules() if _is_hf_checkpoint_layer(m)])
     if found:
         return found
-    found = _longest_homogeneous_list(model)
+    found = _repeated_unit(model)
     if not found:
         raise ValueError(
             "no checkpointable blocks found (no GradientCheckpointingLayer and no homogeneous "

@@ -177,3 +177,44 @@ def test_a_block_recomputed_after_modifying_its_input_fails_under_mimose_as_unde
     assert error is None and torch.equal(full[0], loss) and torch.equal(sheltered[0], loss)
     assert "modified by an inplace operation" in full[1] and sheltered[1] == full[1]
 
+
+
+def tiny_resnet():
+    """A bottleneck ResNet from its config whose stages hold 2, 3, 6 and 2 layers."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[2, 3, 6, 2],
+                          layer_type="bottleneck", num_labels=4)
+    return ResNetForImageClassification(config).train()
+
+
+def test_blocks_are_every_stage_s_layers_not_only_the_longest_stage_s():
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    blocks = mimose_cli.planners.blocks.discover_blocks(tiny_resnet())
+    assert [n for n, _ in blocks] == [f"resnet.encoder.stages.{s}.layers.{i}"
+                                      for s, depth in enumerate([2, 3, 6, 2]) for i in range(depth)]
+    assert {type(m).__name__ for _, m in blocks} == {"ResNetBottleNeckLayer"}
+    convnext = ConvNextForImageClassification(ConvNextConfig(hidden_sizes=[8, 16, 16, 32], depths=[3, 1, 4, 2]))
+    blocks = mimose_cli.planners.blocks.discover_blocks(convnext)
+    assert len(blocks) == 10 and {type(m).__name__ for _, m in blocks} == {"ConvNextLayer"}
+    assert blocks[3][0] == "convnext.encoder.stages.1.layers.0"  # a stage of one layer counts too
+
+
+def test_several_globs_name_the_blocks_of_each_in_forward_order():
+    model = NormStack()
+    blocks = mimose_cli.planners.blocks.discover_blocks(model, ["blocks.2", "blocks.0"])
+    assert [n for n, _ in blocks] == ["blocks.0", "blocks.2"]
+    with pytest.raises(ValueError, match="blocks='nothing.*' .* matches no module"):
+        mimose_cli.planners.blocks.discover_blocks(model, ["blocks.0", "nothing.*"])
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_a_resnet_step_computes_what_a_plain_step_does(name):
+    """Every bottleneck (BatchNorm inside, the statistics advancing once) checkpointed or measured."""
+    images = {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2)),
+              "labels": torch.tensor([0, 3])}
+    plain, planned = assert_same_step(name, tiny_resnet, images, exact=False)
+    for (key, a), b in zip(plain.named_buffers(), planned.buffers()):
+        assert torch.equal(a, b), key
