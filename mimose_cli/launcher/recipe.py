@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Hashable
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import (
@@ -145,9 +145,14 @@ class ModelConfig:
     """Hugging Face config fields to override, e.g. {num_hidden_layers: 4}."""
     attn_implementation: Optional[str] = None
     """'eager' or 'sdpa'; the library default when unset."""
-    blocks: Optional[Union[str, list[str]]] = None
+    blocks: Any = None  # a string or a list of them, checked below (one message for both)
     """Glob over module names selecting the checkpointable blocks, e.g. 'bert.encoder.layer.*', or
     a list of globs (the blocks of each, in forward order): ['encoder.block.*', 'decoder.block.*']."""
+
+    def __post_init__(self):
+        globs = [self.blocks] if isinstance(self.blocks, str) else self.blocks
+        if self.blocks is not None and not (isinstance(globs, list) and globs and all(isinstance(g, str) and g for g in globs)):
+            raise _Invalid("blocks", self.blocks, "a glob over module names or a non-empty list of them")
 
 
 @dataclass(config=FORBID_UNKNOWN_KEYS)

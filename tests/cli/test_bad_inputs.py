@@ -201,6 +201,10 @@ MODEL_AND_DEVICE = [
           stage="model"),  # resolve_device, the trainer's first step
     train("no-multiple-choice-head", "model.type=gpt2", named="model.type='gpt2' has no multiple_choice",
           stage="model"),
+    train("blocks-a-number", "model.blocks=5", named="model.blocks=5 is invalid; expected a glob over module names"),
+    train("blocks-list-with-a-number", "model.blocks=[bert.*, 5]", named="model.blocks=['bert.*', 5] is invalid"),
+    train("blocks-one-glob-of-two-matches-nothing", "model.blocks=[bert.encoder.layer.*, encoder.zzz.*]",
+          named="blocks='encoder.zzz.*' (model.blocks in a recipe) matches no module", stage="model"),
     train("blocks-match-nothing", "model.blocks=encoder.zzz.*", named="blocks='encoder.zzz.*' (model.blocks in a recipe) matches no module",
           stage="model"),
     train("budget-below-the-weights", "--budget", "1", named="budget 1 B cannot hold the model's weights",
