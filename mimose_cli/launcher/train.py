@@ -96,10 +96,20 @@ def environment(device) -> dict:
         env["gpu_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
     return env
 
-def divergence_error(record: StepRecord, recipe: Recipe) -> str:
-    """Why a run whose loss stopped being finite ended, and what to change."""
-    return (f"loss became {record.loss} at step {record.step}: training diverged; lower training.lr "
-            f"(now {recipe.training.lr:g})")
+def divergence_error(record: StepRecord, recipe: Recipe, model, updated: bool) -> str:
+    """Why a run whose loss stopped being finite ended, and what to change: the learning rate
+    only when an update came before (``updated``); else the weights it started from, or the
+    forward itself."""
+    if updated:
+        return (f"loss became {record.loss} at step {record.step}: training diverged; lower training.lr "
+                f"(now {recipe.training.lr:g})")
+    if any(not torch.isfinite(p).all() for p in model.parameters()):
+        source = (f"model.pretrained={recipe.model.pretrained!r}" if recipe.model.pretrained
+                  else "the checkpoint or model.config_overrides")
+        return (f"loss is {record.loss} at step {record.step}, before any update: the model's weights hold "
+                f"NaN or inf (from {source}); load finite weights")
+    return (f"loss is {record.loss} at step {record.step}, before any update: the forward computes it from "
+            f"finite weights (an overflow: try training.precision=fp32 or bf16, or check the data)")
 
 
 def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
@@ -191,7 +201,7 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop
                 break
             if not math.isfinite(record.loss):  # before any checkpoint: never save NaN weights
                 end.status, end.at_boundary = "diverged", False
-                end.error = divergence_error(record, trainer.recipe)
+                end.error = divergence_error(record, trainer.recipe, trainer.model, updated=trainer.step > 0)
                 view.message(f"[red]{end.error}[/red]")
                 break
             if micro_step == accumulation - 1:
