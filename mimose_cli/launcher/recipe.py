@@ -12,8 +12,10 @@ or a ``!!python`` tag is an error, and ``1e-4`` is a number (YAML 1.2's reading)
 """
 
 import dataclasses
+import errno
 import importlib.util
 import re
+import stat
 import warnings
 from collections.abc import Hashable
 from dataclasses import field
@@ -481,13 +483,29 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
         raise _recipe_error(err, where, origins) from None
 
 
+def _not_a_file(path: Path) -> str:
+    """What a path that is no regular file is, for the one line that refuses it."""
+    try:
+        mode = path.stat().st_mode
+    except RuntimeError:  # Python < 3.13 on a loop of symbolic links
+        return "is a loop of symbolic links; point it at a YAML file"
+    except OSError as err:
+        if path.is_symlink():
+            what = "is a loop of symbolic links" if err.errno == errno.ELOOP else "is a symbolic link to nothing"
+            return f"{what}; point it at a YAML file"
+        return "not found"
+    if stat.S_ISFIFO(mode):
+        return "is a pipe (a FIFO, or <(...) process substitution), not a file; save the recipe to a file"
+    return "is a device or special file, not a YAML file"
+
+
 def load_recipe(path, overrides=(), flags=None) -> Recipe:
     """Read a YAML recipe file, apply ``key=value`` overrides, then explicit flags."""
     path = Path(path)
     if path.is_dir():
         raise RecipeError(f"recipe file {str(path)!r} is a directory; expected a YAML file")
     if not path.is_file():
-        raise RecipeError(f"recipe file {str(path)!r} not found")
+        raise RecipeError(f"recipe file {str(path)!r} {_not_a_file(path)}")
     try:
         data = load_yaml(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:

@@ -6,6 +6,7 @@ next step impossible: "check" cases fail before any model config is made, "data"
 the model is built; "model" cases may build the tiny quickstart model (a few of them train).
 """
 
+import os
 from dataclasses import dataclass, field
 
 import datasets  # noqa: F401  (imported here, not inside CliRunner: its log handler keeps the stderr it sees)
@@ -26,6 +27,8 @@ OUT = ["--out", "{tmp}/runs"]
 HF = ["task=sequence_classification", "data.source=hf", "data.tokenizer={tok}", "data.max_length=32",
       *FAST, *OUT]
 A_DIRECTORY = object()  # a ``files`` value: make a directory there
+A_FIFO = object()  # a named pipe
+A_LOOP = object()  # a symbolic link to itself
 CSV = "text,label\nthe cat sat,0\na dog ran,1\n"
 STEP = '{"step": 0, "loss": 1.0, "memory/peak_bytes": 5}\n'
 RUN = {"run/metrics.jsonl": STEP}
@@ -224,6 +227,9 @@ MODEL_AND_DEVICE = [
           named="model.attn_implementation='flash_attention_2' cannot be used here", stage="model"),
     train("batch-beyond-host-memory", "training.batch_size=1000000000",
           named="does not fit in this machine's memory; lower training.batch_size", code=1, stage="model"),
+    Case("recipe-is-dev-null", ["train", "/dev/null", *FAST, *OUT], "recipe file '/dev/null' is a device or special file"),
+    train("recipe-is-a-fifo", files={"r.yaml": A_FIFO}, named="recipe file '{tmp}/r.yaml' is a pipe"),
+    train("recipe-is-a-symlink-loop", files={"r.yaml": A_LOOP}, named="recipe file '{tmp}/r.yaml' is a loop of symbolic links"),
     train("override-nested-too-deep", "model.config_overrides={x: " + "[" * 500 + "]" * 500 + "}",
           named="nested deeper than Python can read"),
     recipe_file("recipe-nested-too-deep", "model:\n  config_overrides:\n    x: " + "[" * 500 + "]" * 500 + "\n",
@@ -397,6 +403,10 @@ def _write(root, files: dict) -> None:
         path = root / name
         if content is A_DIRECTORY:
             path.mkdir(parents=True)
+            continue
+        if content is A_FIFO or content is A_LOOP:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.mkfifo(path) if content is A_FIFO else os.symlink(path.name, path)
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
