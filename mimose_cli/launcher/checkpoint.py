@@ -132,13 +132,16 @@ def load_checkpoint(run_dir: Path) -> dict:
     there is none or it cannot be read."""
     path = Path(run_dir) / CHECKPOINT
     (Path(run_dir) / f".{CHECKPOINT}.tmp").unlink(missing_ok=True)  # a write cut off by a kill
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a checkpoint file; move it away and start the run again")
     if not path.is_file():
         raise ValueError(f"{run_dir} has no {CHECKPOINT}: the run stopped before its first checkpoint "
                          "(training.checkpoint_every); start it again instead of resuming")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ValueError(f"{path} cannot be read ({str(err).splitlines()[0]}); start the run again") from None
+    except Exception:  # torch's own advice (weights_only=False) is wrong for a corrupt file, and unsafe
+        raise ValueError(f"{path} is not a checkpoint mimose wrote, or is corrupt (cut off, overwritten); "
+                         "start the run again") from None
     if state.get("format") != FORMAT:
         raise ValueError(f"{path} has format {state.get('format')!r}, this mimose reads {FORMAT}")
     return state

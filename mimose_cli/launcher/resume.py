@@ -45,6 +45,9 @@ def resume_recipe(run_dir, overrides=(), flags=None):
     saved = run_dir / "recipe.yaml"
     if not saved.is_file():
         raise RecipeError(f"cannot resume {run_dir}: not a run directory (no recipe.yaml)")
+    if (run_dir / CHECKPOINT).is_dir():
+        raise RecipeError(f"cannot resume {run_dir}: {CHECKPOINT} is a directory, not a checkpoint file; "
+                          "move it away and start the run again")
     if not (run_dir / CHECKPOINT).is_file():
         raise RecipeError(f"cannot resume {run_dir}: no {CHECKPOINT}, the run stopped before its first "
                           "checkpoint (training.checkpoint_every); start it again instead")

@@ -175,3 +175,21 @@ def test_a_summary_with_values_no_run_writes_does_not_stop_a_resume(completed, t
     result = CliRunner().invoke(app, ["train", "--resume", str(run_dir), "--max-steps", "7", "--view", "none"])
     assert result.exit_code == 0, result.output
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 7
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda path: path.write_bytes(bytes(range(256)) * 4), "is not a checkpoint mimose wrote, or is corrupt"),
+    (lambda path: path.write_bytes(path.read_bytes()[:1000]), "is not a checkpoint mimose wrote, or is corrupt"),
+    (lambda path: (path.unlink(), path.mkdir()), "checkpoint.pt is a directory, not a checkpoint file"),
+])
+def test_a_checkpoint_that_is_not_one_is_named_without_torch_s_advice(completed, tmp_path, make, said):
+    """Random bytes, a cut-off file, a directory: one line naming it, never torch's suggestion to
+    load with weights_only=False (wrong for a corrupt file, and unsafe) nor "no checkpoint"."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(completed.run_dir, run_dir)
+    make(run_dir / "checkpoint.pt")
+    with pytest.raises(ValueError, match=said) as error:
+        run_training(resume_recipe(run_dir, ["training.max_steps=8"]), view="none", resume=run_dir)
+    assert "weights_only" not in str(error.value) and "\n" not in str(error.value)

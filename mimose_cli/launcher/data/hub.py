@@ -122,8 +122,17 @@ def _label_ids(values: list, limit: int, key: str, names: list | None = None) ->
             raise ValueError(f"validation label {unknown!r} does not occur in the training split "
                              f"(its labels: {', '.join(names)}); labels are numbered from the training split")
         names = sorted(set(values)) if names is None else names
+        if len(names) > limit:
+            raise ValueError(f"the labels are {len(names)} texts ({', '.join(map(repr, names[:6]))}"
+                             f"{', ...' if len(names) > 6 else ''}) but {key}={limit}; set {key}={len(names)}")
         values = [names.index(v) for v in values]
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < limit]
+    if any(v is None for v in values):
+        raise ValueError(f"a row has no label (row {values.index(None) + 1}); give every row one")
+    typed = [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
+    if typed:
+        raise ValueError(f"label {typed[0]!r} is a {type(typed[0]).__name__}: expected integer class ids "
+                         f"0..{limit - 1} ({key}={limit}), or text in every row")
+    bad = [v for v in values if not 0 <= v < limit]
     if bad:
         raise ValueError(f"label {bad[0]!r} is out of range: expected 0..{limit - 1} ({key}={limit}), "
                          "or text in every row")
