@@ -139,13 +139,14 @@ def concurrent_trial(rng: random.Random, out: Path, reference: list) -> dict:
     run_dir = run_dir_in(out)
     procs = [subprocess.Popen(command("--resume", run_dir), env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    results = [(p.wait(timeout=TIMEOUT_S), p.stdout.read()) for p in procs]
+    outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]  # read as they run: no pipe fills up
+    results = [(p.returncode, text) for p, text in zip(procs, outputs)]
     trained = [c for c, _ in results if c == 0]
     others = [text for c, text in results if c != 0]
-    refused = all("is being written by process" in text or "raise training.max_steps" in text for text in others)
+    refused = all("is being written by" in text or "raise training.max_steps" in text for text in others)
     expected = code == 143 and len(trained) == 1 and len(others) == 1 and refused
     return {"fault": "two --resume at once", "at_step": at_step, "exit_code": [c for c, _ in results],
-            "refused_by": ["lock" if "is being written by process" in text else "nothing left" for text in others],
+            "refused_by": ["lock" if "is being written by" in text else "nothing left" for text in others],
             "expected": expected, "survived": expected and summary_status(run_dir) == "completed"
             and records(run_dir) == reference}
 
@@ -169,7 +170,8 @@ def main():
         for trial in range(args.trials):
             rows += signal_trial(rng, tmp / f"signals-{trial}", args.faults, reference)
         save_attempts = 0
-        while sum(r["fault"].endswith("final save") for r in rows) < args.save_trials and save_attempts < 4 * args.save_trials:
+        saved = lambda: sum(r["fault"].endswith("final save") for r in rows)  # noqa: E731
+        while saved() < args.save_trials and save_attempts < 4 * args.save_trials:
             row = save_trial(tmp / f"save-{save_attempts}", reference)
             save_attempts += 1
             if row is not None:
@@ -188,7 +190,8 @@ def main():
         print(f"{kind:<26} {injected[kind]:>8} {survived[kind]:>8}")
     print(f"{'total':<26} {sum(injected.values()):>8} {sum(survived.values()):>8}")
     write_results("fault_injection", rows, seed=args.seed, trials=args.trials, faults_per_trial=args.faults,
-                  disk_trials=args.disk_trials, save_attempts=save_attempts, concurrent_trials=args.concurrent_trials, injected=sum(injected.values()), survived=sum(survived.values()),
+                  disk_trials=args.disk_trials, save_attempts=save_attempts, concurrent_trials=args.concurrent_trials,
+                  injected=sum(injected.values()), survived=sum(survived.values()),
                   recipe=["recipes/quickstart.yaml", *TINY])
 
 

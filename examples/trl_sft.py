@@ -72,6 +72,7 @@ def train(out_dir: str, budget=None) -> tuple:
     checkpointing = args.gradient_checkpointing  # TRL's default: True
     if budget is not None:
         fit_budget(trainer, budget)  # mimose: checkpoint just enough blocks per micro-batch to fit
+        checkpointing = f"{checkpointing} -> {trainer.args.gradient_checkpointing}"  # taken over: off
     metrics = trainer.train().metrics
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     adapter = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
@@ -84,7 +85,7 @@ def main(out_dir: str) -> None:
     # The same ops in the same order (recomputing a block reruns its forward exactly), so the
     # trained adapter is the run without mimose's to the bit, and so is every logged loss.
     same = len(adapter) == len(plain_adapter) and all(torch.equal(a, b) for a, b in zip(adapter, plain_adapter))
-    print(f"SFTConfig(gradient_checkpointing={checkpointing}) taken over; {len(losses)} steps, losses "
+    print(f"SFTConfig(gradient_checkpointing={checkpointing}); {len(losses)} steps, losses "
           f"{'equal to' if losses == plain else 'DIFFERENT from'} the run without mimose "
           f"({', '.join(f'{loss:.4f}' for loss in losses)}); LoRA weights after training "
           f"{'bit-identical' if same else 'DIFFERENT'}")

@@ -46,7 +46,8 @@ def autocast_enabled() -> bool:
 # (announced, not in 2.13), or the ``optree`` package.
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["TorchDispatchMode", "UncompiledDispatchMode", "autocast_enabled", "is_compiled", "tree_leaves", "tree_map", "get_untyped_storages",
+__all__ = ["TorchDispatchMode", "UncompiledDispatchMode", "autocast_enabled", "is_compiled", "tree_leaves",
+           "tree_map", "get_untyped_storages",
            "top_saved_tensors_hook_name", "tensor_version", "dispatch_modes", "without_dispatch_modes"]
 
 

@@ -21,7 +21,7 @@ EXPECTED = {
         r"peak (?P<peak>[\d.]+) MB of the (?P<budget>[\d.]+) MB budget$",
     ],
     "trl_sft.py": [
-        r"^SFTConfig\(gradient_checkpointing=True\) taken over; 6 steps, losses equal to the run without "
+        r"^SFTConfig\(gradient_checkpointing=True -> False\); 6 steps, losses equal to the run without "
         r"mimose \([\d., ]+\); LoRA weights after training bit-identical$",
         r"^mimose: 12 micro-batches, (?P<checkpointed>\d+) with blocks checkpointed "
         r"\((?P<measured>\d+) of them while measuring\), 0 retries; "

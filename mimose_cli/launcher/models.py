@@ -168,7 +168,8 @@ def build_model(recipe) -> torch.nn.Module:
         raise ValueError(f"model.attn_implementation={recipe.model.attn_implementation!r} cannot be used here "
                          f"({reason}); install its package or use 'sdpa' or 'eager'") from None
     except (RuntimeError, ValueError, TypeError) as err:  # a config the model's init cannot use
-        if not recipe.model.config_overrides:
+        if (not recipe.model.config_overrides or recipe.model.pretrained is not None
+                or isinstance(err, torch.OutOfMemoryError)):
             raise
         reason = " ".join(str(err).split())[:200]
         raise ValueError(f"model.config_overrides={recipe.model.config_overrides!r} cannot build the model "

@@ -132,7 +132,8 @@ def preflight(trainer, config, state_bytes: int) -> BudgetRange:
     try:
         batch = trainer.to_device(make_batch(recipe, config, size))
     except MemoryError:  # the host, not the device: numpy or torch could not allocate the batch
-        raise HostMemoryError(f"a batch of the largest input the recipe allows ({' x '.join(map(str, size))} tokens) "
-                         "does not fit in this machine's memory; lower training.batch_size or data.max_length") from None
+        raise HostMemoryError(f"a batch of the largest input the recipe allows ({' x '.join(map(str, size))} "
+                              "tokens) does not fit in this machine's memory; lower training.batch_size or "
+                              "data.max_length") from None
     later = state_bytes + (param_bytes(trainer.model) if recipe.training.gradient_accumulation_steps > 1 else 0)
     return measure_range(trainer.planner, batch, size, later)

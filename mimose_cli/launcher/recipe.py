@@ -153,7 +153,8 @@ class ModelConfig:
 
     def __post_init__(self):
         globs = [self.blocks] if isinstance(self.blocks, str) else self.blocks
-        if self.blocks is not None and not (isinstance(globs, list) and globs and all(isinstance(g, str) and g for g in globs)):
+        globbed = isinstance(globs, list) and globs and all(isinstance(g, str) and g for g in globs)
+        if self.blocks is not None and not globbed:
             raise _Invalid("blocks", self.blocks, "a glob over module names or a non-empty list of them")
 
 

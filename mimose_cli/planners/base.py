@@ -108,8 +108,12 @@ class Planner:
         auto = safety_margin in (None, "auto")
         self._safety_margin = None if auto else parse_size(safety_margin, allow_zero=True)
         check_supported(model)
-        pairs = isinstance(blocks, list) and all(isinstance(b, tuple) for b in blocks)  # (name, module)
-        self.blocks = blocks if pairs and blocks else discover_blocks(model, blocks)
+        if isinstance(blocks, list) and not (blocks and (all(isinstance(b, tuple) for b in blocks)
+                                                         or all(isinstance(b, str) for b in blocks))):
+            raise ValueError(f"blocks={blocks!r}: expected a glob, a non-empty list of globs, or of "
+                             "(name, module) pairs")
+        pairs = isinstance(blocks, list) and isinstance(blocks[0], tuple)  # (name, module), as discovered
+        self.blocks = blocks if pairs else discover_blocks(model, blocks)
         self.num_blocks = len(self.blocks)
         self.closed = False
         claim(model, self)

@@ -40,39 +40,42 @@ def _outermost(named: list) -> list:
 def _units_like(model: nn.Module, unit: type) -> list:
     """Every child of class ``unit`` of the model's ``ModuleList``s and ``Sequential``s, in forward
     (registration) order, outermost (a list of one such child counts too)."""
-    found = []
+    found, seen = [], set()
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             prefix = f"{name}." if name else ""
-            found += [(f"{prefix}{i}", child) for i, child in enumerate(module) if type(child) is unit]
+            for i, child in enumerate(module):
+                if type(child) is unit and id(child) not in seen:  # a module in two lists: one block
+                    seen.add(id(child))
+                    found.append((f"{prefix}{i}", child))
     return _outermost(found)
 
 
 def _repeated_unit(model: nn.Module) -> list:
     """The layers of the model's most repeated unit. Candidates are the classes the model's
-    homogeneous ``ModuleList``/``Sequential``s hold (two or more children of one class); a class
-    of which every instance of another candidate holds the same number is a part of that unit, not
-    a unit (the q/k/v projections or the experts of a stack's layers, the convolutions of a
-    residual block); of the rest, the one with the most layers in all of its lists wins, a tie
-    going to the inner class. So a ResNet's or a ConvNeXt's stages, whose depths differ, give way
-    to the layers inside them, every stage's."""
-    held: dict = {}  # class -> its children in homogeneous lists, in forward order
-    for name, module in model.named_modules():
+    homogeneous ``ModuleList``/``Sequential``s hold (two or more children of one class). A class is
+    a part of another candidate's unit, not a unit, when every instance of that other holds the
+    same number of it, or some hold none (the q/k/v projections of a stack's layers, the experts of
+    its every layer or every other one, the convolutions of a residual block); of the rest, the one
+    with the most layers in all of its lists wins, a tie going to the inner class. So a ResNet's or
+    a ConvNeXt's stages, whose depths differ, give way to the layers inside them, every stage's;
+    stages of equal depth stay the blocks (name the layers with ``model.blocks`` to go finer)."""
+    kinds = []  # the classes homogeneous lists hold, in the order met
+    for _, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
-            kinds = {type(child) for child in module}
-            if len(kinds) == 1:
-                prefix = f"{name}." if name else ""
-                held.setdefault(kinds.pop(), []).extend((f"{prefix}{i}", child) for i, child in enumerate(module))
-    units = {kind: _units_like(model, kind) for kind in held}
+            held = {type(child) for child in module}
+            if len(held) == 1 and next(iter(held)) not in kinds:
+                kinds.append(next(iter(held)))
+    units = {kind: _units_like(model, kind) for kind in kinds}
 
     def within(kind, outer) -> list:  # how many of ``kind`` each ``outer`` holds
         return [sum(name.startswith(o + ".") for name, _ in units[kind]) for o, _ in units[outer]]
 
     def part_of(kind, outer) -> bool:
         counts = within(kind, outer)
-        return outer is not kind and counts[0] > 0 and len(set(counts)) == 1
+        return outer is not kind and any(counts) and (len(set(counts)) == 1 or 0 in counts)
 
-    kinds = [k for k in held if not any(part_of(k, outer) for outer in held)]
+    kinds = [k for k in kinds if not any(part_of(k, outer) for outer in units)]
     if not kinds:
         return []
     most = max(len(units[k]) for k in kinds)
@@ -84,9 +87,9 @@ def _repeated_unit(model: nn.Module) -> list:
 def discover_blocks(model: nn.Module, pattern: str | list | None = None) -> list:
     """Return ``[(name, module), ...]`` in forward order.
 
-    A glob ``pattern`` over module names (or a list of globs: modules any of them matches) wins; else Hugging Face ``GradientCheckpointingLayer``s;
-    else the layers of the model's most repeated unit (``_repeated_unit``: a stack's layers, every
-    stage's layers of a CNN).
+    A glob ``pattern`` over module names (or a list of globs: modules any of them matches) wins;
+    else Hugging Face ``GradientCheckpointingLayer``s; else the layers of the model's most repeated
+    unit (``_repeated_unit``: a stack's layers, every stage's layers of a CNN).
     """
     if pattern:
         globs = [pattern] if isinstance(pattern, str) else list(pattern)
@@ -112,21 +115,19 @@ def discover_blocks(model: nn.Module, pattern: str | list | None = None) -> list
 
 
 def twin_blocks(blocks: list) -> dict:
-    """``{block index: index of the first block like it}`` for every block that has an earlier
-    one of the same class with the same parameters and buffers (names, shapes, dtypes, whether
-    they need gradients): the layers of a homogeneous stack. Alike in these, blocks usually run
-    the same ops on the same bytes; whoever relies on it checks it (``planners.scaling``)."""
-    first: dict = {}
-    twins = {}
+    """``{block index: index of an earlier block like it}``: blocks of the same class with the same
+    parameters and buffers (names, shapes, dtypes, whether they need gradients), the layers of a
+    homogeneous stack. Each group's second block stands for the later ones; the first is left on
+    its own, since the first layer of a stack often runs otherwise (its input may need no
+    gradient: frozen embeddings, a LoRA model). Alike in these, blocks usually run the same ops on
+    the same bytes; whoever relies on it checks it (``planners.scaling``)."""
+    groups: dict = {}
     for index, (_, module) in enumerate(blocks):
         signature = (type(module),
                      tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()),
                      tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()))
-        if signature in first:
-            twins[index] = first[signature]
-        else:
-            first[signature] = index
-    return twins
+        groups.setdefault(signature, []).append(index)
+    return {index: group[1] for group in groups.values() for index in group[2:]}
 
 
 _CHECKPOINT_HOOKS = ("_checkpoint_hook", "_recomputation_hook")

@@ -35,7 +35,7 @@ from mimose_cli.planners.blocks import (
     run_checkpointed,
 )
 from mimose_cli.planners.features import BLOCK_QUANTITIES, STEP_QUANTITIES
-from mimose_cli.torch_private import tree_map
+from mimose_cli.torch_private import autocast_enabled, tree_map
 
 
 def drop_reason(name: str, checkpointed: set, parents: list, children: list, *,
@@ -175,7 +175,10 @@ class ShuttlingCollector(BlockRunner):
             self._hook_backward(index, args, out)
             return out
         twin = self.twins.get(index)
-        if twin is not None and twin not in self.dropped and not np.isnan(self.saved[twin]):
+        # Under autocast a twin's checkpointed run casts its weights, its twin's did not (its
+        # measuring run had): the two cannot be compared op for op, so the twin is measured.
+        if (twin is not None and twin not in self.dropped and not np.isnan(self.saved[twin])
+                and not autocast_enabled()):
             self.mark(("enter", index))
             out = run_checkpointed(forward, args, kwargs, self.clock)
             self.mark(("ckpt", index))

@@ -86,10 +86,12 @@ class MimoseCounters:
     probe_ms: float = 0.0
     """The two probe steps before the first step and scaling them (``estimate="probes"``)."""
     probe_steps: int = 0
-    """Probe steps run: 2, or 3 when the first one did what only a first step does (4 or 5 when
-    blocks alike in parameters did not run alike: the probes again, every block measured)."""
+    """Probe steps run: 2, or 3 when the first one did what only a first step does; 2 or 3 more
+    when blocks alike in parameters did not run alike (the probes again, every block measured)."""
     probe_twins: int = 0
     """Blocks the probes ran without a measuring run, taken as an earlier block like them."""
+    probe_twins_refused: str = ""
+    """Why blocks alike in parameters were all measured after all (they ran otherwise), or empty."""
     probe_in_step_ms: float = 0.0
     """The part of ``probe_ms`` spent inside the first step's planning (no ``prepare``)."""
     probe_samples: int = 0
@@ -244,8 +246,10 @@ class Mimose(Planner):
                 # a lazily built cache) differs from the second probe: the first size once more.
                 raws[0] = self._probe_step(make_batch, sizes[0], step_fn, twins)
                 self.counts.probe_steps += 1
-            if not twins or not any(map(twin_difference, raws)):
+            refused = next(filter(None, map(twin_difference, raws)), None) if twins else None
+            if refused is None:
                 break
+            self.counts.probe_twins_refused = refused
         self.counts.probe_twins = len(raws[0].twins)
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set)
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]

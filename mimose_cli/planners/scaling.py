@@ -220,7 +220,8 @@ def structure_difference(a: RawStep, b: RawStep) -> str | None:
         return "the blocks ran in another order at the other input size"
     if not (np.array_equal(a.born, b.born) and np.array_equal(a.died, b.died)):
         return "tensors lived at other ops at the other input size"
-    if not (np.array_equal(a.trace.recompute, b.trace.recompute) and np.array_equal(a.trace.autocast, b.trace.autocast)):
+    if not (np.array_equal(a.trace.recompute, b.trace.recompute)
+            and np.array_equal(a.trace.autocast, b.trace.autocast)):
         return "the op sequence changed with the input size (recomputes or autocast)"
     if a.dropped != b.dropped:
         return "the data filter dropped other blocks at the other input size"
@@ -234,9 +235,10 @@ def twin_difference(raw: RawStep) -> str | None:
     Its forward must run as its twin's: the recompute of it in backward the same ops at the same
     bytes above the backward's start (what it saves, and what a tensor allocated before then
     holds), and its checkpointed run the same bytes above its entry (what it allocates after the
-    last tensor it saves) unless autocast made the twin's run shorter (the twin's measuring run
-    left its weights cast). What it holds checkpointed and its backward's other ops are
-    measured, not taken from the twin (they differ at the ends of a stack)."""
+    last tensor it saves, where torch's recompute stops early). Under autocast no block is run so
+    (``ShuttlingCollector.run``): a twin's checkpointed run would cast its weights, its twin's not.
+    What it holds checkpointed and its backward's other ops are measured, not taken from the twin
+    (they differ at the ends of a stack)."""
     at = {label: (index, live) for label, index, live in raw.marks}
 
     def recompute(i):
@@ -254,7 +256,7 @@ def twin_difference(raw: RawStep) -> str | None:
         if mine is None or theirs is None or not np.array_equal(mine, theirs):
             return f"block {i}'s forward, recomputed, runs other ops than block {twin}'s, which has the same parameters"
         mine, theirs = checkpointed(i), checkpointed(twin)
-        if mine is not None and theirs is not None and len(mine) == len(theirs) and not np.array_equal(mine, theirs):
+        if (mine is None) != (theirs is None) or (mine is not None and not np.array_equal(mine, theirs)):
             return f"block {i}'s forward holds other bytes than block {twin}'s, which has the same parameters"
     return None
 

@@ -42,7 +42,7 @@ def warn_if_eager(model, meter) -> None:
     if meter is not None and getattr(meter, "kind", "") == "simulated" and is_compiled(model):
         warnings.warn("the model is torch.compile'd, but on the simulated device it runs eagerly (the "
                       "device's dispatch mode turns Dynamo off): times are eager ones; compiled speed "
-                      "needs a GPU run", UserWarning, stacklevel=3)
+                      "needs a GPU run", UserWarning, stacklevel=4)
 
 
 def release(model, planner) -> None:

@@ -218,3 +218,27 @@ def test_a_resnet_step_computes_what_a_plain_step_does(name):
     plain, planned = assert_same_step(name, tiny_resnet, images, exact=False)
     for (key, a), b in zip(plain.named_buffers(), planned.buffers()):
         assert torch.equal(a, b), key
+
+
+class _Layer(nn.Module):
+    """A stack's layer holding lists of its own: projections always, experts in some layers."""
+
+    def __init__(self, experts: int):
+        super().__init__()
+        self.qkv = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)) for _ in range(experts))
+
+
+class _Stack(nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.h = nn.ModuleList(_Layer(n) for n in experts)
+        self.alias = nn.ModuleList(self.h[:2])  # the same layers held twice
+
+
+@pytest.mark.parametrize("experts", [[0, 0, 0, 0], [0, 8, 0, 8], [4, 4, 4, 4], [0, 2, 0, 2, 0, 2]])
+def test_what_every_layer_or_only_some_hold_is_part_of_the_layer_not_a_block(experts):
+    """The layers are the blocks, each once, however many projections or experts (in every layer
+    or every other one) outnumber them."""
+    blocks = mimose_cli.planners.blocks.discover_blocks(_Stack(experts))
+    assert [n for n, _ in blocks] == [f"h.{i}" for i in range(len(experts))]

@@ -86,20 +86,22 @@ def assert_estimate_is_measured(planner, make_batch, sizes):
 def test_a_scaled_sample_is_the_sample_the_collector_measures_at_that_size():
     """What the probes' samples say at a size is what measuring a step there says, every block
     and step quantity the timeline is built from, to float rounding; the probes measured only
-    the first layer plainly, the others (alike in parameters) are taken from it."""
+    the first two layers plainly, the others (alike in parameters) are taken from the second."""
     with metered_mimose() as (planner, meter):
         planner.prepare(lambda size: padded(bert_batch(*size)), (4, 64))
-        assert planner.stats["probe_twins"] == len(planner.blocks) - 1 >= 2
+        assert planner.stats["probe_twins"] == len(planner.blocks) - 2 >= 1  # the first two measured
         assert planner.stats["probe_steps"] == 2
         assert_estimate_is_measured(planner, lambda size: padded(bert_batch(*size)), HELD_OUT)
 
 
 def test_blocks_alike_are_the_same_class_with_the_same_parameters_and_buffers():
+    """Each group's second block stands for the later ones; the first (a stack's first layer may
+    run otherwise) and a group of two are measured."""
     frozen = torch.nn.Linear(8, 8).requires_grad_(False)
     blocks = [(str(n), m) for n, m in enumerate([torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(8, 8),
                                                   frozen, torch.nn.BatchNorm1d(8), torch.nn.BatchNorm1d(8),
-                                                  torch.nn.Linear(8, 8)])]
-    assert twin_blocks(blocks) == {2: 0, 5: 4, 6: 0}
+                                                  torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])]
+    assert twin_blocks(blocks) == {6: 2, 7: 2}
 
 
 class _TwoStacks(torch.nn.Module):
@@ -109,7 +111,8 @@ class _TwoStacks(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(16, 8)
-        self.first = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)])
+        self.first = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+                                          for _ in range(3)])
         self.middle = torch.nn.Linear(8, 16)
         self.second = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
                                            for _ in range(3)])
@@ -124,12 +127,26 @@ class _TwoStacks(torch.nn.Module):
         return x.sum()
 
 
-def test_layers_of_two_stacks_are_taken_from_the_first_layer_of_their_own_stack():
+def test_layers_of_two_stacks_are_taken_from_a_layer_of_their_own_stack():
     model = _TwoStacks()
     with metered_mimose(model, blocks="[fs]*.[0-9]") as (planner, meter):
         make = lambda size: {"input_ids": torch.randint(0, 16, size)}  # noqa: E731
         planner.prepare(make, (4, 64))
-        assert planner.stats["probe_twins"] == 4 and planner.stats["probe_steps"] == 2
+        assert planner.stats["probe_twins"] == 2 and planner.stats["probe_steps"] == 2
+        assert_estimate_is_measured(planner, make, HELD_OUT)
+
+
+def test_a_first_layer_whose_input_needs_no_gradient_leaves_the_others_alike():
+    """Frozen embeddings (or a LoRA model): the first layer's backward differs from the others',
+    which are still taken from the second layer, and the estimate stays exact."""
+    model = _Stack()
+    model.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(4)])
+    model.embed.requires_grad_(False)
+    with metered_mimose(model) as (planner, meter):
+        make = lambda size: {"input_ids": torch.randint(0, 16, size)}  # noqa: E731
+        planner.prepare(make, (4, 64))
+        stats = planner.stats
+        assert stats["probe_twins"] == 2 and stats["probe_steps"] == 2 and not stats["probe_twins_refused"]
         assert_estimate_is_measured(planner, make, HELD_OUT)
 
 
@@ -159,6 +176,7 @@ def test_blocks_alike_that_run_differently_are_each_measured():
         stats = planner.stats
         assert stats["estimate_source"] == "probes"
         assert stats["probe_steps"] == 4 and stats["probe_twins"] == 0
+        assert "runs other ops" in stats["probe_twins_refused"]
         assert_estimate_is_measured(planner, make, HELD_OUT)
 
 

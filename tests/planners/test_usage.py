@@ -87,3 +87,10 @@ def test_a_compiled_model_on_the_simulated_device_is_said_to_run_eagerly():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an uncompiled model is not warned about
         mimose_cli.Mimose(model, "1GB").close()
+
+
+def test_blocks_given_as_an_empty_or_mixed_list_are_refused_in_one_line():
+    model = tiny_bert()
+    for blocks in ([], ["bert.encoder.layer.0", ("x", model)]):
+        with pytest.raises(ValueError, match="expected a glob, a non-empty list of globs, or of"):
+            mimose_cli.Mimose(model, "1GB", blocks=blocks)

@@ -263,7 +263,8 @@ def build_hf(recipe, config, validation: bool = False) -> list:
     raw = load_raw(recipe.data, validation)
     names = text_label_names(load_raw(recipe.data, False), recipe.task, recipe.data) if validation else None
     tokenizer = load_tokenizer(recipe, config)
-    special = tokenizer.num_special_tokens_to_add(pair=recipe.task in ("multiple_choice", "question_answering"))
+    pair = recipe.task in ("multiple_choice", "question_answering") or len(recipe.data.text_fields or ()) == 2
+    special = tokenizer.num_special_tokens_to_add(pair=pair)
     if recipe.data.max_length <= special:
         raise ValueError(f"data.max_length={recipe.data.max_length} leaves no room for text: the tokenizer adds "
                          f"{special} special tokens to each example; raise it to at least {special + 1}")
