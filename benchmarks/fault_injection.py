@@ -59,7 +59,6 @@ from mimose_cli.runs.rundir import load_run  # noqa: E402
 
 from _results import write_results  # noqa: E402
 
-SIGNALS = {**SIGNALS, "SIGHUP": signal.SIGHUP}
 EXPECTED = {"SIGTERM": 143, "SIGINT": 130, "SIGHUP": 129, "SIGKILL": -9}
 LAST_STEP = 15
 

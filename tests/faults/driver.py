@@ -128,4 +128,4 @@ def full_disk(where: str, after: int):
         yield
 
 
-SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT, "SIGKILL": signal.SIGKILL}
+SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT, "SIGHUP": signal.SIGHUP, "SIGKILL": signal.SIGKILL}
