@@ -2,11 +2,12 @@
 
 Signal trials: the tiny recipe of tests/faults (quickstart cut to 16 steps of a tiny BERT, a
 checkpoint every 3 steps) runs as ``python -m mimose_cli train`` in a subprocess; up to --faults
-signals, each drawn from SIGTERM, SIGINT, SIGHUP (a closed terminal) and SIGKILL, are sent at random steps (each beyond the
-last step recorded, the first from step 3 on, once a checkpoint exists), the run being resumed
-with ``--resume`` after each, and finally resumed to its end. Full-disk trials run in this
-process: metrics.jsonl (at a random line) or a checkpoint (a random one but the first) fails with
-ENOSPC part-way through its write, then the run is resumed to its end. Final-save trials: a
+signals, each drawn from SIGTERM, SIGINT, SIGHUP (a closed terminal) and SIGKILL, are sent at
+random steps (each beyond the last step recorded, the first from step 3 on, once a checkpoint
+exists), the run being resumed with ``--resume`` after each, and finally resumed to its end.
+Full-disk trials run in this process: metrics.jsonl (at a random line) or a checkpoint (a random
+one but the first) fails with ENOSPC part-way through its write, then the run is resumed to its
+end. Final-save trials: a
 SIGKILL while the finished run writes its model (once its temporary model directory exists),
 then ``--resume`` must finish that save without training again. Concurrent-resume trials: a run
 stopped by SIGTERM is resumed by two ``--resume`` processes started together; one must train it to

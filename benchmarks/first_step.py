@@ -116,8 +116,8 @@ def main():
     torch.set_num_threads(1)
     np.seterr(all="ignore")
     rows = []
-    print(f"{'model':11} {'source':8} {'probes/plain':>12} {'steps':>5} {'alike':>7} {'cases':>5} {'untrusted':>9} {'max over %':>10} "
-          f"{'max under %':>11} {'vs sample %':>11}  fallback")
+    print(f"{'model':11} {'source':8} {'probes/plain':>12} {'steps':>5} {'alike':>7} {'cases':>5} {'untrusted':>9} "
+          f"{'max over %':>10} {'max under %':>11} {'vs sample %':>11}  fallback")
     for name in args.models.split(","):
         row = measure(name)
         rows.append(row)
