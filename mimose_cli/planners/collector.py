@@ -169,23 +169,23 @@ class ShuttlingCollector(BlockRunner):
             self.dropped[index] = reason
             if inside_checkpoint():
                 return forward(*args, **kwargs)  # the enclosing checkpoint decides what is kept
-            self.mark(("enter", index))  # unmeasured, but its neighbours stay attributable
-            out = run_checkpointed(forward, args, kwargs, self.clock)
-            self.mark(("ckpt", index))
-            self._hook_backward(index, args, out)
-            return out
+            return self._checkpointed_only(index, forward, args, kwargs)  # its neighbours stay attributable
         twin = self.twins.get(index)
         # Under autocast a twin's checkpointed run casts its weights, its twin's did not (its
         # measuring run had): the two cannot be compared op for op, so the twin is measured.
         if (twin is not None and twin not in self.dropped and not np.isnan(self.saved[twin])
                 and not autocast_enabled()):
-            self.mark(("enter", index))
-            out = run_checkpointed(forward, args, kwargs, self.clock)
-            self.mark(("ckpt", index))
             self.twin_of[index] = twin
-            self._hook_backward(index, args, out)
-            return out
+            return self._checkpointed_only(index, forward, args, kwargs)
         return self._shuttle(index, forward, args, kwargs)
+
+    def _checkpointed_only(self, index, forward, args, kwargs):
+        """The block run checkpointed, without a measuring run, between its marks."""
+        self.mark(("enter", index))
+        out = run_checkpointed(forward, args, kwargs, self.clock)
+        self.mark(("ckpt", index))
+        self._hook_backward(index, args, out)
+        return out
 
     def _shuttle(self, index, forward, args, kwargs):
         start = time.perf_counter()
