@@ -42,11 +42,22 @@ def autocast_enabled() -> bool:
     sees). Public replacement: ``torch.is_autocast_enabled(device_type)`` for each device type."""
     return torch._C._is_any_autocast_enabled()
 
+
+def autocast_open() -> bool:
+    """Whether an autocast context is open, so that its cache of cast weights is not cleared yet.
+    Unlike ``autocast_enabled`` it also holds inside a dispatch mode for the ops autocast itself
+    casts for (it redispatches them with autocast excluded, so they read as not under autocast).
+    Reads the nesting depth that ``torch.autocast`` keeps (it clears the cache on leaving the
+    outermost context); there is no getter, so it is bumped and put back. Public replacement: none."""
+    depth = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return depth > 1
+
 # Flattening nested batches and block arguments. Public replacement: ``torch.utils.pytree``
 # (announced, not in 2.13), or the ``optree`` package.
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["TorchDispatchMode", "UncompiledDispatchMode", "autocast_enabled", "is_compiled", "tree_leaves",
+__all__ = ["TorchDispatchMode", "UncompiledDispatchMode", "autocast_enabled", "autocast_open", "is_compiled", "tree_leaves",
            "tree_map", "get_untyped_storages",
            "top_saved_tensors_hook_name", "tensor_version", "dispatch_modes", "without_dispatch_modes"]
 

@@ -39,3 +39,29 @@ def test_tensor_version_counts_in_place_changes():
     before = tensor_version(x)
     x.add_(1)
     assert tensor_version(x) == before + 1
+
+
+def test_autocast_open_holds_for_the_ops_autocast_casts_for():
+    """Inside a dispatch mode, ``autocast_enabled`` reads False for an op autocast redispatches
+    (a linear it casts to bf16), so the probe's per-op flag uses ``autocast_open``: True for
+    every op while a context is open (its cache of casts not cleared), False after it."""
+    from mimose_cli.memory.probe import LiveProbe
+    from mimose_cli.torch_private import autocast_enabled, autocast_open
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    enabled = []
+
+    class Seen(LiveProbe):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            enabled.append(autocast_enabled())
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    probe = Seen()
+    with probe:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.nn.functional.linear(x, w)
+        (y.float() * 2).sum()
+    inside = len(probe.autocast) - 3  # the last three ops ran after the context closed
+    assert not all(enabled[:inside])  # why autocast_enabled() cannot be the flag
+    assert probe.autocast[:inside] == [True] * inside and probe.autocast[inside:] == [False] * 3
+    assert not autocast_open()

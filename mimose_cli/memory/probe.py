@@ -5,7 +5,7 @@ import contextlib
 import torch
 
 from mimose_cli.memory.ledger import StorageLedger
-from mimose_cli.torch_private import UncompiledDispatchMode, autocast_enabled, tree_leaves
+from mimose_cli.torch_private import UncompiledDispatchMode, autocast_open, tree_leaves
 
 
 class _LifetimeLedger(StorageLedger):
@@ -50,9 +50,10 @@ class _LifetimeLedger(StorageLedger):
 
 class LiveProbe(UncompiledDispatchMode):
     """Live storage bytes after every op (``trace``), and for each op whether ``flag()`` held
-    (``flags``: the collector asks whether a checkpoint was recomputing) and whether autocast was
-    on (``autocast``). Storages passed to ``ignore`` (weights, existing gradients) or first seen
-    ``uncounted()`` are never counted. It counts as the simulated device does (one
+    (``flags``: the collector asks whether a checkpoint was recomputing) and whether an autocast
+    context was open, its cast weights still cached (``autocast``, ``torch_private.autocast_open``).
+    Storages passed to ``ignore`` (weights, existing gradients) or first seen ``uncounted()`` are
+    never counted. It counts as the simulated device does (one
     ``StorageLedger``), but from zero and on any device: a CUDA step is probed the same way.
 
     With ``lifetimes`` it also writes down every counted storage's bytes and when it lived, in
@@ -118,5 +119,5 @@ class LiveProbe(UncompiledDispatchMode):
         self.op_points.append(self.points)
         self.points += 1
         self.flags.append(self._flag())
-        self.autocast.append(autocast_enabled())
+        self.autocast.append(autocast_open())
         return out

@@ -75,8 +75,8 @@ def probe_step(planner, batch, step_fn=None):
             meter.reset_peak()
 
 
-def probe_with_plan(planner, batch, plan):
-    """``probe_step`` with ``plan`` checkpointed through the planner's own router (its runner and
+def probe_with_plan(planner, batch, plan, step_fn=None):
+    """``probe_step`` (with ``step_fn``) with ``plan`` checkpointed through the planner's own router (its runner and
     measurer set aside meanwhile); the plan in force, runner and measurer are put back after.
     Returns what ``probe_step`` returns."""
     saved = planner.runner, planner.measurer, planner.plan
@@ -84,7 +84,7 @@ def probe_with_plan(planner, batch, plan):
     planner.set_plan(plan)
     try:
         with planner.applying():
-            return probe_step(planner, batch)
+            return probe_step(planner, batch, step_fn)
     finally:
         planner.runner, planner.measurer = saved[:2]
         planner.set_plan(saved[2])

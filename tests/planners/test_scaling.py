@@ -318,6 +318,27 @@ def _bf16_step(model):
     return step_fn
 
 
+def test_under_bf16_a_checkpointed_blocks_backward_is_not_under_counted():
+    """Every block checkpointed, bf16, two long rows: predicted from above. The probes' checkpointed run once took the casts its measuring run had left in
+    autocast's cache, whose backward nodes autograd ran after the block's own, so the weights'
+    gradients came late and the prediction was up to 0.47 % low (``collector._fresh_casts``)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=256)
+    with metered_mimose(BertForSequenceClassification(config).train()) as (planner, meter):
+        step_fn = _bf16_step(planner.model)
+        planner.prepare(lambda size: padded(bert_batch(*size)), (4, 256), step_fn=step_fn)
+        every = tuple(range(planner.num_blocks))
+        errors = []
+        for size in ((2, 256), (2, 200), (4, 200), (2, 64)):
+            batch = padded(bert_batch(*size))
+            predicted = planner.predict_peak(size, every)
+            errors.append(predicted / probe_with_plan(planner, batch, every, step_fn) - 1)
+    assert 0 <= min(errors) and max(errors) <= 0.01, errors
+
+
 @pytest.mark.parametrize("probe_as_training", [True, False])
 def test_the_probes_run_the_batch_as_training_does(probe_as_training):
     """Given training's step function (here bf16 autocast), the probes measure what a training
@@ -338,7 +359,7 @@ def test_the_probes_run_the_batch_as_training_does(probe_as_training):
             assert info.phase == "responsive"
             errors.append(info.predicted_peak_bytes / mem.peak_bytes - 1)
     if probe_as_training:
-        assert 0 <= min(errors) and max(errors) <= 0.10, errors  # bf16: over by the casts' upper bound
+        assert 0 <= min(errors) and max(errors) <= 0.025, errors  # bf16 (was up to 10 % over: test_trust)
     else:
         assert min(errors) > 0.10, errors  # fp32 activations: far over a bf16 step
 

@@ -71,9 +71,11 @@ def test_bf16_autocast_predicts_the_peak_from_above():
         # voided every sample and the peak was predicted 57 % low.
         assert planner.estimator.trust.unmeasured == ()
     errors = responsive_errors(seen)
-    # Never under; over by up to 15 % at the shortest length, where this tiny model's cast
-    # weights (kept for blocks run plainly) are large next to its activations.
-    assert len(errors) == 3 and all(0 <= e <= 0.16 for e in errors), errors
+    # Never under, and within 2.5 %: the head's backward is told from its forward by whether
+    # training's autocast is still open (its cast weights cached), not by autocast_enabled(),
+    # which reads False for every op autocast casts for: its backward then took in the head's
+    # forward, and the casts kept for blocks run plainly were added on top (over by up to 15 %).
+    assert len(errors) == 3 and all(0 <= e <= 0.025 for e in errors), errors
 
 
 def test_two_lengths_do_not_determine_a_third_so_it_is_measured_not_guessed():
