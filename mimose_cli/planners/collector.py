@@ -19,6 +19,7 @@ the transient peaks, on any device.
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,6 +126,47 @@ def _fresh_casts(forward):
     return run
 
 
+class InputReleases(BlockRunner):
+    """The runner of a plain probe step: notes, for each block, whether its input (the hidden
+    state it is called with) was freed by the time the next block was entered (``end`` returns
+    one bool per block). A block run plainly under autocast saves the casts of its input, not
+    the input; once the model's loop moves on, nothing holds it, where a checkpoint would keep
+    it until the block's backward. An input the model keeps (its embeddings' output held in a
+    local until the blocks return, hidden states it returns) is not freed and not counted as let
+    go; nor is the last block's (the head's forward may still hold it)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.freed = np.zeros(num_blocks, dtype=bool)
+
+    def begin(self, info=None) -> None:
+        self.active = True
+        self.freed = np.ones(self.num_blocks, dtype=bool)
+        self.seen = np.zeros(self.num_blocks, dtype=bool)
+        self.last = None  # (block, a weak reference to its input's storage)
+
+    def run(self, index: int, forward, args, kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        self._settle()
+        first = _first_grad_tensor(args)
+        self.seen[index] = True
+        self.last = (index, None if first is None else weakref.ref(first.untyped_storage()))
+        del first
+        return forward(*args, **kwargs)
+
+    def _settle(self, final: bool = False) -> None:
+        if self.last is not None:
+            index, ref = self.last
+            self.freed[index] &= not final and ref is not None and ref() is None
+            self.last = None
+
+    def end(self, info=None):
+        self._settle(final=True)
+        self.active = False
+        return self.freed & self.seen
+
+
 class ShuttlingCollector(BlockRunner):
     """The runner of a measured step: runs each block twice and turns the step's timeline into a
     sample (``end``)."""
@@ -166,6 +208,7 @@ class ShuttlingCollector(BlockRunner):
         self.fwd_ms = np.full(len(self.blocks), np.nan)
         self.saved = np.full(len(self.blocks), np.nan)
         self.resident = np.full(len(self.blocks), np.nan)
+        self.input_bytes = np.full(len(self.blocks), np.nan)
         self.active = True
 
     def mark(self, label) -> None:
@@ -185,6 +228,8 @@ class ShuttlingCollector(BlockRunner):
         self.calls[index] += 1
         if index not in self.order:
             self.order.append(index)
+        first = _first_grad_tensor(args)
+        self.input_bytes[index] = 0 if first is None else first.untyped_storage().nbytes()
         if reason is not None:
             self.dropped[index] = reason
             if inside_checkpoint():
@@ -290,7 +335,8 @@ class ShuttlingCollector(BlockRunner):
             return None
         trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.flags, dtype=bool),
                       np.array(probe.autocast, dtype=bool))
-        per_block = {"saved_bytes": self.saved, "fwd_ms": self.fwd_ms, "resident_bytes": self.resident}
+        per_block = {"saved_bytes": self.saved, "fwd_ms": self.fwd_ms, "resident_bytes": self.resident,
+                     "input_bytes": self.input_bytes}
         if probe.lifetimes:  # the step began with lifetimes on (they may be off again by now)
             ledger = probe.ledger
             died = [probe.points if d is None else d for d in ledger.died]
@@ -400,6 +446,7 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
         following = order[position + 1] if position + 1 < num_blocks else None
         if i in twins and i not in dropped:
             _twin_forward(blocks, i, twins[i], at, entry[i], after[i], trace)
+            blocks["input_bytes"][i] = np.array([per_block["input_bytes"][i]])
         elif i not in dropped:
             _block_forward(blocks, i, at, entry[i], after[i], trace, per_block)
         if following is not None and blocks["ckpt_bytes"][i] is not None and ("enter", following) in at:

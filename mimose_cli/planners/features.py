@@ -11,7 +11,8 @@ import numpy as np
 FEATURES = ("BL2", "BL", "1", "B", "L2", "L")
 TIME_FEATURES = ("BL2", "BL", "1")
 BLOCK_QUANTITIES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "resident_bytes", "gap_peak_bytes",
-                    "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes", "fwd_ms")
+                    "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes", "input_bytes",
+                    "fwd_ms")
 """Per block, all in bytes above the live bytes at the block's entry, except ``fwd_ms``:
 ``saved_bytes`` what autograd saves (the paper's layer memory); ``plain_bytes`` and
 ``ckpt_bytes`` the live bytes the block adds until its backward, run plainly or checkpointed;
@@ -19,7 +20,8 @@ BLOCK_QUANTITIES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "resident_bytes"
 cached casts of its weights), which a block run plainly may keep until its backward;
 ``gap_peak_bytes`` the peak between the previous block and this one; ``*fwd_peak_bytes`` the
 peak during its forward; ``bwd_peak_bytes`` the peak during its backward's own ops and
-``recompute_peak_bytes`` during its recompute."""
+``recompute_peak_bytes`` during its recompute; ``input_bytes`` the storage bytes of its input
+(the hidden state it is called with), which a block run plainly may let go of (``Estimator.releases``)."""
 STEP_QUANTITIES = ("pre_bytes", "pre_peak_bytes", "head_peak_bytes", "head_bwd_peak_bytes", "tail_peak_bytes")
 """Outside the blocks: live bytes before the first block (embeddings), the peak before it,
 the peak from the last block's output to the start of its backward (head, loss, head

@@ -34,7 +34,7 @@ import numpy as np
 
 from mimose_cli.planners.base import Decision, Planner, StepInfo
 from mimose_cli.planners.blocks import twin_blocks
-from mimose_cli.planners.collector import ShuttlingCollector
+from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.inputs import infer_input_size, resized_batch
@@ -47,7 +47,7 @@ from mimose_cli.planners.scaling import (
     twin_difference,
 )
 from mimose_cli.planners.scheduler import greedy_plan_checked
-from mimose_cli.planners.trial import probe_step, to_model_device
+from mimose_cli.planners.trial import probe_step, probe_with_runner, to_model_device
 from mimose_cli.torch_private import without_dispatch_modes
 
 
@@ -90,6 +90,9 @@ class MimoseCounters:
     when blocks alike in parameters did not run alike (the probes again, every block measured)."""
     probe_twins: int = 0
     """Blocks the probes ran without a measuring run, taken as an earlier block like them."""
+    probe_releases: int = 0
+    """Blocks a plain probe step (one more, at the smallest size) saw let go of their input when
+    run plainly (``Estimator.releases``)."""
     probe_twins_refused: str = ""
     """Why blocks alike in parameters were all measured after all (they ran otherwise), or empty."""
     probe_in_step_ms: float = 0.0
@@ -219,8 +222,11 @@ class Mimose(Planner):
         finally:
             self.measurer.collector_ms = collector_ms  # the probes' measuring runs are in probe_ms
             self.counts.probe_ms += (time.perf_counter() - start) * 1e3
+        samples, releases = samples
         for size, sample in samples:
             self.estimator.add(size, *sample)
+        self.estimator.releases = releases
+        self.counts.probe_releases = int(releases.sum())
         self.counts.probe_samples = len(samples)
         self.counts.estimate_source = "probes"
         self._fit()
@@ -252,7 +258,11 @@ class Mimose(Planner):
             self.counts.probe_twins_refused = refused
         self.counts.probe_twins = len(raws[0].twins)
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set)
-        return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
+        releases = probe_with_runner(self, self._probe_batch(make_batch, sizes[0]), InputReleases(self.num_blocks),
+                                     step_fn)
+        if releases is None:
+            raise ScalingError(f"the plain probe step at input size {sizes[0]} ran out of memory")
+        return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)], releases
 
     def _probe_sizes(self, make_batch, max_size: tuple, vary_lengths: bool) -> list:
         """The probes' two sizes at the smallest batch ``make_batch`` can make both of (two rows,
@@ -270,13 +280,10 @@ class Mimose(Planner):
         except Exception:  # noqa: BLE001 - a size that cannot be made is one not to probe at
             return False
 
-    def _probe_step(self, make_batch, size: tuple, step_fn=None, twins=None):
-        """One probe step at ``size`` (called with the device's meter set aside, ``_probe``):
-        measured by the collector with storage lifetimes, unseen by the training run
-        (``trial.probe_step``). The batch is given padding (the last row's last
-        position masked) when it has an attention mask: real batches padded to their longest row
-        take the models' masked code paths, which hold more memory. Blocks of ``twins`` skip
-        their measuring run (``ShuttlingCollector.twins``)."""
+    def _probe_batch(self, make_batch, size: tuple):
+        """A probe's batch at ``size``, given padding (the last row's last position masked) when
+        it has an attention mask: real batches padded to their longest row take the models'
+        masked code paths, which hold more memory."""
         batch = to_model_device(self.model, make_batch(size))
         made = infer_input_size(batch, self.encoder_decoder)
         if made != tuple(size):
@@ -286,6 +293,16 @@ class Mimose(Planner):
             mask = mask.clone()
             mask.view(-1, mask.shape[-1])[-1, -1] = 0
             batch = {**batch, "attention_mask": mask}
+        return batch
+
+    def _probe_step(self, make_batch, size: tuple, step_fn=None, twins=None):
+        """One probe step at ``size`` (called with the device's meter set aside, ``_probe``):
+        measured by the collector with storage lifetimes, unseen by the training run
+        (``trial.probe_step``). The batch is given padding (the last row's last
+        position masked) when it has an attention mask: real batches padded to their longest row
+        take the models' masked code paths, which hold more memory. Blocks of ``twins`` skip
+        their measuring run (``ShuttlingCollector.twins``)."""
+        batch = self._probe_batch(make_batch, size)
         try:
             self.measurer.lifetimes, self.measurer.twins = True, twins or {}
             self.measurer.begin()

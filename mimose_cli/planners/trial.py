@@ -75,10 +75,31 @@ def probe_step(planner, batch, step_fn=None):
             meter.reset_peak()
 
 
+def probe_with_runner(planner, batch, runner, step_fn=None):
+    """``probe_step`` (with ``step_fn``) with every block run by ``runner`` through the planner's
+    router, its own runner and measurer set aside meanwhile. Returns what ``runner.end`` returns,
+    or None when the step ran out of memory."""
+    saved = planner.runner, planner.measurer
+    planner.runner, planner.measurer = runner, None
+    runner.begin(None)
+    try:
+        with planner.applying():
+            peak = probe_step(planner, batch, step_fn)
+    except BaseException:
+        runner.abort()
+        raise
+    finally:
+        planner.runner, planner.measurer = saved
+    if peak is None:
+        runner.abort()
+        return None
+    return runner.end(None)
+
+
 def probe_with_plan(planner, batch, plan, step_fn=None):
-    """``probe_step`` (with ``step_fn``) with ``plan`` checkpointed through the planner's own router (its runner and
-    measurer set aside meanwhile); the plan in force, runner and measurer are put back after.
-    Returns what ``probe_step`` returns."""
+    """``probe_step`` (with ``step_fn``) with ``plan`` checkpointed through the planner's own
+    router (its runner and measurer set aside meanwhile); the plan in force, runner and measurer
+    are put back after. Returns what ``probe_step`` returns."""
     saved = planner.runner, planner.measurer, planner.plan
     planner.runner, planner.measurer = planner.plan_runner, None
     planner.set_plan(plan)
