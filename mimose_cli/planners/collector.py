@@ -35,8 +35,8 @@ from mimose_cli.planners.blocks import (
     restored_buffers,
     run_checkpointed,
 )
-from mimose_cli.planners.features import BLOCK_QUANTITIES, STEP_QUANTITIES
-from mimose_cli.torch_private import autocast_enabled, tree_map
+from mimose_cli.planners.features import BLOCK_QUANTITIES, STEP_QUANTITIES, Releases
+from mimose_cli.torch_private import autocast_enabled, tree_leaves, tree_map
 
 
 def drop_reason(name: str, checkpointed: set, parents: list, children: list, *,
@@ -106,6 +106,18 @@ def _copies(tree):
     return tree_map(copy, tree)
 
 
+def _slot_bytes(inputs, slots) -> int:
+    """The storage bytes of the tensor leaves of ``inputs`` at positions ``slots``, each storage once."""
+    if not slots:
+        return 0
+    storages = {}
+    for slot, leaf in enumerate(tree_leaves(inputs)):
+        if slot in slots and isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            storages[id(storage)] = storage.nbytes()
+    return sum(storages.values())
+
+
 def _fresh_casts(forward):
     """``forward`` for the checkpointed run that follows a measuring run under autocast: it casts
     the weights afresh rather than taking the casts the measuring run left in autocast's cache.
@@ -127,44 +139,61 @@ def _fresh_casts(forward):
 
 
 class InputReleases(BlockRunner):
-    """The runner of a plain probe step: notes, for each block, whether its input (the hidden
-    state it is called with) was freed by the time the next block was entered (``end`` returns
-    one bool per block). A block run plainly under autocast saves the casts of its input, not
-    the input; once the model's loop moves on, nothing holds it, where a checkpoint would keep
-    it until the block's backward. An input the model keeps (its embeddings' output held in a
-    local until the blocks return, hidden states it returns) is not freed and not counted as let
-    go; nor is the last block's (the head's forward may still hold it)."""
+    """The runner of a plain probe step: sees which inputs of the blocks (tensors among their
+    ``args`` and ``kwargs``, not the model's parameters or buffers) are freed between one block's
+    call and the next block's, and which blocks took each (``end`` returns the ``Releases``). Run
+    plainly under autocast, a layer saves the casts of its hidden state, not the state; an
+    attention bias is added to the scores and not saved: once the model's loop moves on, nothing
+    holds them, where a checkpoint would until its backward. What the model keeps (its
+    embeddings' output in a local until the blocks return, hidden states it returns) is not
+    freed and not counted as let go of; nor is what is freed after the last block's call (the
+    head's forward may still hold it)."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, model, num_blocks: int):
+        self.model = model
         self.num_blocks = num_blocks
-        self.freed = np.zeros(num_blocks, dtype=bool)
 
     def begin(self, info=None) -> None:
         self.active = True
-        self.freed = np.ones(self.num_blocks, dtype=bool)
-        self.seen = np.zeros(self.num_blocks, dtype=bool)
-        self.last = None  # (block, a weak reference to its input's storage)
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        self.exclude = {id(t.untyped_storage()) for t in tensors if t.layout is torch.strided and not t.is_meta}
+        self.pending: dict = {}  # id(storage) -> (weak reference, [(block, slot)])
+        self.freed: list = []  # [(block, slot)] of each input freed between two block calls
 
     def run(self, index: int, forward, args, kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         self._settle()
-        first = _first_grad_tensor(args)
-        self.seen[index] = True
-        self.last = (index, None if first is None else weakref.ref(first.untyped_storage()))
-        del first
+        self._note(index, args, kwargs)
         return forward(*args, **kwargs)
 
-    def _settle(self, final: bool = False) -> None:
-        if self.last is not None:
-            index, ref = self.last
-            self.freed[index] &= not final and ref is not None and ref() is None
-            self.last = None
+    def _note(self, index: int, args, kwargs) -> None:
+        for slot, leaf in enumerate(tree_leaves((args, kwargs))):
+            if not isinstance(leaf, torch.Tensor) or leaf.layout is not torch.strided or leaf.is_meta:
+                continue
+            storage = leaf.untyped_storage()
+            if id(storage) in self.exclude:
+                continue
+            ref, uses = self.pending.get(id(storage), (None, None))
+            if ref is None or ref() is None:
+                ref, uses = self.pending[id(storage)] = (weakref.ref(storage), [])
+            uses.append((index, slot))
 
-    def end(self, info=None):
-        self._settle(final=True)
-        self.active = False
-        return self.freed & self.seen
+    def _settle(self) -> None:
+        for key, (ref, uses) in list(self.pending.items()):
+            if ref() is None:
+                del self.pending[key]
+                self.freed.append(uses)
+
+    def end(self, info=None) -> Releases:
+        self.active = False  # what is freed after the last block's call is not counted
+        releases = Releases.none(self.num_blocks)
+        for uses in self.freed:
+            last = uses[-1][0]
+            releases.consumers[last, [block for block, _ in uses]] = True
+            releases.slots.setdefault(last, set()).update(slot for block, slot in uses if block == last)
+        self.pending, self.freed = {}, []
+        return releases
 
 
 class ShuttlingCollector(BlockRunner):
@@ -186,6 +215,8 @@ class ShuttlingCollector(BlockRunner):
         self.active = False
         self.lifetimes = False
         """Whether the probe writes down storage lifetimes (``end`` then returns a ``RawStep``)."""
+        self.releases = Releases.none(len(blocks))
+        """The inputs a plain run lets go of (``InputReleases``): their bytes are measured."""
         self.twins: dict = {}
         """``{block: the earlier block like it}`` (``blocks.twin_blocks``) whose measuring run is
         skipped once that block was measured in the step: its forward quantities are taken as
@@ -208,7 +239,7 @@ class ShuttlingCollector(BlockRunner):
         self.fwd_ms = np.full(len(self.blocks), np.nan)
         self.saved = np.full(len(self.blocks), np.nan)
         self.resident = np.full(len(self.blocks), np.nan)
-        self.input_bytes = np.full(len(self.blocks), np.nan)
+        self.release_bytes = np.full(len(self.blocks), np.nan)
         self.active = True
 
     def mark(self, label) -> None:
@@ -228,8 +259,7 @@ class ShuttlingCollector(BlockRunner):
         self.calls[index] += 1
         if index not in self.order:
             self.order.append(index)
-        first = _first_grad_tensor(args)
-        self.input_bytes[index] = 0 if first is None else first.untyped_storage().nbytes()
+        self.release_bytes[index] = _slot_bytes((args, kwargs), self.releases.slots.get(index, ()))
         if reason is not None:
             self.dropped[index] = reason
             if inside_checkpoint():
@@ -336,7 +366,7 @@ class ShuttlingCollector(BlockRunner):
         trace = Trace(np.array(probe.trace, dtype=float), np.array(probe.flags, dtype=bool),
                       np.array(probe.autocast, dtype=bool))
         per_block = {"saved_bytes": self.saved, "fwd_ms": self.fwd_ms, "resident_bytes": self.resident,
-                     "input_bytes": self.input_bytes}
+                     "release_bytes": self.release_bytes}
         if probe.lifetimes:  # the step began with lifetimes on (they may be off again by now)
             ledger = probe.ledger
             died = [probe.points if d is None else d for d in ledger.died]
@@ -446,7 +476,7 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
         following = order[position + 1] if position + 1 < num_blocks else None
         if i in twins and i not in dropped:
             _twin_forward(blocks, i, twins[i], at, entry[i], after[i], trace)
-            blocks["input_bytes"][i] = np.array([per_block["input_bytes"][i]])
+            blocks["release_bytes"][i] = np.array([per_block["release_bytes"][i]])
         elif i not in dropped:
             _block_forward(blocks, i, at, entry[i], after[i], trace, per_block)
         if following is not None and blocks["ckpt_bytes"][i] is not None and ("enter", following) in at:

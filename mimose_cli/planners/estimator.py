@@ -26,6 +26,7 @@ from mimose_cli.planners.features import (
     TIME_FEATURES,
     TOKENS,
     FeatureSet,
+    Releases,
     features,
 )
 from mimose_cli.planners.trust import Trust
@@ -85,20 +86,39 @@ class Prediction:
     """Whether backward runs the blocks in the reverse of ``order`` (else the backward events
     sit above everything the forward held: an upper bound)."""
     releases: np.ndarray | None = None
-    """Per block, whether run plainly it lets go of its input (``Estimator.releases``)."""
-
-    @property
-    def released(self) -> np.ndarray:
-        """The input bytes each block lets go of when run plainly (0 where it keeps them)."""
-        if self.releases is None:
-            return np.zeros_like(self.blocks["input_bytes"])
-        return np.where(self.releases, np.maximum(self.blocks["input_bytes"], 0.0), 0.0)
+    """``Releases.consumers``: which blocks must run plainly for each block's ``release_bytes``
+    to be let go of once it returns; None: nothing is."""
 
     @property
     def savings(self) -> np.ndarray:
-        """What checkpointing each block frees until its backward (a checkpoint keeps the input
-        a plain run would have let go of)."""
-        return np.maximum(self.blocks["plain_bytes"] - self.released - self.blocks["ckpt_bytes"], 0.0)
+        """What checkpointing each block frees until its backward (a checkpoint keeps the inputs
+        a plain run would have let go of, counted against the block that lets them go)."""
+        released = 0.0
+        if self.releases is not None:
+            released = np.where(self.releases.any(axis=1), np.maximum(self.blocks["release_bytes"], 0.0), 0.0)
+        return np.maximum(self.blocks["plain_bytes"] - released - self.blocks["ckpt_bytes"], 0.0)
+
+
+def _let_go(pred: Prediction, plan_mask: np.ndarray, order) -> tuple:
+    """Per block in forward order, the input bytes let go of once it returns under each plan,
+    and what that takes off each block's backward: everything let go of at or after a block,
+    from the first block that took it (so it was live at that block's entry)."""
+    consumers = pred.releases
+    if consumers is None or not consumers.any():
+        return 0.0, 0.0
+    if order is not None:
+        consumers = consumers[np.ix_(order, order)]
+    release = np.maximum(pred.blocks["release_bytes"], 0.0)
+    if order is not None:
+        release = release[order]
+    active = consumers.any(axis=1)
+    blocked = (plan_mask[..., None, :] & consumers).any(axis=-1)
+    let_go = np.where(active & ~blocked, release, 0.0)
+    positions = np.arange(len(active))
+    first = np.argmax(consumers, axis=1)
+    # span[L, k]: block k's backward no longer sees what block L let go of.
+    span = active[:, None] & (first[:, None] <= positions[None, :]) & (positions[None, :] <= positions[:, None])
+    return let_go, let_go @ span
 
 
 def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
@@ -114,15 +134,13 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
     gradients are in the fitted values.
     """
     b, s = pred.blocks, pred.step
-    released = pred.released
-    if pred.order is not None:
-        order = list(pred.order)
+    order = None if pred.order is None else list(pred.order)
+    if order is not None:
         b = {q: v[order] for q, v in b.items()}
-        released = released[order]
         plan_mask = plan_mask[..., order]
-    # A block run plainly that saves casts of its input rather than the input (autocast) lets
-    # the input go once it returns, where a checkpoint keeps it until the block's backward.
-    let_go = np.where(plan_mask, 0.0, released)
+    # Inputs no plain block saves are let go of once the loop moves on (``Releases``), where a
+    # checkpoint keeps them until its backward.
+    let_go, unseen = _let_go(pred, plan_mask, order)
     held = np.where(plan_mask, b["ckpt_bytes"], b["plain_bytes"]) - let_go
     one = np.ones(held.shape[:-1] + (1,))
     entry = s["pre_bytes"] + np.concatenate((0.0 * one, np.cumsum(held, axis=-1)), axis=-1)
@@ -136,7 +154,7 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
     # graph saves the casts) until its own backward: added back, for the blocks before (out of
     # order: all blocks) that are not in the plan. An upper bound: some ops save the fp32 weight.
     kept = np.concatenate((0.0 * one, np.cumsum(np.where(plan_mask, 0.0, b["resident_bytes"]), axis=-1)), axis=-1)
-    bwd = (at - let_go + kept[..., :-1] if pred.backward_reversed else top + kept[..., -1:]) + own
+    bwd = (at - unseen + kept[..., :-1] if pred.backward_reversed else top + kept[..., -1:]) + own
     tail = s["tail_peak_bytes"] + (0.0 if pred.backward_reversed else top)
     head = top + np.maximum(s["head_peak_bytes"], s["head_bwd_peak_bytes"] + kept[..., -1:])
     return np.concatenate((s["pre_peak_bytes"] * one, fwd, head, bwd, tail * one), axis=-1)
@@ -168,10 +186,9 @@ class Estimator:
         self.backward_reversed = True
         self.shape_changed = False  # a later sample ran the blocks in another order
         self.empty: set = set()  # (quantity, block) stretches measured with no op in them
-        self.releases = np.zeros(num_blocks, dtype=bool)
-        """Per block, whether run plainly it lets go of its input by the time the next block is
-        entered (a plain probe step saw it freed: ``collector.InputReleases``). False unless
-        seen: the input is then counted until the block's backward, an upper bound."""
+        self.releases = Releases.none(num_blocks)
+        """Inputs blocks run plainly let go of (a plain probe step saw them freed). None unless
+        seen: an input is then counted until its blocks' backward, an upper bound."""
         self.trust = Trust()
 
     @property
@@ -305,7 +322,7 @@ class Estimator:
         blocks[-1] = np.maximum(blocks[-1], 0.0)
         return Prediction(tuple(size), dict(zip(BLOCK_QUANTITIES, blocks)),
                           dict(zip(STEP_QUANTITIES, flat[n:].tolist())), self.order, self.backward_reversed,
-                          self.releases)
+                          self.releases.consumers if self.releases.count else None)
 
     @property
     def gather(self) -> np.ndarray:
@@ -329,7 +346,7 @@ class Estimator:
                 "sizes": [list(s) for s in self.sizes],
                 "order": None if self.order is None else list(self.order),
                 "backward_reversed": self.backward_reversed, "shape_changed": self.shape_changed,
-                "empty": [list(k) for k in sorted(self.empty)], "releases": self.releases.tolist(),
+                "empty": [list(k) for k in sorted(self.empty)], "releases": self.releases.state_dict(),
                 "layout": [[q, i, offset, ops] for (q, i), (offset, ops) in self.layout.items()],
                 "rows": [plain(row) for row in self.rows], "fitted": fitted}
 
@@ -349,7 +366,7 @@ class Estimator:
         self.backward_reversed = state.get("backward_reversed", True)
         self.shape_changed = state.get("shape_changed", False)
         self.empty = {tuple(k) for k in state.get("empty", [])}
-        self.releases = np.array(state.get("releases", [False] * self.num_blocks), dtype=bool)
+        self.releases = Releases.from_state(state.get("releases"), self.num_blocks)
         self.coef = None
         if state.get("fitted") is not None:
             self.fit()  # deterministic: the same coefficients, and the trust that goes with them

@@ -11,7 +11,7 @@ import numpy as np
 FEATURES = ("BL2", "BL", "1", "B", "L2", "L")
 TIME_FEATURES = ("BL2", "BL", "1")
 BLOCK_QUANTITIES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "resident_bytes", "gap_peak_bytes",
-                    "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes", "input_bytes",
+                    "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes", "release_bytes",
                     "fwd_ms")
 """Per block, all in bytes above the live bytes at the block's entry, except ``fwd_ms``:
 ``saved_bytes`` what autograd saves (the paper's layer memory); ``plain_bytes`` and
@@ -20,12 +20,50 @@ BLOCK_QUANTITIES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "resident_bytes"
 cached casts of its weights), which a block run plainly may keep until its backward;
 ``gap_peak_bytes`` the peak between the previous block and this one; ``*fwd_peak_bytes`` the
 peak during its forward; ``bwd_peak_bytes`` the peak during its backward's own ops and
-``recompute_peak_bytes`` during its recompute; ``input_bytes`` the storage bytes of its input
-(the hidden state it is called with), which a block run plainly may let go of (``Estimator.releases``)."""
+``recompute_peak_bytes`` during its recompute; ``release_bytes`` the bytes of the inputs it is
+called with that are let go of once it returns when it and every other block that took them run
+plainly (``Releases``)."""
 STEP_QUANTITIES = ("pre_bytes", "pre_peak_bytes", "head_peak_bytes", "head_bwd_peak_bytes", "tail_peak_bytes")
 """Outside the blocks: live bytes before the first block (embeddings), the peak before it,
 the peak from the last block's output to the start of its backward (head, loss, head
 backward) above the live bytes then, and the peak after the first block's backward."""
+
+
+@dataclass
+class Releases:
+    """Inputs that blocks run plainly let go of, as a plain probe step saw them freed
+    (``collector.InputReleases``): an input the blocks' graphs do not save (under autocast a
+    block saves the casts of its hidden state, not the state; an attention bias added to the
+    scores) is freed once the model's loop has moved past the last block that took it, where a
+    checkpoint of any of those blocks keeps it until that block's backward.
+
+    ``consumers[L]`` (a bool row over blocks): the blocks that took what block ``L``, the last of
+    them, lets go of; all must run plainly for it to go. ``slots[L]``: which of ``L``'s inputs
+    (positions among the tensor leaves of its ``(args, kwargs)``) go; their bytes at each size
+    are the quantity ``release_bytes``."""
+
+    consumers: np.ndarray
+    slots: dict
+
+    @classmethod
+    def none(cls, num_blocks: int) -> "Releases":
+        return cls(np.zeros((num_blocks, num_blocks), dtype=bool), {})
+
+    @property
+    def count(self) -> int:
+        return int(self.consumers.any(axis=1).sum())
+
+    def state_dict(self) -> dict:
+        return {"consumers": self.consumers.tolist(), "slots": {str(k): sorted(v) for k, v in self.slots.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict | None, num_blocks: int) -> "Releases":
+        if not state:
+            return cls.none(num_blocks)
+        return cls(np.array(state["consumers"], dtype=bool).reshape(num_blocks, num_blocks),
+                   {int(k): set(v) for k, v in state["slots"].items()})
+
+
 RANK_RTOL = 1e-9  # a singular value below this (relative) adds no rank
 REACH = 64  # how far beyond the largest size measured a prediction may reach
 NO_EVENT = -1e30

@@ -91,8 +91,8 @@ class MimoseCounters:
     probe_twins: int = 0
     """Blocks the probes ran without a measuring run, taken as an earlier block like them."""
     probe_releases: int = 0
-    """Blocks a plain probe step (one more, at the smallest size) saw let go of their input when
-    run plainly (``Estimator.releases``)."""
+    """Blocks whose inputs a plain probe step (one more, at the smallest size, before the others)
+    saw let go of once they returned (``features.Releases``)."""
     probe_twins_refused: str = ""
     """Why blocks alike in parameters were all measured after all (they ran otherwise), or empty."""
     probe_in_step_ms: float = 0.0
@@ -222,11 +222,8 @@ class Mimose(Planner):
         finally:
             self.measurer.collector_ms = collector_ms  # the probes' measuring runs are in probe_ms
             self.counts.probe_ms += (time.perf_counter() - start) * 1e3
-        samples, releases = samples
         for size, sample in samples:
             self.estimator.add(size, *sample)
-        self.estimator.releases = releases
-        self.counts.probe_releases = int(releases.sum())
         self.counts.probe_samples = len(samples)
         self.counts.estimate_source = "probes"
         self._fit()
@@ -242,6 +239,7 @@ class Mimose(Planner):
         images = isinstance(first, dict) and first.get("pixel_values") is not None
         del first
         sizes = self._probe_sizes(make_batch, max_size, not images)
+        self._probe_releases(make_batch, sizes[0], step_fn)
         # A block like an earlier one (a layer of a stack) skips its measuring run: the probes
         # cost about one run of each block less; should it not run like it, every block is measured.
         for twins in (twin_blocks(self.blocks), {}):
@@ -258,11 +256,22 @@ class Mimose(Planner):
             self.counts.probe_twins_refused = refused
         self.counts.probe_twins = len(raws[0].twins)
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set)
-        releases = probe_with_runner(self, self._probe_batch(make_batch, sizes[0]), InputReleases(self.num_blocks),
-                                     step_fn)
+        return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
+
+    def _probe_releases(self, make_batch, size: tuple, step_fn) -> None:
+        """A plain probe step at ``size``: which inputs blocks run plainly let go of
+        (``collector.InputReleases``); the collector measures their bytes from then on."""
+        try:
+            releases = probe_with_runner(self, self._probe_batch(make_batch, size),
+                                         InputReleases(self.model, self.num_blocks), step_fn)
+        except Exception as error:  # a model that cannot run this small a batch: say so, measure
+            first = str(error).splitlines()[0] if str(error) else ""
+            raise ScalingError(f"the plain probe step at input size {size} failed ({type(error).__name__}: "
+                               f"{first[:160]})") from error
         if releases is None:
-            raise ScalingError(f"the plain probe step at input size {sizes[0]} ran out of memory")
-        return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)], releases
+            raise ScalingError(f"the plain probe step at input size {size} ran out of memory")
+        self.counts.probe_releases = releases.count
+        self.estimator.releases = self.measurer.releases = releases
 
     def _probe_sizes(self, make_batch, max_size: tuple, vary_lengths: bool) -> list:
         """The probes' two sizes at the smallest batch ``make_batch`` can make both of (two rows,
@@ -532,6 +541,7 @@ class Mimose(Planner):
             raise ValueError(f"this state was written by planner {state.get('name')!r}, not mimose")
         super().load_state_dict(state)
         self.estimator.load_state_dict(state["estimator"])
+        self.measurer.releases = self.estimator.releases
         self.counts = _counters_of(state)
         self._probed = True
         self._loaded = True

@@ -264,7 +264,7 @@ def twin_difference(raw: RawStep) -> str | None:
 class ScaledStep:
     """One probe step scaled to any size: the live bytes at each point of the step as a linear
     function of the size's features (``live(features)``), and the per-block quantities measured
-    directly (saved bytes, resident bytes, input bytes) likewise."""
+    directly (saved bytes, resident bytes, released bytes) likewise."""
 
     def __init__(self, a: RawStep, size_a: tuple, b: RawStep, size_b: tuple, feature_set):
         reason = structure_difference(a, b)
@@ -288,7 +288,7 @@ class ScaledStep:
         if a.points and np.abs(rebuilt - recorded).max() > 0.5:
             raise ScalingError("the probe's storages do not add up to its live bytes (a storage counted twice?)")
         self.per_block = {}
-        for quantity in ("saved_bytes", "resident_bytes", "input_bytes"):
+        for quantity in ("saved_bytes", "resident_bytes", "release_bytes"):
             va, vb = a.per_block[quantity], b.per_block[quantity]
             known = ~(np.isnan(va) | np.isnan(vb))
             scalar_term = np.full(len(va), -1)
@@ -315,7 +315,7 @@ class ScaledStep:
         for quantity, (values, term) in self.per_block.items():
             per_block[quantity] = np.where(term >= 0, values * scale[np.maximum(term, 0)], np.nan)
         blocks, step, shape = build_sample(marks, trace, len(per_block["fwd_ms"]), per_block, a.dropped, a.twins)
-        for quantity in ("fwd_ms", "saved_bytes", "input_bytes"):  # not measured at this size: no value
+        for quantity in ("fwd_ms", "saved_bytes", "release_bytes"):  # not measured at this size: no value
             blocks[quantity] = [None if v is None or np.isnan(v).any() else v for v in blocks[quantity]]
         return blocks, step, shape
 
