@@ -12,9 +12,12 @@ sample measured at that size as the sheltered phase measures one (0: the scaling
 what error remains is the step timeline's own upper bounds, the same for measured samples).
 Also the probes' cost in ordinary steps of the first batch's size, how many probe steps ran, and
 how many blocks they took from an earlier block alike in parameters instead of measuring their
-plain run (``alike``). Writes benchmarks/results/first_step.json.
+plain run (``alike``), and how many let go of an input when run plainly (``releases``, seen by the
+plain probe step). ``--precision bf16`` (or fp16, with a GradScaler) runs the probes and every
+measured step under that autocast, as the robustness matrix's settings do. Writes
+benchmarks/results/first_step.json (first_step_bf16.json, ...).
 
-    python benchmarks/first_step.py [--models bert,gpt2]
+    python benchmarks/first_step.py [--models bert,gpt2] [--precision bf16]
 """
 
 import argparse
@@ -22,12 +25,12 @@ import time
 
 import numpy as np
 import torch
-from robustness import MODELS, Shape, build_model, make_batch
+from robustness import MODELS, SETTINGS, Shape, build_model, make_batch, make_step_fn
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.mimose import Mimose
 from mimose_cli.planners.registry import build_planner
-from mimose_cli.planners.trial import loss_of, probe_step, probe_with_plan, run_model
+from mimose_cli.planners.trial import probe_step, probe_with_plan
 
 from _results import write_results
 
@@ -46,12 +49,12 @@ def _shape(spec, rows: int, length: int, step: int) -> Shape:
     return Shape(lengths, length)
 
 
-def _sample_diff(planner, batch, size) -> float:
+def _sample_diff(planner, batch, size, step_fn=None) -> float:
     """The largest difference between the estimate at ``size`` and a sample measured there (a
     sheltered step's, unseen by training), over every quantity the timeline is built from, in
     percent of that sample's largest value: 0 when the probes' scaling is exact."""
     planner.measurer.begin()
-    probe_step(planner, batch)
+    probe_step(planner, batch, step_fn)
     blocks, step, _ = planner.measurer.end()
     predicted = planner.estimator.predict(size)
     pairs = [(predicted.blocks[q][i], v.max()) for q, per in blocks.items() if q not in ("fwd_ms", "saved_bytes")
@@ -61,32 +64,35 @@ def _sample_diff(planner, batch, size) -> float:
     return max(abs(p - m) for p, m in pairs) / scale * 100
 
 
-def measure(name: str) -> dict:
+def measure(name: str, precision: str = "fp32") -> dict:
     spec = MODELS[name]
     model = build_model(spec).train()
     meter = build_meter("simulated", 10**11)
-    row = {"model": name, "cases": []}
+    setting = SETTINGS[precision]
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    step_fn = make_step_fn(model, spec, setting, scaler)
+    row = {"model": name, "precision": precision, "cases": []}
     with meter.activate():
         meter.track(model)
         first = make_batch(spec, _shape(spec, *FIRST, 0), 0)
         plain = build_planner("none", model, None, meter=meter)
         with plain.applying():
-            probe_step(plain, first)  # warm-up: the first ops a process runs are slow
+            probe_step(plain, first, step_fn)  # warm-up: the first ops a process runs are slow
             start = time.perf_counter()
             for _ in range(3):
-                probe_step(plain, first)
+                probe_step(plain, first, step_fn)
             plain_ms = (time.perf_counter() - start) * 1e3 / 3
         plain.close()
         planner = Mimose(model, "100GB", meter=meter)
-        with planner.step(first):  # the probes run before this step is planned
-            loss_of(run_model(model, first)).backward()
+        planner.run(step_fn, first)  # the probes run before this step is planned
         for p in model.parameters():
             p.grad = None
         stats = planner.stats
         row.update(source=stats["estimate_source"], fallback=stats["estimate_fallback"],
                    first_phase=planner.last.phase, probe_ms=stats["probe_ms"], plain_ms=plain_ms,
                    probe_in_plain=stats["probe_ms"] / plain_ms, probe_steps=stats["probe_steps"],
-                   probe_twins=stats["probe_twins"], blocks=planner.num_blocks)
+                   probe_twins=stats["probe_twins"], probe_releases=stats["probe_releases"],
+                   blocks=planner.num_blocks)
         n = planner.num_blocks
         plans = {"none": (), "all": tuple(range(n)), "every other": tuple(range(0, n, 2))}
         for step, (rows, length) in enumerate(HELD_OUT, start=1):
@@ -94,10 +100,10 @@ def measure(name: str) -> dict:
             from mimose_cli.planners.inputs import infer_input_size
             size = infer_input_size(batch, planner.encoder_decoder)
             row.setdefault("sample_diff_pct", 0.0)
-            row["sample_diff_pct"] = max(row["sample_diff_pct"], _sample_diff(planner, batch, size))
+            row["sample_diff_pct"] = max(row["sample_diff_pct"], _sample_diff(planner, batch, size, step_fn))
             for label, plan in plans.items():
                 predicted = planner.predict_peak(size, plan)
-                measured = probe_with_plan(planner, batch, plan)
+                measured = probe_with_plan(planner, batch, plan, step_fn)
                 error = None if predicted is None else (predicted - measured) / measured * 100
                 row["cases"].append({"size": list(size), "plan": label, "predicted": predicted,
                                      "measured": measured, "error_pct": error})
@@ -112,22 +118,24 @@ def measure(name: str) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="bert,roberta,xlnet,gpt2,llama,t5-nocache,vit")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     np.seterr(all="ignore")
     rows = []
-    print(f"{'model':11} {'source':8} {'probes/plain':>12} {'steps':>5} {'alike':>7} {'cases':>5} {'untrusted':>9} "
+    print(f"{'model':11} {'source':8} {'probes/plain':>12} {'steps':>5} {'alike':>7} {'lets go':>7} {'cases':>5} {'untrusted':>9} "
           f"{'max over %':>10} {'max under %':>11} {'vs sample %':>11}  fallback")
     for name in args.models.split(","):
-        row = measure(name)
+        row = measure(name, args.precision)
         rows.append(row)
         over = "-" if row["max_over_pct"] is None else f"{row['max_over_pct']:+.3f}"
         under = "-" if row["max_under_pct"] is None else f"{row['max_under_pct']:+.3f}"
         print(f"{name:11} {row['source']:8} {row['probe_in_plain']:11.2f}x {row['probe_steps']:5} "
-              f"{row['probe_twins']:>3}/{row['blocks']:<3} {len(row['cases']):5} "
+              f"{row['probe_twins']:>3}/{row['blocks']:<3} {row['probe_releases']:7} {len(row['cases']):5} "
               f"{row['untrusted']:9} {over:>10} {under:>11} {row.get('sample_diff_pct', 0):11.2g}  {row['fallback']}",
               flush=True)
-    write_results("first_step", rows, first=list(FIRST), held_out=[list(s) for s in HELD_OUT],
+    name = "first_step" if args.precision == "fp32" else f"first_step_{args.precision}"
+    write_results(name, rows, first=list(FIRST), held_out=[list(s) for s in HELD_OUT], precision=args.precision,
                   threads=torch.get_num_threads())
 
 

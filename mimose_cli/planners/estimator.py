@@ -186,6 +186,9 @@ class Estimator:
         self.backward_reversed = True
         self.shape_changed = False  # a later sample ran the blocks in another order
         self.empty: set = set()  # (quantity, block) stretches measured with no op in them
+        self.side_multiple = 1
+        """When probes varied an image's sides: their greatest common divisor, which every side
+        of a trusted size must be a multiple of (``Trust``, rule 5); 1 otherwise."""
         self.releases = Releases.none(num_blocks)
         """Inputs blocks run plainly let go of (a plain probe step saw them freed). None unless
         seen: an input is then counted until its blocks' backward, an upper bound."""
@@ -347,6 +350,7 @@ class Estimator:
                 "order": None if self.order is None else list(self.order),
                 "backward_reversed": self.backward_reversed, "shape_changed": self.shape_changed,
                 "empty": [list(k) for k in sorted(self.empty)], "releases": self.releases.state_dict(),
+                "side_multiple": self.side_multiple,
                 "layout": [[q, i, offset, ops] for (q, i), (offset, ops) in self.layout.items()],
                 "rows": [plain(row) for row in self.rows], "fitted": fitted}
 
@@ -367,6 +371,7 @@ class Estimator:
         self.shape_changed = state.get("shape_changed", False)
         self.empty = {tuple(k) for k in state.get("empty", [])}
         self.releases = Releases.from_state(state.get("releases"), self.num_blocks)
+        self.side_multiple = int(state.get("side_multiple", 1))
         self.coef = None
         if state.get("fitted") is not None:
             self.fit()  # deterministic: the same coefficients, and the trust that goes with them

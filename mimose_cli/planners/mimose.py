@@ -25,6 +25,7 @@ unmetered, uncapped and at full speed.
 """
 
 import copy
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -39,6 +40,7 @@ from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.inputs import infer_input_size, resized_batch
 from mimose_cli.planners.scaling import (
+    SIDE_PAIR,
     ScaledStep,
     ScalingError,
     probe_batches,
@@ -93,6 +95,9 @@ class MimoseCounters:
     probe_releases: int = 0
     """Blocks whose inputs a plain probe step (one more, at the smallest size, before the others)
     saw let go of once they returned (``features.Releases``)."""
+    probe_sides_refused: str = ""
+    """Why the probes did not vary an image's sides after all (the model takes only its own, ...),
+    or empty."""
     probe_twins_refused: str = ""
     """Why blocks alike in parameters were all measured after all (they ran otherwise), or empty."""
     probe_in_step_ms: float = 0.0
@@ -235,10 +240,24 @@ class Mimose(Planner):
         except Exception as error:  # a batch this planner cannot cut (only inputs_embeds, ...)
             raise ScalingError(f"no probe batch can be made from this batch ({type(error).__name__}: "
                                f"{str(error)[:120]})") from error
-        # An image's height and width are the model's (position embeddings): only the batch varies.
         images = isinstance(first, dict) and first.get("pixel_values") is not None
         del first
-        sizes = self._probe_sizes(make_batch, max_size, not images)
+        if not images:
+            return self._probes_at(self._probe_sizes(make_batch, max_size, True), max_size, make_batch, step_fn)
+        # An image's sides are probed at two sizes where the largest allows (a CNN takes any); a
+        # model that takes only its own (position embeddings) is probed there, only the batch varying.
+        if min(max_size[1:]) >= SIDE_PAIR[1]:
+            sizes = self._probe_sizes(make_batch, max_size, True, image=True)
+            try:
+                samples = self._probes_at(sizes, max_size, make_batch, step_fn)
+                self.estimator.side_multiple = math.gcd(*SIDE_PAIR)
+                return samples
+            except ScalingError as err:
+                self.counts.probe_sides_refused = str(err)
+        return self._probes_at(self._probe_sizes(make_batch, max_size, False), max_size, make_batch, step_fn)
+
+    def _probes_at(self, sizes: list, max_size: tuple, make_batch, step_fn) -> list:
+        """The plain probe step and the two measured ones at ``sizes``, scaled (``_probe_samples``)."""
         self._probe_releases(make_batch, sizes[0], step_fn)
         # A block like an earlier one (a layer of a stack) skips its measuring run: the probes
         # cost about one run of each block less; should it not run like it, every block is measured.
@@ -273,14 +292,14 @@ class Mimose(Planner):
         self.counts.probe_releases = releases.count
         self.estimator.releases = self.measurer.releases = releases
 
-    def _probe_sizes(self, make_batch, max_size: tuple, vary_lengths: bool) -> list:
+    def _probe_sizes(self, make_batch, max_size: tuple, vary_lengths: bool, image: bool = False) -> list:
         """The probes' two sizes at the smallest batch ``make_batch`` can make both of (two rows,
         or whole multiple-choice examples): the probes cost what their batches hold."""
         for batch in probe_batches(int(max_size[0])):
-            sizes = probe_sizes(max_size, vary_lengths, self.encoder_decoder, batch)
+            sizes = probe_sizes(max_size, vary_lengths, self.encoder_decoder, batch, image)
             if all(self._makes(make_batch, size) for size in sizes):
                 return sizes
-        return probe_sizes(max_size, vary_lengths, self.encoder_decoder)
+        return probe_sizes(max_size, vary_lengths, self.encoder_decoder, image=image)
 
     def _makes(self, make_batch, size: tuple) -> bool:
         """Whether ``make_batch(size)`` gives a batch of exactly that size."""

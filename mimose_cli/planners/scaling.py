@@ -34,6 +34,10 @@ _LENGTH_PAIRS = ((8, 12), (4, 6))
 the second): a factor 1.5; an encoder-decoder's decoder length takes a factor 1.25 (``(8, 10)``,
 ``(4, 5)``), so that no two features grow alike."""
 _DECODER_PAIRS = ((8, 10), (4, 5))
+SIDE_PAIR = (64, 96)
+"""An image's two probe sides (height and width alike), when the largest image allows them and
+the model takes other sides than its own: multiples of 32, the stride of a CNN's last stage
+(ResNet, ConvNeXt, Swin), so that every feature map is a whole fraction of the side; factor 1.5."""
 _MAX_SLOPE = 2
 
 
@@ -51,17 +55,18 @@ def probe_batches(max_batch: int) -> list:
     return sorted({max_batch >> k for k in range(max_batch.bit_length()) if max_batch >> k >= 2} | {max_batch})
 
 
-def probe_sizes(max_size: tuple, vary_lengths: bool, decoder: bool = False, batch: int | None = None) -> list:
+def probe_sizes(max_size: tuple, vary_lengths: bool, decoder: bool = False, batch: int | None = None,
+                image: bool = False) -> list:
     """The two probe sizes for a recipe whose largest size is ``max_size``: ``batch`` (by
     default the largest) and twice it (then still a multiple of whatever a batch's rows must be a
     multiple of), or one and one when training runs batches of one (only the lengths vary); each
-    length dimension at a short pair when ``vary_lengths`` (token inputs; an image's height and
-    width stay those of ``max_size``)."""
+    length dimension at a short pair when ``vary_lengths``: tokens at 8 and 12, an ``image``'s
+    height and width at ``SIDE_PAIR`` (else they stay those of ``max_size``)."""
     batch = int(max_size[0] if batch is None else batch)
     batches = (batch, 2 * batch) if batch > 1 else (1, 1)
     lengths = []
     for position, longest in enumerate(max_size[1:]):
-        pairs = _DECODER_PAIRS if decoder and position == 1 else _LENGTH_PAIRS
+        pairs = (SIDE_PAIR,) if image else _DECODER_PAIRS if decoder and position == 1 else _LENGTH_PAIRS
         pair = next((p for p in pairs if p[1] <= longest), None) if vary_lengths else None
         lengths.append(pair or (int(longest), int(longest)))
     return [(batches[k], *(pair[k] for pair in lengths)) for k in range(2)]

@@ -43,6 +43,10 @@ class Trust:
     3. **Every part of the step timeline was measured**: each block's held bytes and backward, and
        the embeddings, head and tail around them. A part never measured is not guessed.
     4. **The blocks ran in one order** in every sample (the timeline is built in that order).
+    5. **An image's sides are multiples of the probes' common divisor** when the probes varied
+       them (``Estimator.side_multiple``): a convolution's output is a rounded fraction of its
+       input (a stride-32 stack's last map is ``ceil(H / 32)`` wide), linear in the side only at
+       such multiples.
 
     The fit's own misses (``residual_bytes``: how far it is from its samples, when the memory is not
     quadratic in the size as inferred) are not a reason to distrust a size; they are added to every
@@ -56,6 +60,7 @@ class Trust:
     max_lengths: tuple = ()
     unmeasured: tuple = ()
     residual_bytes: float = 0.0
+    side_multiple: int = 1
 
     @classmethod
     def of(cls, estimator, keys: list, segments: np.ndarray, residual: np.ndarray, spans: list) -> "Trust":
@@ -73,12 +78,16 @@ class Trust:
         residual_bytes = held * (estimator.num_blocks + 1) + peak
         max_lengths = tuple(float(max(dim)) for dim in zip(*(fs.lengths(s) for s in sizes)))
         return cls(fs, scale, [_basis(d, scale) for d in spans], float(max(s[0] for s in sizes)),
-                   max_lengths, unmeasured_parts(estimator), residual_bytes if residual_bytes >= 1.0 else 0.0)
+                   max_lengths, unmeasured_parts(estimator), residual_bytes if residual_bytes >= 1.0 else 0.0,
+                   estimator.side_multiple)
 
     def reason(self, size) -> str | None:
         """Why a prediction at ``size`` is not trusted (one line), or None."""
         if self.unmeasured:
             return f"never measured: {', '.join(self.unmeasured)}"
+        if self.side_multiple > 1 and any(int(side) % self.side_multiple for side in size[1:]):
+            return (f"an image side of {tuple(size[1:])} is not a multiple of {self.side_multiple} (the probes' "
+                    "sides): measured")
         lengths = self.feature_set.lengths(size)
         if size[0] > REACH * self.max_batch or any(n > REACH * m for n, m in zip(lengths, self.max_lengths)):
             return f"over {REACH}x the largest size measured"

@@ -417,6 +417,52 @@ def test_an_attention_bias_the_encoders_layers_share_is_let_go_of_with_the_encod
     assert min(under) >= 0, under  # a layer that took the bias checkpointed: it stays
 
 
+def _images(size):
+    rows, height, width = size
+    gen = torch.Generator().manual_seed(rows * 1000 + height)
+    return {"pixel_values": torch.randn(rows, 3, height, width, generator=gen),
+            "labels": torch.randint(0, 4, (rows,), generator=gen)}
+
+
+def test_a_cnns_image_sides_are_probed_and_trusted_at_multiples_of_32():
+    """A ResNet takes any side: the probes vary it (64 and 96 px), so a batch of images of another
+    side is planned from the first step; a side that is not a multiple of 32 is measured (its
+    feature maps are rounded fractions of it: 5 % low at 100 px when it was trusted)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[2, 3, 6, 2],
+                          layer_type="bottleneck", num_labels=4)
+    with metered_mimose(ResNetForImageClassification(config).train()) as (planner, meter):
+        planner.prepare(_images, (8, 160, 160))
+        stats = planner.stats
+        assert stats["estimate_source"] == "probes" and not stats["probe_sides_refused"]
+        errors = []
+        for size in ((4, 128, 128), (2, 160, 160), (6, 32, 32)):
+            batch = _images(size)  # counted in the start of the step the prediction is for
+            for plan in ((), (0, 3, 5)):
+                predicted = planner.predict_peak(size, plan)
+                errors.append(predicted / probe_with_plan(planner, batch, plan) - 1)
+        assert "not a multiple of 32" in planner.estimator.trust.reason((4, 100, 100))
+    assert 0 <= min(errors) and max(errors) <= 0.01, errors
+
+
+def test_a_model_that_takes_only_its_own_image_size_is_probed_at_it():
+    """A ViT without interpolated positions refuses 64 px: the probes say why and vary the batch."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=96, patch_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=64, num_labels=4)
+    with metered_mimose(ViTForImageClassification(config).train()) as (planner, meter):
+        planner.prepare(_images, (8, 96, 96))
+        stats = planner.stats
+        assert stats["estimate_source"] == "probes" and "96" in stats["probe_sides_refused"]
+        assert planner.estimator.side_multiple == 1
+        batch = _images((6, 96, 96))
+        assert 0 <= planner.predict_peak((6, 96, 96), ()) / probe_with_plan(planner, batch, ()) - 1 <= 0.01
+
+
 @pytest.mark.parametrize("probe_as_training", [True, False])
 def test_the_probes_run_the_batch_as_training_does(probe_as_training):
     """Given training's step function (here bf16 autocast), the probes measure what a training
