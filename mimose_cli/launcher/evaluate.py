@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mimose_cli.launcher.data.loader import model_input
 from mimose_cli.memory import Meter, synchronize
 
-ACCURACY_TASKS = ("sequence_classification", "multiple_choice", "question_answering")
+ACCURACY_TASKS = ("sequence_classification", "multiple_choice", "question_answering", "image_classification")
 """Tasks with an accuracy; causal_lm has the loss only."""
 
 
@@ -81,7 +82,7 @@ def _forward_all(model, batches, task: str, device: torch.device, meter: Meter, 
         meter.track(batch)
         with torch.no_grad(), autocast():
             outputs = model(**batch)
-            size = len(batch["input_ids"])
+            size = len(model_input(batch))
             loss_sum += outputs.loss.float() * size
             if task in ACCURACY_TASKS:
                 hits += correct(task, outputs, batch)

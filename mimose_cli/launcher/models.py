@@ -10,6 +10,7 @@ from huggingface_hub.errors import StrictDataclassError  # transformers' config 
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageClassification,
     AutoModelForMultipleChoice,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
@@ -20,6 +21,7 @@ TASK_AUTO_CLASSES = {
     "question_answering": AutoModelForQuestionAnswering,
     "sequence_classification": AutoModelForSequenceClassification,
     "causal_lm": AutoModelForCausalLM,
+    "image_classification": AutoModelForImageClassification,
 }
 
 # The published base checkpoints' sizes (bert-base-uncased, roberta-base, xlnet-base-cased, gpt2),
@@ -45,6 +47,9 @@ TINY_TYPE_EXTRAS = {
     "roberta": dict(max_position_embeddings=514, type_vocab_size=1, layer_norm_eps=1e-5),
     "xlnet": dict(mem_len=None),
     "gpt2": dict(n_positions=1024),
+    # Bottleneck stages of 2, 3, 6 and 2 layers (ResNet-50 has 3, 4, 6, 3): stages of different
+    # lengths, whose 13 layers are all blocks; 16..128 channels.
+    "resnet": dict(embedding_size=16, hidden_sizes=[32, 64, 128, 256], depths=[2, 3, 6, 2], layer_type="bottleneck"),
 }
 SPECIAL_TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
@@ -101,7 +106,7 @@ def _overrides(default, overrides: dict) -> dict:
 
 def _task_fields(recipe, config) -> dict:
     fields = {}
-    if recipe.task == "sequence_classification":
+    if recipe.task in ("sequence_classification", "image_classification"):
         fields["num_labels"] = recipe.data.num_labels
     if recipe.task == "causal_lm" and hasattr(config, "is_decoder"):
         fields["is_decoder"] = True  # BERT/RoBERTa as causal LMs need the causal mask
@@ -132,7 +137,7 @@ def model_config(recipe) -> transformers.PretrainedConfig:
             config = AutoConfig.for_model(model.type, **fields)
     except (ValueError, TypeError, NotImplementedError, StrictDataclassError) as err:
         raise ValueError(f"model.config_overrides={model.config_overrides!r} make an invalid config: {err}") from err
-    if getattr(config, "pad_token_id", 0) is None:
+    if hasattr(config, "pad_token_id") and config.pad_token_id is None:
         eos = getattr(config, "eos_token_id", None)
         config.pad_token_id = eos if isinstance(eos, int) else 0
     return config

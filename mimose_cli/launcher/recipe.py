@@ -37,7 +37,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 
 from mimose_cli.files import write_text
-from mimose_cli.launcher.data.presets import LENGTH_PRESETS, MIN_SYNTHETIC_LENGTH
+from mimose_cli.launcher.data.presets import IMAGE_PRESETS, LENGTH_PRESETS, MIN_SYNTHETIC_LENGTH
 from mimose_cli.planners.options import PLANNER_OPTIONS, EveryNOptions, MimoseOptions, SublinearOptions
 from mimose_cli.units import parse_size
 
@@ -163,7 +163,8 @@ class DataConfig:
     source: Literal["synthetic", "hf"] = "synthetic"
     """'synthetic' (generated, no download) or 'hf' (a Hugging Face data set or local files)."""
     preset: str = "swag"
-    """Synthetic length distribution: swag, squad or qqp."""
+    """Synthetic length distribution: swag, squad or qqp; for image_classification the image
+    sides' (multiscale), where max_length, min_length and length_* are sides in pixels."""
     num_examples: StrictInt = Field(1024, ge=1)
     """Synthetic: how many examples to generate."""
     max_length: StrictInt = Field(512, ge=1)
@@ -177,7 +178,11 @@ class DataConfig:
     num_choices: StrictInt = Field(4, ge=1)
     """Multiple choice: choices per example."""
     num_labels: StrictInt = Field(2, ge=2)
-    """Sequence classification: number of classes (at least 2: one would make the head a regression)."""
+    """Sequence and image classification: number of classes (at least 2: one would make the head a
+    regression)."""
+    image_multiple: StrictInt = Field(32, ge=1)
+    """Image classification, synthetic: every image side is a multiple of this many pixels (a CNN's
+    stride: Mimose trusts its probes at multiples of 32)."""
     name: Optional[str] = None
     """hf: data set name on the hub, or a local json/csv/parquet file or directory."""
     config_name: Optional[str] = None
@@ -203,8 +208,8 @@ class DataConfig:
 
     def __post_init__(self):
         # The preset only matters for synthetic data; an hf recipe may leave any value there.
-        if self.source == "synthetic" and self.preset not in LENGTH_PRESETS:
-            raise _Invalid("preset", self.preset, " | ".join(LENGTH_PRESETS))
+        if self.source == "synthetic" and self.preset not in {**LENGTH_PRESETS, **IMAGE_PRESETS}:
+            raise _Invalid("preset", self.preset, " | ".join([*LENGTH_PRESETS, *IMAGE_PRESETS]))
         if self.source == "hf" and not self.name:
             raise _Invalid("name", self.name, "a data set name or local file when data.source is hf")
         if self.source == "synthetic":
@@ -222,7 +227,7 @@ class DataConfig:
         return self.validation_examples is not None or self.validation_split is not None
 
     def _check_lengths(self):
-        shortest = LENGTH_PRESETS[self.preset].min_length
+        shortest = {**LENGTH_PRESETS, **IMAGE_PRESETS}[self.preset].min_length
         if self.min_length is not None and not MIN_SYNTHETIC_LENGTH <= self.min_length <= self.max_length:
             raise _Invalid("min_length", self.min_length,
                            f"{MIN_SYNTHETIC_LENGTH}..data.max_length ({self.max_length})")
@@ -311,9 +316,9 @@ class PlannerConfig:
 
 @dataclass(config=FORBID_UNKNOWN_KEYS)
 class Recipe:
-    task: Literal["multiple_choice", "question_answering", "sequence_classification", "causal_lm"] = (
-        "multiple_choice")
-    """multiple_choice, question_answering, sequence_classification or causal_lm."""
+    task: Literal["multiple_choice", "question_answering", "sequence_classification", "causal_lm",
+                  "image_classification"] = "multiple_choice"
+    """multiple_choice, question_answering, sequence_classification, causal_lm or image_classification."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -336,10 +341,26 @@ class Recipe:
         if self.budget_bytes is not None and margin is not None and margin >= self.budget_bytes:
             raise _Invalid("planner.safety_margin", self.planner.safety_margin,
                            f"less than the budget ({self.budget})")
+        self._check_task_data()
         if self.training.eval_every is not None and not self.data.has_validation:
             raise _Invalid("training.eval_every", self.training.eval_every,
                            "null without a validation split; set data.validation_examples (synthetic "
                            "data) or data.validation_split (hf)")
+
+
+    def _check_task_data(self) -> None:
+        """Images take an image preset and synthetic data; text takes a text preset."""
+        data = self.data
+        images = self.task == "image_classification"
+        if images and data.source == "hf":
+            raise _Invalid("data.source", data.source, "synthetic for task image_classification (images from "
+                           "files or the hub are not supported yet)")
+        if data.source == "synthetic" and (data.preset in IMAGE_PRESETS) != images:
+            presets = IMAGE_PRESETS if images else LENGTH_PRESETS
+            raise _Invalid("data.preset", data.preset, f"{' | '.join(presets)} for task {self.task}")
+        if images and data.max_length < data.image_multiple:
+            raise _Invalid("data.max_length", data.max_length, f"at least data.image_multiple ({data.image_multiple}): "
+                           "the largest image side in pixels")
 
 
 _RECIPE = TypeAdapter(Recipe)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import get_linear_schedule_with_warmup
 
+from mimose_cli.launcher.data.loader import model_input
 from mimose_cli.launcher.distributed import World, data_parallel_step
 from mimose_cli.launcher.models import build_model
 from mimose_cli.launcher.recipe import Recipe
@@ -171,7 +172,7 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_
     synchronize(trainer.device)
     iter_ms = (time.perf_counter() - start) * 1e3
     return completed_step(
-        info, step=trainer.step, micro_step=micro_step, input_shape=batch["input_ids"].shape,
+        info, step=trainer.step, micro_step=micro_step, input_shape=model_input(batch).shape,
         num_blocks=trainer.planner.num_blocks, loss=loss.item(), lr=lr, iter_ms=iter_ms,
         peak_bytes=mem.peak_bytes, fwd_bwd_peak_bytes=planned_peak, start_bytes=mem.start_bytes,
         activation_bytes=activation_bytes,
@@ -182,7 +183,7 @@ def _oom_record(trainer: Trainer, batch: dict, error: Exception, micro_step: int
     """Record a step that ran out of memory for good, and drop its partial gradients."""
     trainer.optimizer.zero_grad(set_to_none=True)
     return oom_step(trainer.planner.last, error, step=trainer.step, micro_step=micro_step,
-                    input_shape=batch["input_ids"].shape, num_blocks=trainer.planner.num_blocks,
+                    input_shape=model_input(batch).shape, num_blocks=trainer.planner.num_blocks,
                     peak_bytes=trainer.meter.peak_bytes())
 
 

@@ -309,7 +309,7 @@ class Planner:
             self.total_planning_ms += info.planning_ms
             self.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
             runner = self.measurer if info.measured else self.runner
-            runner.begin(info)
+            runner.begin(info, batch)
             try:
                 with self.applying():
                     yield info

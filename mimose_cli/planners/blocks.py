@@ -269,13 +269,13 @@ def training_kwargs(module: nn.Module, kwargs: dict) -> dict:
 
 
 class BlockRunner:
-    """Runs every block call of a step (``run``), between ``begin(info)`` and ``end(info)`` (or
-    ``abort()`` when the step raised). ``end`` returns what the runner measured (a collector's
+    """Runs every block call of a step (``run``), between ``begin(info, inputs)`` and ``end(info)``
+    (or ``abort()`` when the step raised); ``inputs`` is the step's batch when known. ``end`` returns what the runner measured (a collector's
     sample) or None, and may fill in the step's ``StepInfo`` (DTR: what it evicted)."""
 
     active = False
 
-    def begin(self, info) -> None:
+    def begin(self, info, inputs=None) -> None:
         self.active = True
 
     def run(self, index: int, forward, args, kwargs):
@@ -304,7 +304,7 @@ class PlanRunner(BlockRunner):
         self.plan = tuple(sorted(plan))
         self._plan_set = frozenset(self.plan)
 
-    def begin(self, info) -> None:
+    def begin(self, info, inputs=None) -> None:
         super().begin(info)
         self.use(info.plan)
 

@@ -153,7 +153,7 @@ class InputReleases(BlockRunner):
         self.model = model
         self.num_blocks = num_blocks
 
-    def begin(self, info=None) -> None:
+    def begin(self, info=None, inputs=None) -> None:
         self.active = True
         tensors = [*self.model.parameters(), *self.model.buffers()]
         self.exclude = {id(t.untyped_storage()) for t in tensors if t.layout is torch.strided and not t.is_meta}
@@ -222,13 +222,16 @@ class ShuttlingCollector(BlockRunner):
         skipped once that block was measured in the step: its forward quantities are taken as
         that block's (``build_sample``). Set for probe steps, whose scaling checks it holds."""
 
-    def begin(self, info=None) -> None:
-        """Start a measured step: the probe, the marks."""
+    def begin(self, info=None, inputs=None) -> None:
+        """Start a measured step: the probe, the marks. The step's batch (``inputs``) is part of
+        its start, as the weights are: not counted when an op aliases it (a saved-tensor hook's
+        ``detach`` of the images a convolution saves)."""
         self.probe = LiveProbe(flag=recomputing, lifetimes=self.lifetimes)
         # Gradients already live (accumulation in a loop of the user's) are not ignored: the
         # probe counts each when backward first writes into it, as if it were allocated then,
         # so samples with and without them agree.
-        self.probe.ignore([*self.model.parameters(), *self.model.buffers()])
+        batch = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)] if inputs is not None else []
+        self.probe.ignore([*self.model.parameters(), *self.model.buffers(), *batch])
         self.probe.__enter__()
         self.marks: list = []
         self.mark_points: list = []

@@ -154,7 +154,7 @@ class Rematerializer(BlockRunner):
     def limit_bytes(self):
         return self.planner.limit_bytes
 
-    def begin(self, info) -> None:
+    def begin(self, info, inputs=None) -> None:
         super().begin(info)
         self._params = storage_ids(list(self.planner.model.parameters()))
         self._holders, self.events, self._reserve_bytes = [], [], 0

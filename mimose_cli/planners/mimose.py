@@ -333,7 +333,7 @@ class Mimose(Planner):
         batch = self._probe_batch(make_batch, size)
         try:
             self.measurer.lifetimes, self.measurer.twins = True, twins or {}
-            self.measurer.begin()
+            self.measurer.begin(inputs=batch)
             peak = probe_step(self, batch, step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
             self.measurer.abort()

@@ -169,7 +169,7 @@ class Oracle(Planner):
                 raise RuntimeError("oracle measures every input size: pass the batch to "
                                    "planner.step(batch) or call planner.prepare(make_batch, ...)")
             batch = to_model_device(self.model, self._make_batch(size))
-        self.measurer.begin()
+        self.measurer.begin(inputs=batch)
         ran = False
         try:
             ran = probe_step(self, batch) is not None

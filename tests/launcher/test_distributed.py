@@ -64,8 +64,8 @@ def _fail_once_in_backward(step: int) -> None:
     DistributedDataParallel would be all-reducing."""
     begin, run = PlanRunner.begin, PlanRunner.run
 
-    def failing_begin(self, info):
-        begin(self, info)
+    def failing_begin(self, info, inputs=None):
+        begin(self, info, inputs)
         self.fail = info.step == step and info.retries == 0
 
     def failing_run(self, index, forward, args, kwargs):

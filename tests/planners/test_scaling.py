@@ -70,7 +70,7 @@ def assert_estimate_is_measured(planner, make_batch, sizes):
     for size in sizes:
         predicted = planner.estimator.predict(size)
         batch = make_batch(size)  # made before the probe starts counting
-        planner.measurer.begin()
+        planner.measurer.begin(inputs=batch)
         probe_step(planner, batch)
         blocks, step, _ = planner.measurer.end()
         for q in BLOCK_QUANTITIES:

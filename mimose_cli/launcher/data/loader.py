@@ -6,14 +6,16 @@ so the padded length L varies from batch to batch: that variation is what Mimose
 
 import torch
 
-from mimose_cli.launcher.data.synthetic import TokenSpace, data_rng
+from mimose_cli.launcher.data.synthetic import TokenSpace, data_rng, image_pixels
 
 MEGABATCH_MULT = 50
 """group_by_length sorts megabatches of up to this many batches (Hugging Face Trainer's value)."""
 
 
 def example_length(example: dict) -> int:
-    """Tokens in an example; for multiple choice, its longest choice."""
+    """Tokens in an example; for multiple choice, its longest choice; an image's side."""
+    if "side" in example:
+        return example["side"]
     ids = example["input_ids"]
     return max(len(choice) for choice in ids) if ids and isinstance(ids[0], list) else len(ids)
 
@@ -32,16 +34,35 @@ def _pad(rows: list, length: int, value: int, side: str) -> list:
     return [[value] * (length - len(r)) + r if side == "left" else r + [value] * (length - len(r)) for r in rows]
 
 
+def model_input(batch: dict) -> torch.Tensor:
+    """The batch's main input: its token ids, or its images' pixels."""
+    return batch["input_ids"] if "input_ids" in batch else batch["pixel_values"]
+
+
 class Collator:
-    """Pads a list of examples into one batch of tensors in the Hugging Face format for the task."""
+    """Pads a list of examples into one batch of tensors in the Hugging Face format for the task:
+    token rows to the longest (``attention_mask`` marks the padding), images to the largest side
+    (zeros at the bottom and right, as a padding collator for images does)."""
 
     def __init__(self, task: str, config):
         self.task = task
-        self.pad_id = config.pad_token_id
+        self.pad_id = getattr(config, "pad_token_id", None)
         self.token_types = uses_token_types(config)
         self.side = padding_side(config)
+        self.channels = getattr(config, "num_channels", 3)
+        self.num_labels = getattr(config, "num_labels", 2)
+
+    def _images(self, examples: list) -> dict:
+        side = max(e["side"] for e in examples)
+        pixels = torch.zeros(len(examples), self.channels, side, side)
+        for row, example in enumerate(examples):
+            image = torch.from_numpy(image_pixels(example, self.channels, self.num_labels))
+            pixels[row, :, :example["side"], :example["side"]] = image
+        return {"pixel_values": pixels, "labels": torch.tensor([e["label"] for e in examples], dtype=torch.long)}
 
     def __call__(self, examples: list) -> dict:
+        if self.task == "image_classification":
+            return self._images(examples)
         multiple_choice = self.task == "multiple_choice"
         rows = [r for e in examples for r in (e["input_ids"] if multiple_choice else [e["input_ids"]])]
         length = max(len(r) for r in rows)
@@ -138,8 +159,13 @@ def build_eval_loader(recipe, dataset, config) -> BatchLoader:
 
 
 def max_input_size(recipe) -> tuple:
-    """The largest planner input size (B_eff, L) the recipe allows; B_eff counts every choice."""
+    """The largest planner input size (B_eff, L) the recipe allows; B_eff counts every choice;
+    (B, H, W) for images, the largest side a multiple of ``data.image_multiple``."""
     batch = recipe.training.batch_size
+    if recipe.task == "image_classification":
+        multiple = recipe.data.image_multiple
+        side = max(multiple, recipe.data.max_length // multiple * multiple)
+        return batch, side, side
     if recipe.task == "multiple_choice":
         batch *= recipe.data.num_choices
     return batch, recipe.data.max_length
@@ -149,7 +175,14 @@ def make_batch(recipe, config, input_size) -> dict:
     """A random batch of exactly ``input_size`` = (B_eff, L), valid labels, for profiling planners.
 
     For multiple choice B_eff = B * num_choices and input_ids has shape (B, num_choices, L).
+    For images ``input_size`` = (B, H, W).
     """
+    if recipe.task == "image_classification":
+        rows, height, width = (int(n) for n in input_size)
+        rng = data_rng(recipe.seed, 2, rows, height, width)
+        channels = getattr(config, "num_channels", 3)
+        return {"pixel_values": torch.from_numpy(rng.standard_normal((rows, channels, height, width), dtype="float32")),
+                "labels": torch.from_numpy(rng.integers(0, recipe.data.num_labels, rows)).long()}
     batch_eff, length = (int(n) for n in input_size)
     shape = (batch_eff, length)
     if recipe.task == "multiple_choice":

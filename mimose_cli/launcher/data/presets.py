@@ -31,4 +31,12 @@ LENGTH_PRESETS = {
                         source="estimate from QQP question word counts (~11 words each)"),
 }
 
+# Image sides in pixels (task image_classification): multi-scale training, each image resized so
+# its side falls between a small and a large scale, as detection and progressive-resizing recipes
+# do; sides are rounded to a multiple of data.image_multiple.
+IMAGE_PRESETS = {
+    "multiscale": LengthPreset(mean=160.0, std=56.0, min_length=64,
+                               source="multi-scale training: sides drawn around 160 px, 64 px and up"),
+}
+
 MIN_SYNTHETIC_LENGTH = 8

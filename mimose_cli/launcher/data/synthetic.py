@@ -12,13 +12,16 @@ signal so that the training loss falls:
 - question_answering: ``[CLS] question [SEP] passage [SEP]``; the answer span in the passage is
   enclosed by span-open/span-close tokens; start/end are the span's first and last tokens.
 - causal_lm: a short random motif repeated to the sequence length (learnable by copying).
+- image_classification: square images whose side follows the preset (a multiple of
+  ``data.image_multiple``); noise whose first channel's mean says the label. An example holds
+  its side, label and seed; the collator draws its pixels.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from mimose_cli.launcher.data.presets import LENGTH_PRESETS
+from mimose_cli.launcher.data.presets import IMAGE_PRESETS, LENGTH_PRESETS
 
 NUM_RESERVED_IDS = 16
 """Ids below this are structural tokens ([CLS], [SEP], markers), never ordinary content."""
@@ -57,7 +60,7 @@ def data_rng(*keys: int) -> np.random.Generator:
 
 def length_params(data) -> tuple[float, float, int]:
     """(mean, std, min_length) of the recipe's synthetic lengths: the preset, then overrides."""
-    preset = LENGTH_PRESETS[data.preset]
+    preset = {**LENGTH_PRESETS, **IMAGE_PRESETS}[data.preset]
     mean = preset.mean if data.length_mean is None else data.length_mean
     std = preset.std if data.length_std is None else data.length_std
     min_length = preset.min_length if data.min_length is None else data.min_length
@@ -125,15 +128,36 @@ def _causal_lm(rng, space: TokenSpace, length: int) -> dict:
     return {"input_ids": ids, "token_type_ids": [0] * length}
 
 
+def image_sides(lengths: np.ndarray, multiple: int, max_side: int) -> np.ndarray:
+    """Sides rounded to the nearest multiple of ``multiple``, at least one multiple, at most the
+    largest multiple within ``max_side``."""
+    top = max(multiple, max_side // multiple * multiple)
+    return np.clip(np.rint(lengths / multiple).astype(int) * multiple, multiple, top)
+
+
+def image_pixels(example: dict, channels: int, num_labels: int) -> np.ndarray:
+    """An image example's pixels (channels x side x side, float32): noise from its seed, the first
+    channel shifted by its label (a signal global pooling learns)."""
+    side = example["side"]
+    pixels = data_rng(example["seed"], 4).standard_normal((channels, side, side), dtype=np.float32)
+    pixels[0] += 2.0 * example["label"] / max(1, num_labels - 1) - 1.0
+    return pixels
+
+
 def build_synthetic(recipe, config, validation: bool = False) -> list:
     """``data.num_examples`` examples for ``recipe.task`` (``validation``: ``data.validation_examples``
     others, from a seed stream of their own), the same for the same ``recipe.seed``."""
     data = recipe.data
     mean, std, min_length = length_params(data)
-    space = TokenSpace.for_config(config)
     rng = data_rng(recipe.seed, VALIDATION_STREAM) if validation else data_rng(recipe.seed, 0)
     count = data.validation_examples if validation else data.num_examples
     lengths = sample_lengths(rng, count, mean, std, min_length, data.max_length)
+    if recipe.task == "image_classification":
+        sides = image_sides(lengths, data.image_multiple, data.max_length)
+        labels = rng.integers(0, data.num_labels, count)
+        seeds = rng.integers(0, 2**63, count)
+        return [{"side": int(s), "label": int(y), "seed": int(k)} for s, y, k in zip(sides, labels, seeds)]
+    space = TokenSpace.for_config(config)
     if recipe.task == "sequence_classification":
         return [_classification(rng, space, n, data.num_labels) for n in lengths]
     if recipe.task == "multiple_choice":
