@@ -10,7 +10,7 @@ out-of-memory past the budget):
   ``t5-nocache`` with ``use_cache=False``, see MODELS), ViT (image classification, the
   image side varying per batch, 32-96 px in multiples of the 8 px patch, with
   ``interpolate_pos_encoding=True``), ResNet (image classification, bottleneck stages of 2, 3,
-  6 and 2 layers, all 13 of them blocks, BatchNorm in each; the same images);
+  6 and 2 layers, all 13 of them blocks, BatchNorm in each; sides 32-160 px in multiples of 32);
 - settings: fp32; bf16 and fp16 autocast around the forward (fp16 with a GradScaler); lengths
   padded up to a multiple of 128 (images: the side up to a multiple of 32 px); gradient
   accumulation over 4 micro-batches (gradients alive at the start of 3 in 4); a batch size
@@ -61,6 +61,9 @@ BUDGET_FRACTIONS = (0.25, 0.5, 0.75)
 LENGTHS = dict(mean=64.0, std=48.0, min_length=16, max_length=256)
 TARGET_LENGTHS = dict(mean=24.0, std=16.0, min_length=4, max_length=128)  # T5's labels
 IMAGE_SIDES_PX = tuple(range(32, 97, 8))
+CNN_SIDES_PX = tuple(range(32, 161, 32))
+"""A CNN's images: sides in multiples of its stride, 32 px, as a CNN pipeline crops them (the
+probes are exact there; other sides are measured, docs/MIMOSE.md)."""
 TARGETS = {"oom_steps": 0, "retries": 0, "pred_err_max_abs_pct": 2.0,
            "binding_peak_mean_pct": 90.0, "loss_max_abs_diff": 0.0}
 TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -78,6 +81,8 @@ class ModelSpec:
     """What its batches hold: classify, choice, causal, seq2seq or image."""
     config: dict
     """``AutoConfig.for_model`` keywords, ``model_type`` included."""
+    sides: tuple = ()
+    """Image sides to draw from (default ``IMAGE_SIDES_PX``)."""
 
 
 MODELS = {
@@ -105,7 +110,8 @@ MODELS = {
     # transformers has no checkpointing of its own for it.
     "resnet": ModelSpec("ResNetForImageClassification", "image",
                         dict(model_type="resnet", embedding_size=16, hidden_sizes=[16, 32, 64, 128],
-                             depths=[2, 3, 6, 2], layer_type="bottleneck", num_labels=10)),
+                             depths=[2, 3, 6, 2], layer_type="bottleneck", num_labels=10),
+                        sides=CNN_SIDES_PX),
 }
 
 
@@ -148,7 +154,7 @@ def batch_shapes(spec: ModelSpec, setting: Setting, steps: int) -> list:
         rng = data_rng(SEED, 10, step)
         size = int(rng.integers(setting.batch_sizes[0], setting.batch_sizes[1] + 1))
         if spec.kind == "image":
-            side = int(rng.choice(IMAGE_SIDES_PX))
+            side = int(rng.choice(spec.sides or IMAGE_SIDES_PX))
             shapes.append(Shape((side,) * size, side if setting.pad_multiple == 1 else _pad([side], 32)))
             continue
         lengths = tuple(int(n) for n in sample_lengths(rng, size, **LENGTHS))

@@ -42,16 +42,28 @@ def infer_input_size(batch, encoder_decoder: bool = False) -> tuple:
     return size
 
 
+def _rows(value, rows: int):
+    """``value``'s first dimension cut or repeated to ``rows`` (a tensor; anything else as it is)."""
+    if not isinstance(value, torch.Tensor) or value.ndim == 0:
+        return value
+    return value[torch.arange(rows, device=value.device) % value.shape[0]]
+
+
 def resized_batch(batch, size: tuple) -> dict:
     """``batch`` cut or repeated, rows then tokens, to the input size ``size``: (B, L), an
     encoder-decoder's (B, L, D) (the decoder's tensors, ``labels`` and ``decoder_*``, take D) or
-    an image batch's (B, H, W) (rows only: the model fixes the image size). A batch of another
-    size for planners that measure ahead, with every key the model takes and valid values."""
+    an image batch's (B, H, W) (its pixels cut or tiled to H x W). A batch of another size for
+    planners that measure ahead, with every key the model takes and valid values."""
     images = batch.get("pixel_values") is not None
     ids = batch["pixel_values" if images else "input_ids"]
     per_row = 1 if images else max(1, ids[0, ..., 0].numel())  # (B, C, L) multiple choice: B*C = size[0]
     rows = size[0] // per_row
     lengths = {}
+    if images and len(size) == 3:
+        pixels = _rows(ids, rows)
+        for dim, target in ((-2, size[1]), (-1, size[2])):
+            pixels = pixels.index_select(dim, torch.arange(target, device=ids.device) % pixels.shape[dim])
+        return {key: pixels if key == "pixel_values" else _rows(value, rows) for key, value in batch.items()}
     if not images:
         lengths[False] = (ids.shape[-1], size[1])
         decoder = next((batch[k] for k in DECODER_KEYS if batch.get(k) is not None), None)

@@ -447,6 +447,29 @@ def test_a_cnns_image_sides_are_probed_and_trusted_at_multiples_of_32():
     assert 0 <= min(errors) and max(errors) <= 0.01, errors
 
 
+def test_a_loop_of_ones_own_probes_a_cnns_sides_from_its_first_batch():
+    """Without ``prepare``, the first ``planner.step(batch)`` probes from that batch: its images
+    are tiled to 64 and 96 px, so a later batch of 128 px images is planned, not measured."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from mimose_cli.planners.inputs import resized_batch
+
+    assert resized_batch(_images((2, 48, 48)), (3, 96, 64))["pixel_values"].shape == (3, 3, 96, 64)
+    torch.manual_seed(0)
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[2, 3, 6, 2],
+                          layer_type="bottleneck", num_labels=4)
+    with metered_mimose(ResNetForImageClassification(config).train()) as (planner, meter):
+        phases = []
+        for size in ((2, 32, 32), (2, 128, 128), (4, 64, 64)):
+            batch = _images(size)
+            with planner.step(batch) as info:
+                planner.model(**batch).loss.backward()
+            planner.model.zero_grad(set_to_none=True)
+            phases.append(info.phase)
+        assert planner.stats["estimate_source"] == "probes" and planner.estimator.side_multiple == 32
+    assert phases == ["responsive"] * 3
+
+
 def test_a_model_that_takes_only_its_own_image_size_is_probed_at_it():
     """A ViT without interpolated positions refuses 64 px: the probes say why and vary the batch."""
     from transformers import ViTConfig, ViTForImageClassification
