@@ -53,7 +53,7 @@ def _sample_diff(planner, batch, size, step_fn=None) -> float:
     """The largest difference between the estimate at ``size`` and a sample measured there (a
     sheltered step's, unseen by training), over every quantity the timeline is built from, in
     percent of that sample's largest value: 0 when the probes' scaling is exact."""
-    planner.measurer.begin()
+    planner.measurer.begin(inputs=batch)  # the batch is the step's start, as in the probes
     probe_step(planner, batch, step_fn)
     blocks, step, _ = planner.measurer.end()
     predicted = planner.estimator.predict(size)

@@ -310,6 +310,13 @@ def train_run(spec: ModelSpec, setting: Setting, shapes: list, planner_name: str
         planner = build_planner(planner_name, model, budget_bytes, meter=meter)
         trainer = Trainer(model, optimizer, scaler, meter, planner, make_step_fn(model, spec, setting, scaler),
                           setting.accumulation)
+        if spec.kind == "image" and planner_name == "mimose":
+            # As the launcher does: the probes are told the largest images, so a CNN's are probed
+            # at two sides (a first batch of small ones would be probed at its own side only).
+            side = max(shape.padded for shape in shapes)
+            rows = max(len(shape.lengths) for shape in shapes)
+            make = lambda size: make_batch(spec, Shape(lengths=(size[1],) * size[0], padded=size[1]), 0)  # noqa: E731
+            planner.prepare(make, (rows, side, side), step_fn=trainer.step_fn)
         torch.manual_seed(SEED)  # the same dropout masks for every planner
         try:
             records = [train_step(trainer, spec, shape, step) for step, shape in enumerate(shapes)]

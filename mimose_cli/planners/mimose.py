@@ -244,15 +244,20 @@ class Mimose(Planner):
         del first
         if not images:
             return self._probes_at(self._probe_sizes(make_batch, max_size, True), max_size, make_batch, step_fn)
-        # An image's sides are probed at two sizes (a CNN takes any); a model that takes only its
-        # own (position embeddings) is probed there, only the batch varying.
-        sizes = self._probe_sizes(make_batch, max_size, True, image=True)
-        try:
-            samples = self._probes_at(sizes, max_size, make_batch, step_fn)
-            self.estimator.side_multiple = math.gcd(*SIDE_PAIR)
-            return samples
-        except ScalingError as err:
-            self.counts.probe_sides_refused = str(err)
+        # An image's sides are probed at two sizes (a CNN takes any) when the largest image is at
+        # least the larger (the probes cost no more than a real batch's images); a model that
+        # takes only its own sides (position embeddings) is probed at them, only the batch varying.
+        if min(max_size[1:]) >= SIDE_PAIR[1]:
+            sizes = self._probe_sizes(make_batch, max_size, True, image=True)
+            try:
+                samples = self._probes_at(sizes, max_size, make_batch, step_fn)
+                self.estimator.side_multiple = math.gcd(*SIDE_PAIR)
+                return samples
+            except ScalingError as err:
+                self.counts.probe_sides_refused = str(err)
+        else:
+            self.counts.probe_sides_refused = (f"the largest image, {max_size[1]} x {max_size[2]}, is smaller than "
+                                               f"{SIDE_PAIR[1]} px: its sides are probed as they are")
         return self._probes_at(self._probe_sizes(make_batch, max_size, False), max_size, make_batch, step_fn)
 
     def _probes_at(self, sizes: list, max_size: tuple, make_batch, step_fn) -> list:

@@ -35,8 +35,8 @@ the second): a factor 1.5; an encoder-decoder's decoder length takes a factor 1.
 ``(4, 5)``), so that no two features grow alike."""
 _DECODER_PAIRS = ((8, 10), (4, 5))
 SIDE_PAIR = (64, 96)
-"""An image's two probe sides (height and width alike), when the model takes other sides than its
-own: multiples of 32, the stride of a CNN's last stage (ResNet, ConvNeXt, Swin), so that every
+"""An image's two probe sides (height and width alike), when the largest image allows them and the
+model takes other sides than its own: multiples of 32, the stride of a CNN's last stage (ResNet, ConvNeXt, Swin), so that every
 feature map is a whole fraction of the side; factor 1.5."""
 _MAX_SLOPE = 2
 
@@ -69,7 +69,7 @@ def probe_sizes(max_size: tuple, vary_lengths: bool, decoder: bool = False, batc
         pairs = _DECODER_PAIRS if decoder and position == 1 else _LENGTH_PAIRS
         pair = next((p for p in pairs if p[1] <= longest), None) if vary_lengths else None
         if image and vary_lengths:
-            pair = SIDE_PAIR  # a CNN's sides, whatever the largest image (a small one is cheap)
+            pair = SIDE_PAIR  # a CNN's sides (the caller checks the largest image allows them)
         lengths.append(pair or (int(longest), int(longest)))
     return [(batches[k], *(pair[k] for pair in lengths)) for k in range(2)]
 

@@ -449,7 +449,9 @@ def test_a_cnns_image_sides_are_probed_and_trusted_at_multiples_of_32():
 
 def test_a_loop_of_ones_own_probes_a_cnns_sides_from_its_first_batch():
     """Without ``prepare``, the first ``planner.step(batch)`` probes from that batch: its images
-    are tiled to 64 and 96 px, so a later batch of 128 px images is planned, not measured."""
+    (96 px, as large as the larger probe) are cut and tiled to 64 and 96 px, so later batches of
+    128 and 64 px images are planned, not measured; a first batch of smaller images is probed at
+    its own side (the probes cost no more than the batch)."""
     from transformers import ResNetConfig, ResNetForImageClassification
 
     from mimose_cli.planners.inputs import resized_batch
@@ -460,7 +462,7 @@ def test_a_loop_of_ones_own_probes_a_cnns_sides_from_its_first_batch():
                           layer_type="bottleneck", num_labels=4)
     with metered_mimose(ResNetForImageClassification(config).train()) as (planner, meter):
         phases = []
-        for size in ((2, 32, 32), (2, 128, 128), (4, 64, 64)):
+        for size in ((2, 96, 96), (2, 128, 128), (4, 64, 64)):
             batch = _images(size)
             with planner.step(batch) as info:
                 planner.model(**batch).loss.backward()
@@ -468,6 +470,10 @@ def test_a_loop_of_ones_own_probes_a_cnns_sides_from_its_first_batch():
             phases.append(info.phase)
         assert planner.stats["estimate_source"] == "probes" and planner.estimator.side_multiple == 32
     assert phases == ["responsive"] * 3
+    with metered_mimose(ResNetForImageClassification(config).train()) as (planner, meter):
+        with planner.step(_images((2, 32, 32))):
+            planner.model(**_images((2, 32, 32))).loss.backward()
+        assert "smaller than 96 px" in planner.stats["probe_sides_refused"] and planner.estimator.side_multiple == 1
 
 
 def test_a_model_that_takes_only_its_own_image_size_is_probed_at_it():
