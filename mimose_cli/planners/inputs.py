@@ -73,7 +73,7 @@ def resized_batch(batch, size: tuple) -> dict:
     def resize(key, value):
         if not isinstance(value, torch.Tensor) or value.ndim == 0:
             return value
-        value = value[torch.arange(rows, device=value.device) % value.shape[0]]
+        value = _rows(value, rows)
         is_decoder = True in lengths and (key in DECODER_KEYS or key.startswith("decoder_"))
         length, target = lengths.get(is_decoder, (None, None))
         if value.ndim >= 2 and value.shape[-1] == length:

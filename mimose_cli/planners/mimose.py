@@ -133,6 +133,12 @@ def _counters_of(state: dict) -> MimoseCounters:
     return MimoseCounters(**copy.deepcopy(saved))
 
 
+def _probe_failed(what: str, size: tuple, error: Exception) -> ScalingError:
+    """A probe step that raised, in one line (the planner then learns from measured steps)."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    return ScalingError(f"the {what} at input size {size} failed ({type(error).__name__}: {first[:160]})")
+
+
 class Mimose(Planner):
     """Input-aware checkpointing: the paper's collector, estimator, scheduler and plan cache."""
 
@@ -288,9 +294,7 @@ class Mimose(Planner):
             releases = probe_with_runner(self, self._probe_batch(make_batch, size),
                                          InputReleases(self.model, self.num_blocks), step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
-            first = str(error).splitlines()[0] if str(error) else ""
-            raise ScalingError(f"the plain probe step at input size {size} failed ({type(error).__name__}: "
-                               f"{first[:160]})") from error
+            raise _probe_failed("plain probe step", size, error) from error
         if releases is None:
             raise ScalingError(f"the plain probe step at input size {size} ran out of memory")
         self.counts.probe_releases = releases.count
@@ -328,12 +332,10 @@ class Mimose(Planner):
         return batch
 
     def _probe_step(self, make_batch, size: tuple, step_fn=None, twins=None):
-        """One probe step at ``size`` (called with the device's meter set aside, ``_probe``):
-        measured by the collector with storage lifetimes, unseen by the training run
-        (``trial.probe_step``). The batch is given padding (the last row's last
-        position masked) when it has an attention mask: real batches padded to their longest row
-        take the models' masked code paths, which hold more memory. Blocks of ``twins`` skip
-        their measuring run (``ShuttlingCollector.twins``)."""
+        """One probe step at ``size`` (called with the device's meter set aside, ``_probe``), on
+        ``_probe_batch``'s batch: measured by the collector with storage lifetimes, unseen by the
+        training run (``trial.probe_step``). Blocks of ``twins`` skip their measuring run
+        (``ShuttlingCollector.twins``)."""
         batch = self._probe_batch(make_batch, size)
         try:
             self.measurer.lifetimes, self.measurer.twins = True, twins or {}
@@ -341,9 +343,7 @@ class Mimose(Planner):
             peak = probe_step(self, batch, step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
             self.measurer.abort()
-            first = str(error).splitlines()[0] if str(error) else ""
-            raise ScalingError(f"the probe step at input size {size} failed ({type(error).__name__}: "
-                               f"{first[:160]})") from error
+            raise _probe_failed("probe step", size, error) from error
         except BaseException:
             self.measurer.abort()
             raise
