@@ -13,14 +13,17 @@ what error remains is the step timeline's own upper bounds, the same for measure
 Also the probes' cost in ordinary steps of the first batch's size, how many probe steps ran, and
 how many blocks they took from an earlier block alike in parameters instead of measuring their
 plain run (``alike``), and how many let go of an input when run plainly (``releases``, seen by the
-plain probe step). ``--precision bf16`` (or fp16, with a GradScaler) runs the probes and every
+plain probe step), and how many layers of a stack they left out (``left out``: a layer before them alike stands
+for them). ``--layers 8`` gives every model stacks of 8 layers (T5: 8 in each stack), where the
+probes leave layers out; the matrix's 4 leave none. ``--precision bf16`` (or fp16, with a GradScaler) runs the probes and every
 measured step under that autocast, as the robustness matrix's settings do. Writes
 benchmarks/results/first_step.json (first_step_bf16.json, ...).
 
-    python benchmarks/first_step.py [--models bert,gpt2] [--precision bf16]
+    python benchmarks/first_step.py [--models bert,gpt2] [--precision bf16] [--layers 8]
 """
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -64,8 +67,19 @@ def _sample_diff(planner, batch, size, step_fn=None) -> float:
     return max(abs(p - m) for p, m in pairs) / scale * 100
 
 
-def measure(name: str, precision: str = "fp32") -> dict:
-    spec = MODELS[name]
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
+
+
+def deeper(spec, layers: int | None):
+    """``spec`` with stacks of ``layers`` layers (every layer count its config has), or as it is."""
+    if not layers:
+        return spec
+    config = {k: (layers if k in LAYER_KEYS else v) for k, v in spec.config.items()}
+    return dataclasses.replace(spec, config=config)
+
+
+def measure(name: str, precision: str = "fp32", layers: int | None = None) -> dict:
+    spec = deeper(MODELS[name], layers)
     model = build_model(spec).train()
     meter = build_meter("simulated", 10**11)
     setting = SETTINGS[precision]
@@ -92,6 +106,7 @@ def measure(name: str, precision: str = "fp32") -> dict:
                    first_phase=planner.last.phase, probe_ms=stats["probe_ms"], plain_ms=plain_ms,
                    probe_in_plain=stats["probe_ms"] / plain_ms, probe_steps=stats["probe_steps"],
                    probe_twins=stats["probe_twins"], probe_releases=stats["probe_releases"],
+                   probe_skipped=stats["probe_skipped"], probe_skips_refused=stats["probe_skips_refused"],
                    blocks=planner.num_blocks)
         n = planner.num_blocks
         plans = {"none": (), "all": tuple(range(n)), "every other": tuple(range(0, n, 2))}
@@ -119,24 +134,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="bert,roberta,xlnet,gpt2,llama,t5-nocache,vit")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--layers", type=int, default=None, help="layers in each stack (default: the matrix's 4)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     np.seterr(all="ignore")
     rows = []
-    print(f"{'model':11} {'source':8} {'probes/plain':>12} {'steps':>5} {'alike':>7} {'lets go':>7} {'cases':>5} {'untrusted':>9} "
+    print(f"{'model':11} {'source':8} {'probes/plain':>12} {'steps':>5} {'alike':>7} {'lets go':>7} {'left out':>8} {'cases':>5} {'untrusted':>9} "
           f"{'max over %':>10} {'max under %':>11} {'vs sample %':>11}  fallback")
     for name in args.models.split(","):
-        row = measure(name, args.precision)
+        row = measure(name, args.precision, args.layers)
         rows.append(row)
         over = "-" if row["max_over_pct"] is None else f"{row['max_over_pct']:+.3f}"
         under = "-" if row["max_under_pct"] is None else f"{row['max_under_pct']:+.3f}"
         print(f"{name:11} {row['source']:8} {row['probe_in_plain']:11.2f}x {row['probe_steps']:5} "
-              f"{row['probe_twins']:>3}/{row['blocks']:<3} {row['probe_releases']:7} {len(row['cases']):5} "
-              f"{row['untrusted']:9} {over:>10} {under:>11} {row.get('sample_diff_pct', 0):11.2g}  {row['fallback']}",
+              f"{row['probe_twins']:>3}/{row['blocks']:<3} {row['probe_releases']:7} {row['probe_skipped']:8} {len(row['cases']):5} "
+              f"{row['untrusted']:9} {over:>10} {under:>11} {row.get('sample_diff_pct', 0):11.2g}  "
+              f"{row['fallback']} {row['probe_skips_refused']}",
               flush=True)
     name = "first_step" if args.precision == "fp32" else f"first_step_{args.precision}"
+    name += f"_{args.layers}_layers" if args.layers else ""
     write_results(name, rows, first=list(FIRST), held_out=[list(s) for s in HELD_OUT], precision=args.precision,
-                  threads=torch.get_num_threads())
+                  layers=args.layers, threads=torch.get_num_threads())
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""What Mimose's probe steps cost before step 0, with blocks alike measured once and with every
-block measured, interleaved in one process.
+"""What Mimose's probe steps cost before step 0: with a long stack's middle layers left out, with
+every layer run, and with every block measured, interleaved in one process.
 
 For the 60-step GPT-2 of ``short_run.py`` (6 layers) and the 12-layer tiny BERT of
 ``mimose_speed.py --presets swag``: the model from its config on the simulated device, one thread;
 ``Mimose.prepare`` (the two probe steps, their scaling and the fit) is timed ``--repeats`` times
-in each mode, the modes alternating, after one warm-up each. Modes: ``alike once`` (the default:
-blocks alike in parameters take their plain run from the first of them, docs/MIMOSE.md) and
-``every block`` (``twin_blocks`` switched off: every block gets its measuring run, as before).
+in each mode, the modes rotating, after one warm-up each. Modes: ``left out`` (the default: the
+layers between a stack's third and its last are not run, the third stands for them; blocks alike
+in parameters take their plain run from the first of them, docs/MIMOSE.md), ``every layer``
+(``stack_runs`` switched off: every layer runs, blocks alike still measured once) and ``every
+block`` (``twin_blocks`` switched off too: every block gets its measuring run).
 Also one ordinary training step of the recipe's mean batch shape, for scale. Prints min and
 median ms and the ratio of the medians; writes benchmarks/results/probe_cost.json.
 
@@ -31,11 +33,13 @@ from mimose_cli.planners.trial import loss_of, run_model
 
 from _results import write_results
 
-MODES = ("alike once", "every block")
+MODES = ("left out", "every layer", "every block")
 
 
 def _prepare_ms(model, make, max_size, meter, mode: str) -> tuple:
-    real = mimose_module.twin_blocks
+    real = mimose_module.twin_blocks, mimose_module.stack_runs
+    if mode != "left out":
+        mimose_module.stack_runs = lambda blocks, twins: ([], "switched off")
     if mode == "every block":
         mimose_module.twin_blocks = lambda blocks: {}
     try:
@@ -46,9 +50,9 @@ def _prepare_ms(model, make, max_size, meter, mode: str) -> tuple:
         stats = planner.stats
         planner.close()
     finally:
-        mimose_module.twin_blocks = real
+        mimose_module.twin_blocks, mimose_module.stack_runs = real
     assert stats["estimate_source"] == "probes", stats["estimate_fallback"]
-    return ms, stats["probe_steps"], stats["probe_twins"]
+    return ms, stats["probe_steps"], stats["probe_twins"], stats["probe_skipped"]
 
 
 def measure(name: str, recipe, max_size: tuple, step_size: tuple, repeats: int) -> dict:
@@ -61,9 +65,9 @@ def measure(name: str, recipe, max_size: tuple, step_size: tuple, repeats: int) 
     with meter.activate():
         meter.track(model)
         for round_ in range(repeats + 1):
-            for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
-                ms, steps, twins = _prepare_ms(model, make, max_size, meter, mode)
-                counts[mode] = {"probe_steps": steps, "probe_twins": twins}
+            for mode in MODES[round_ % 3:] + MODES[:round_ % 3]:
+                ms, steps, twins, skipped = _prepare_ms(model, make, max_size, meter, mode)
+                counts[mode] = {"probe_steps": steps, "probe_twins": twins, "probe_skipped": skipped}
                 if round_:  # the first round warms up
                     times[mode].append(ms)
         batch = make(step_size)
@@ -77,7 +81,8 @@ def measure(name: str, recipe, max_size: tuple, step_size: tuple, repeats: int) 
     return {"model": name, "max_size": list(max_size), "step_size": list(step_size),
             "step_ms": statistics.median(step_ms[1:]),
             "modes": {mode: {"min_ms": min(times[mode]), "median_ms": medians[mode], **counts[mode]} for mode in MODES},
-            "alike_over_every": medians["alike once"] / medians["every block"]}
+            "left_out_over_every_layer": medians["left out"] / medians["every layer"],
+            "left_out_over_every_block": medians["left out"] / medians["every block"]}
 
 
 def main():
@@ -89,12 +94,15 @@ def main():
         cases = [("gpt2 (short_run)", short_recipe(out_dir, 1), (4, 512), (4, 120)),
                  ("bert-12 (swag)", recipe_for("swag", 1, out_dir), (16, 256), (16, 64))]
         rows = [measure(name, r, max_size, step_size, args.repeats) for name, r, max_size, step_size in cases]
-    print(f"{'model':18} {'mode':12} {'steps':>5} {'alike':>5} {'min ms':>7} {'median ms':>9} {'in steps':>8}")
+    print(f"{'model':18} {'mode':12} {'steps':>5} {'alike':>5} {'left out':>8} {'min ms':>7} {'median ms':>9} "
+          f"{'in steps':>8}")
     for row in rows:
         for mode, m in row["modes"].items():
-            print(f"{row['model']:18} {mode:12} {m['probe_steps']:5} {m['probe_twins']:5} {m['min_ms']:7.0f} "
+            print(f"{row['model']:18} {mode:12} {m['probe_steps']:5} {m['probe_twins']:5} {m['probe_skipped']:8} "
+                  f"{m['min_ms']:7.0f} "
                   f"{m['median_ms']:9.0f} {m['median_ms'] / row['step_ms']:8.2f}")
-        print(f"{row['model']:18} alike once / every block: {row['alike_over_every']:.3f} "
+        print(f"{row['model']:18} left out / every layer: {row['left_out_over_every_layer']:.3f}, "
+              f"/ every block: {row['left_out_over_every_block']:.3f} "
               f"(one step of {tuple(row['step_size'])}: {row['step_ms']:.0f} ms)")
     write_results("probe_cost", rows, repeats=args.repeats, threads=torch.get_num_threads())
 

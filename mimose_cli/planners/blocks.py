@@ -130,6 +130,78 @@ def twin_blocks(blocks: list) -> dict:
     return {index: group[1] for group in groups.values() for index in group[2:]}
 
 
+def _settings(module: nn.Module) -> list:
+    """The plain attributes (numbers, strings, flags, tuples of them) of ``module`` and of every
+    module inside it, by name, but those that number a layer's place (``layer_idx``, ``index``,
+    ``*_id``): what makes blocks alike in parameters run otherwise (``attention_type``, a
+    ``sliding_window``, ``is_causal``)."""
+    plain = (bool, int, float, str, type(None))
+
+    def usable(name, value):
+        if name.endswith(("idx", "index", "_id")) or name.startswith("__"):
+            return False
+        return isinstance(value, plain) or (isinstance(value, tuple) and all(isinstance(v, plain) for v in value))
+
+    return [(prefix, sorted((k, v) for k, v in vars(sub).items() if usable(k, v)))
+            for prefix, sub in module.named_modules()]
+
+
+def stack_runs(blocks: list, twins: dict) -> tuple:
+    """Runs of a stack's layers a probe step may leave out, ``[(template, (skipped, ...))]``,
+    and why none could be found (or ""). In each group of blocks alike (``twin_blocks``: the
+    first, its second, the others), the layers between the group's third and its last are left
+    out when they follow one another in forward (index) order in the container that holds the
+    third and the last (a ``ModuleList``/``Sequential``), with the same settings as the third
+    (``_settings``); the third stands for them (``planners.scaling``), and the first, second and
+    last, which often run otherwise (the ends of a stack), still run."""
+    groups: dict = {}
+    for index, leader in sorted(twins.items()):
+        groups.setdefault(leader, []).append(index)
+    runs, reasons = [], []
+    for members in groups.values():
+        if len(members) < 3:
+            continue
+        template, skipped, last = members[0], tuple(members[1:-1]), members[-1]
+        if list(range(template, last + 1)) != [template, *skipped, last]:
+            reasons.append(f"blocks {template}..{last} alike are not one after another")
+            continue
+        parents = {blocks[i][0].rpartition(".")[0] for i in (template, *skipped, last)}
+        if len(parents) != 1:
+            reasons.append(f"blocks {template}..{last} alike are not in one list")
+            continue
+        settings = _settings(blocks[template][1])
+        differs = next((i for i in skipped if _settings(blocks[i][1]) != settings), None)
+        if differs is not None:
+            reasons.append(f"block {differs} is set up otherwise than block {template}, which has the same parameters")
+            continue
+        runs.append((template, skipped))
+    return runs, ("; ".join(reasons) if not runs else "")
+
+
+@contextlib.contextmanager
+def left_out(model: nn.Module, blocks: list, skipped) -> None:
+    """The blocks ``skipped`` (indices into ``blocks``) taken out of the lists that hold them
+    while the context runs, so that the model's loop over a list runs only the others; put back
+    on exit. Each list keeps its class and is renumbered from 0 meanwhile."""
+    skipped = set(skipped)
+    containers: dict = {}
+    for index in sorted(skipped):
+        parent = blocks[index][0].rpartition(".")[0]
+        container = model.get_submodule(parent) if parent else model
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            raise ValueError(f"block {blocks[index][0]} is not in a ModuleList or Sequential")
+        containers[id(container)] = container
+    saved = [(container, container._modules) for container in containers.values()]
+    try:
+        for container, modules in saved:
+            kept = [m for m in modules.values() if not any(m is blocks[i][1] for i in skipped)]
+            container._modules = dict((str(k), m) for k, m in enumerate(kept))
+        yield
+    finally:
+        for container, modules in saved:
+            container._modules = modules
+
+
 _CHECKPOINT_HOOKS = ("_checkpoint_hook", "_recomputation_hook")
 
 

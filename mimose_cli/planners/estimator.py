@@ -176,6 +176,7 @@ class Estimator:
         self.sizes: list = []
         self.samples: list = []  # this session's (blocks, step) dicts, for inspection
         self.layout: dict = {}  # (quantity, block or -1) -> (offset, ops) in a flat row
+        self._end: int | None = None  # where the last stretch laid out ends (``_width``)
         self.rows: list = []  # one flat array per sample, NaN where it has no value
         self.coef: np.ndarray | None = None  # FEATURES x kept ops, in segments
         self.starts: np.ndarray | None = None  # first column of each (quantity, block) segment
@@ -222,7 +223,11 @@ class Estimator:
             if not len(values):  # a stretch measured with no op in it: no event, not unknown
                 self.empty.add((q, i))
                 continue
-            offset, ops = self.layout.setdefault((q, i), (self._width(), len(values)))
+            if (q, i) not in self.layout:
+                width = self._width()
+                self.layout[(q, i)] = (width, len(values))
+                self._end = width + len(values)
+            offset, ops = self.layout[(q, i)]
             if ops == len(values):
                 placed.append((offset, values))
         row = np.full(self._width(), np.nan)
@@ -231,7 +236,10 @@ class Estimator:
         self.rows.append(row)
 
     def _width(self) -> int:
-        return max((offset + ops for offset, ops in self.layout.values()), default=0)
+        """The columns of a flat row: where the last stretch laid out ends (each is laid out after the others)."""
+        if self._end is None:
+            self._end = max((offset + ops for offset, ops in self.layout.values()), default=0)
+        return self._end
 
     def fit(self) -> None:
         """Fit every op of every quantity (one pseudo-inverse per pattern of missing samples),
@@ -364,6 +372,7 @@ class Estimator:
         self.sizes = [tuple(s) for s in state["sizes"]]
         self.samples = []
         self.layout = {(q, i): (offset, ops) for q, i, offset, ops in state["layout"]}
+        self._end = None
         self.rows = [np.array([np.nan if v is None else v for v in row], dtype=float) for row in state["rows"]]
         order = state.get("order")
         self.order = None if order is None else tuple(order)

@@ -53,6 +53,26 @@ class Releases:
     def count(self) -> int:
         return int(self.consumers.any(axis=1).sum())
 
+    def deepened(self, runs) -> "Releases":
+        """These releases, seen by a plain probe step that left out layers of a stack
+        (``blocks.stack_runs``: ``[(template, skipped)]``), for the step with every layer: a
+        left-out layer lets go of what its template lets go of alone (its own input), and takes
+        what its template takes along with later blocks (a bias shared by the stack). Raises
+        ValueError where the template lets go of what it shares with blocks before it."""
+        consumers, slots = self.consumers.copy(), {k: set(v) for k, v in self.slots.items()}
+        for template, skipped in runs:
+            skipped = list(skipped)
+            for last in np.flatnonzero(consumers.any(axis=1)):
+                users = set(np.flatnonzero(consumers[last]))
+                if last == template:
+                    if users != {template}:
+                        raise ValueError(f"block {template} lets go of inputs blocks before it took too")
+                    consumers[skipped, skipped] = True
+                    slots.update({k: set(slots.get(template, ())) for k in skipped})
+                elif template in users and last > template:
+                    consumers[last, skipped] = True
+        return Releases(consumers, slots)
+
     def state_dict(self) -> dict:
         return {"consumers": self.consumers.tolist(), "slots": {str(k): sorted(v) for k, v in self.slots.items()}}
 

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mimose_cli.planners.base import Decision, Planner, StepInfo
-from mimose_cli.planners.blocks import twin_blocks
+from mimose_cli.planners.blocks import left_out, stack_runs, twin_blocks
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
@@ -100,6 +100,11 @@ class MimoseCounters:
     or empty."""
     probe_twins_refused: str = ""
     """Why blocks alike in parameters were all measured after all (they ran otherwise), or empty."""
+    probe_skipped: int = 0
+    """Layers of a stack the probes left out, taken as a layer before them alike in parameters
+    and settings (``blocks.stack_runs``)."""
+    probe_skips_refused: str = ""
+    """Why the probes ran every layer of a long stack after all, or empty."""
     probe_in_step_ms: float = 0.0
     """The part of ``probe_ms`` spent inside the first step's planning (no ``prepare``)."""
     probe_samples: int = 0
@@ -204,8 +209,9 @@ class Mimose(Planner):
             return (f"mimose: memory estimate loaded with the checkpoint (fitted from {c.estimate_source or 'measured steps'}"
                     "); no probe steps")
         if c.estimate_source == "probes":
-            return (f"mimose: memory estimate from {c.probe_steps} probe steps ({c.probe_ms / 1e3:.2f} s, scaled to "
-                    f"{c.probe_samples} sizes): the first batch is planned")
+            left_out = f", {c.probe_skipped} of {self.num_blocks} layers left out" if c.probe_skipped else ""
+            return (f"mimose: memory estimate from {c.probe_steps} probe steps ({c.probe_ms / 1e3:.2f} s{left_out}, "
+                    f"scaled to {c.probe_samples} sizes): the first batch is planned")
         if c.estimate_fallback:
             return f"mimose: learning from measured steps first: {c.estimate_fallback}"
         return None
@@ -268,37 +274,77 @@ class Mimose(Planner):
 
     def _probes_at(self, sizes: list, max_size: tuple, make_batch, step_fn) -> list:
         """The plain probe step and the two measured ones at ``sizes``, scaled (``_probe_samples``)."""
-        self._probe_releases(make_batch, sizes[0], step_fn)
-        # A block like an earlier one (a layer of a stack) skips its measuring run: the probes
-        # cost about one run of each block less; should it not run like it, every block is measured.
-        for twins in (twin_blocks(self.blocks), {}):
-            raws = [self._probe_step(make_batch, size, step_fn, twins) for size in sizes]
-            self.counts.probe_steps += 2
-            if structure_difference(*raws) is not None:
-                # What only the first step of a process does (a GradScaler creating its scale,
-                # a lazily built cache) differs from the second probe: the first size once more.
-                raws[0] = self._probe_step(make_batch, sizes[0], step_fn, twins)
-                self.counts.probe_steps += 1
-            refused = next(filter(None, map(twin_difference, raws)), None) if twins else None
+        # A block like an earlier one (a layer of a stack) skips its measuring run, and the
+        # layers of a long stack between its third and its last are left out of the probes (the
+        # third stands for them): the probes cost about as much at any depth. Should the left-out
+        # layers not be describable, every layer runs; should layers alike not run alike, every
+        # block is measured.
+        twins = twin_blocks(self.blocks)
+        runs, self.counts.probe_skips_refused = stack_runs(self.blocks, twins)
+        runs = self._probe_releases(make_batch, sizes[0], step_fn, runs)
+        attempts = [(twins, runs)] if runs else []
+        attempts += [(twins, []), ({}, [])]
+        for twins, runs in attempts:
+            if self.counts.probe_twins_refused and twins:
+                continue  # blocks alike ran otherwise: every block is measured
+            skipped = [i for _, run in runs for i in run]
+            try:
+                with left_out(self.model, self.blocks, skipped):
+                    raws = self._probe_pair(make_batch, sizes, step_fn, twins)
+                    refused = next(filter(None, map(twin_difference, raws)), None) if twins else None
+                    if refused is None:
+                        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set,
+                                            self.num_blocks, runs)
+            except ValueError as err:  # a ScalingError, or a list the layers cannot be taken out of
+                if not runs:
+                    raise
+                self.counts.probe_skips_refused = str(err)
+                continue
             if refused is None:
                 break
             self.counts.probe_twins_refused = refused
         self.counts.probe_twins = len(raws[0].twins)
-        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set)
+        self.counts.probe_skipped = len(skipped)
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
-    def _probe_releases(self, make_batch, size: tuple, step_fn) -> None:
+    def _probe_pair(self, make_batch, sizes: list, step_fn, twins: dict) -> list:
+        """The two measured probe steps at ``sizes`` (``RawStep``s), the first once more when it
+        ran otherwise than the second: what only the first step of a process does (a GradScaler
+        creating its scale, a lazily built cache)."""
+        raws = [self._probe_step(make_batch, size, step_fn, twins) for size in sizes]
+        self.counts.probe_steps += 2
+        if structure_difference(*raws) is not None:
+            raws[0] = self._probe_step(make_batch, sizes[0], step_fn, twins)
+            self.counts.probe_steps += 1
+        return raws
+
+    def _probe_releases(self, make_batch, size: tuple, step_fn, runs: list) -> list:
         """A plain probe step at ``size``: which inputs blocks run plainly let go of
-        (``collector.InputReleases``); the collector measures their bytes from then on."""
+        (``collector.InputReleases``); the collector measures their bytes from then on. The
+        layers of ``runs`` are left out (``Releases.deepened``); where that cannot be described
+        (or run), the step runs again with every layer. Returns the runs still to leave out."""
+        if runs:
+            try:
+                releases = self._plain_probe(make_batch, size, step_fn, runs)
+            except ValueError as err:  # a ScalingError, or releases a deeper stack cannot have
+                self.counts.probe_skips_refused, runs = str(err), []
+        if not runs:
+            releases = self._plain_probe(make_batch, size, step_fn, [])
+        self.counts.probe_releases = releases.count
+        self.estimator.releases = self.measurer.releases = releases
+        return runs
+
+    def _plain_probe(self, make_batch, size: tuple, step_fn, runs: list):
+        """The plain probe step's ``Releases``, with the layers of ``runs`` left out."""
         try:
-            releases = probe_with_runner(self, self._probe_batch(make_batch, size),
-                                         InputReleases(self.model, self.num_blocks), step_fn)
+            with left_out(self.model, self.blocks, [i for _, run in runs for i in run]):
+                releases = probe_with_runner(self, self._probe_batch(make_batch, size),
+                                             InputReleases(self.model, self.num_blocks), step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
             raise _probe_failed("plain probe step", size, error) from error
         if releases is None:
             raise ScalingError(f"the plain probe step at input size {size} ran out of memory")
-        self.counts.probe_releases = releases.count
-        self.estimator.releases = self.measurer.releases = releases
+        return releases.deepened(runs) if runs else releases
 
     def _probe_sizes(self, make_batch, max_size: tuple, vary_lengths: bool, image: bool = False) -> list:
         """The probes' two sizes at the smallest batch ``make_batch`` can make both of (two rows,

@@ -273,16 +273,20 @@ class ScaledStep:
     function of the size's features (``live(features)``), and the per-block quantities measured
     directly (saved bytes, resident bytes, released bytes) likewise."""
 
-    def __init__(self, a: RawStep, size_a: tuple, b: RawStep, size_b: tuple, feature_set):
+    def __init__(self, a: RawStep, size_a: tuple, b: RawStep, size_b: tuple, feature_set, num_blocks: int,
+                 runs=()):
         reason = structure_difference(a, b)
         if reason is not None:
             raise ScalingError(reason)
         self.feature_set = feature_set
         self.raw = a
+        self.num_blocks = num_blocks
+        self.deepening = Deepening(a, num_blocks, runs) if runs else None
         self.size_a, self.size_b = tuple(size_a), tuple(size_b)
         fa, fb = feature_set.of(size_a), feature_set.of(size_b)
         self.fa = fa
         coef = coefficients(a, b, size_a, size_b, feature_set)
+        self.coef = coef
         # Each feature's bytes per unit, summed over the storages alive at each point.
         diff = np.zeros((a.points + 1, len(fa)))
         np.add.at(diff, a.born, coef)
@@ -294,6 +298,8 @@ class ScaledStep:
         recorded[a.mark_points] = [live for _, _, live in a.marks]
         if a.points and np.abs(rebuilt - recorded).max() > 0.5:
             raise ScalingError("the probe's storages do not add up to its live bytes (a storage counted twice?)")
+        if self.deepening is not None:
+            self.terms = self.terms + self.deepening.extra_terms(coef, a.points)
         self.per_block = {}
         for quantity in ("saved_bytes", "resident_bytes", "release_bytes"):
             va, vb = a.per_block[quantity], b.per_block[quantity]
@@ -321,7 +327,10 @@ class ScaledStep:
         per_block = {"fwd_ms": np.full(len(a.per_block["fwd_ms"]), np.nan)}
         for quantity, (values, term) in self.per_block.items():
             per_block[quantity] = np.where(term >= 0, values * scale[np.maximum(term, 0)], np.nan)
-        blocks, step, shape = build_sample(marks, trace, len(per_block["fwd_ms"]), per_block, a.dropped, a.twins)
+        if self.deepening is not None:
+            blocks, step, shape = self.deepening.sample(marks, trace, per_block, self.coef @ f)
+        else:
+            blocks, step, shape = build_sample(marks, trace, self.num_blocks, per_block, a.dropped, a.twins)
         for quantity in ("fwd_ms", "saved_bytes", "release_bytes"):  # not measured at this size: no value
             blocks[quantity] = [None if v is None or np.isnan(v).any() else v for v in blocks[quantity]]
         return blocks, step, shape
@@ -336,3 +345,103 @@ class ScaledStep:
             axes.append(sorted(values))
         grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(axes))
         return [tuple(int(v) for v in point) for point in grid]
+
+
+class Deepening:
+    """A probe step that left out layers of a stack (``blocks.stack_runs``: ``[(template,
+    skipped)]``) written out as the step with every layer. Each left-out layer would have run as
+    its template (the layer before them, alike in parameters and settings), so it would have
+    made a copy of each of the template's storages, and the copies would have lived as the
+    template's do: what a layer's forward holds until the blocks' forward ends (autocast's cast
+    weights) or until its own backward, what it hands to the next layer (its output, held by
+    that layer's checkpoint) until that layer's backward, what it leaves live to the step's end
+    (its weights' gradients). ``extra_terms`` adds the copies to the live bytes at every point of
+    the probe; ``sample`` writes each left-out layer's quantities as its template's, less, in its
+    backward, what the copies before it no longer hold there. A storage of the template that
+    lives otherwise (freed by a block further off) raises ``ScalingError``, and the probes run
+    every layer instead."""
+
+    def __init__(self, raw: RawStep, num_blocks: int, runs):
+        self.num_blocks = num_blocks
+        self.runs = [(template, tuple(skipped)) for template, skipped in runs]
+        self.skipped = {i: template for template, skipped in self.runs for i in skipped}
+        self.kept = [i for i in range(num_blocks) if i not in self.skipped]
+        self.raw_twins = dict(raw.twins)
+        self.position = {i: k for k, i in enumerate(self.kept)}
+        if raw.dropped:
+            raise ScalingError(f"the data filter dropped blocks {sorted(raw.dropped)} in a probe that left layers out")
+        order = [label[1] for label, _, _ in raw.marks if label[0] == "enter"]
+        backward = [label[1] for label, _, _ in raw.marks if label[0] == "bwd"]
+        if order != self.kept or backward != order[::-1]:
+            raise ScalingError("the blocks did not run in order, forward and back, in a probe that left layers out")
+        point = {label: p for (label, _, _), p in zip(raw.marks, raw.mark_points)}
+        forward_end, backward_start, end = point[("ckpt", order[-1])], point[("bwd", order[-1])], point[("end",)]
+        self.intervals = []  # per run: [(storage, first point, last point + 1)] of the copies' lives
+        self.let_go = []  # per run: the storages each copy no longer holds in a later copy's backward
+        self.arrivals = []  # per run: the block after the copies, and the storages whose copies its entry holds
+        for template, _ in self.runs:
+            after, before = (self.kept[self.kept.index(template) + k] for k in (1, -1))
+            enter, bwd, bwd_before = point[("enter", after)], point[("bwd", template)], point[("bwd", before)]
+            born, died = raw.born, raw.died
+            in_forward = (born >= point[("enter", template)]) & (born < enter)
+            in_backward = (born >= bwd) & (born < bwd_before)
+            lasting = (in_forward | in_backward) & (died >= end)
+            head = in_forward & (died >= forward_end) & (died <= backward_start)
+            held = in_forward & (died > point[("bwd", after)]) & (died <= bwd_before) & ~lasting
+            local = in_forward & (died <= enter)
+            stop = _stretch_stop(raw, point, before)
+            stray = (in_forward & ~(local | head | held | lasting)) | (in_backward & ~lasting & (died > stop))
+            if stray.any():
+                raise ScalingError(f"block {template} leaves tensors to blocks further off than its neighbours")
+            intervals = [(k, enter, died[k]) for k in np.flatnonzero(head)]
+            intervals += [(k, enter, bwd) for k in np.flatnonzero(held)]
+            intervals += [(k, enter if in_forward[k] else bwd, raw.points) for k in np.flatnonzero(lasting)]
+            self.intervals.append(intervals)
+            self.let_go.append(np.flatnonzero(head | lasting))
+            self.arrivals.append((after, np.flatnonzero(in_forward & ~local)))
+
+    def extra_terms(self, coef: np.ndarray, points: int) -> np.ndarray:
+        """The copies' bytes per feature at every point (features x points), to add to the probe's."""
+        diff = np.zeros((points + 1, coef.shape[1]))
+        for (_, skipped), intervals in zip(self.runs, self.intervals):
+            for k, first, stop in intervals:
+                diff[first] += len(skipped) * coef[k]
+                diff[stop] -= len(skipped) * coef[k]
+        return np.cumsum(diff, axis=0)[:points].T
+
+    def sample(self, marks: list, trace, per_block: dict, storage_bytes: np.ndarray):
+        """``build_sample`` of the probe's blocks (its live bytes with the copies'), written out
+        for every block (``storage_bytes``: each storage's bytes at the sample's size)."""
+        def relabel(label):
+            return (label[0], self.position[label[1]]) if len(label) == 2 else label
+
+        kept_marks = [(relabel(label), index, live) for label, index, live in marks]
+        kept_per_block = {q: v[self.kept] for q, v in per_block.items()}
+        twins = {self.position[i]: self.position[t] for i, t in self.raw_twins.items()}
+        blocks, step, shape = build_sample(kept_marks, trace, len(self.kept), kept_per_block, {}, twins)
+        # The copies are added at the entry of the block after them: the template's forward ends
+        # there, and the gap before that block is measured from there.
+        for (template, skipped), (after, arriving) in zip(self.runs, self.arrivals):
+            jump = len(skipped) * float(storage_bytes[arriving].sum())
+            t, a = self.position[template], self.position[after]
+            for q, sign, k in (("ckpt_bytes", -1, t), ("plain_bytes", -1, t), ("gap_peak_bytes", 1, a)):
+                if blocks[q][k] is not None:
+                    blocks[q][k] = blocks[q][k] + sign * jump
+        source = [self.position[self.skipped.get(i, i)] for i in range(self.num_blocks)]
+        full = {q: [None if v[k] is None else np.array(v[k], dtype=float) for k in source] for q, v in blocks.items()}
+        for (_, skipped), let_go in zip(self.runs, self.let_go):
+            gone = float(storage_bytes[let_go].sum())
+            for j, i in enumerate(skipped, start=1):
+                for q in ("bwd_peak_bytes", "recompute_peak_bytes"):
+                    if full[q][i] is not None:
+                        full[q][i] = full[q][i] - j * gone
+        if shape is None:
+            return full, step, None
+        return full, step, type(shape)(tuple(range(self.num_blocks)), shape.backward_reversed)
+
+
+def _stretch_stop(raw: RawStep, point: dict, block: int) -> int:
+    """The point that ends block ``block``'s backward stretch (``collector.backward_stretch``)."""
+    start = point[("bwd", block)]
+    return min(p for (label, _, _), p in zip(raw.marks, raw.mark_points)
+               if p > start and label[0] in ("bwd", "bwd_end", "end"))

@@ -64,14 +64,15 @@ def test_the_first_step_is_planned_and_held_out_sizes_are_predicted_exactly():
                 assert measured <= predicted <= measured * 1.02, (size, plan, predicted, measured)
 
 
-def assert_estimate_is_measured(planner, make_batch, sizes):
+def assert_estimate_is_measured(planner, make_batch, sizes, step_fn=None):
     """The estimator's every block and step quantity at each size equals what the collector
-    measures in a step there (every block measured), to float rounding."""
+    measures in a step there (every block measured; ``step_fn`` as in ``trial.probe_step``), to
+    float rounding."""
     for size in sizes:
         predicted = planner.estimator.predict(size)
         batch = make_batch(size)  # made before the probe starts counting
         planner.measurer.begin(inputs=batch)
-        probe_step(planner, batch)
+        probe_step(planner, batch, step_fn)
         blocks, step, _ = planner.measurer.end()
         for q in BLOCK_QUANTITIES:
             if q in ("fwd_ms", "saved_bytes"):  # not scaled (times; a sum of terms)
