@@ -5,8 +5,9 @@ A tiny BERT (12 layers) on SWAG-like and QQP-like lengths, one epoch through
 budget (the speed limit), `full` and `mimose` at a budget where only the long batches need
 checkpointing (calibrated as in mimose_safety.py; by default the 80th percentile of the
 batches' no-checkpointing peaks, so the longest fifth must checkpoint). Mimose's time includes its
-sheltered phase. The three runs are repeated in turn (--rounds) and each ratio is the median
-over rounds of the per-round ratio, so load on a shared machine affects all three alike.
+probes. The three runs are repeated in turn (--rounds) and each ratio is the median over rounds of
+the per-round ratio, so load on a shared machine affects all three alike; Mimose's overhead (its
+probes, fits and planning, in its mean iterations) is the median over rounds.
 Targets: mimose <= 0.85x full and <= 1.10x none. Times are of the simulated device, whose
 dispatch overhead per op inflates every planner alike.
 Writes benchmarks/results/mimose_speed.json.
@@ -37,6 +38,7 @@ def evaluate(preset: str, steps: int, rounds: int, quantile: float) -> dict:
     with tempfile.TemporaryDirectory() as out_dir:
         budget = calibrate(preset, steps, out_dir, quantile)["budget_bytes"]
         times = {"none": [], "full": [], "mimose": []}
+        overheads = []
         for _ in range(rounds):
             for planner in times:
                 seconds, summary = epoch_s(preset, steps, out_dir, planner, None if planner == "none" else budget)
@@ -44,12 +46,14 @@ def evaluate(preset: str, steps: int, rounds: int, quantile: float) -> dict:
                 if planner == "mimose":
                     stats = summary["planner"]
                     blocks = summary["mean_checkpointed_blocks"]
+                    overheads.append(stats.get("overhead_iterations") or 0.0)
     ratio_full = statistics.median(m / f for m, f in zip(times["mimose"], times["full"]))
     ratio_none = statistics.median(m / n for m, n in zip(times["mimose"], times["none"]))
     return {"preset": preset, "steps": steps, "budget_bytes": budget, "budget_quantile": quantile, "epoch_s": times,
             "mimose_over_full": ratio_full, "mimose_over_none": ratio_none,
             "mimose_mean_checkpointed_blocks": blocks, "num_blocks": stats.get("num_blocks"),
-            "overhead_iterations": stats.get("overhead_iterations"), "hit_rate": stats.get("hit_rate"),
+            "overhead_iterations": statistics.median(overheads), "overhead_iterations_per_round": overheads,
+            "probe_skipped": stats.get("probe_skipped"), "hit_rate": stats.get("hit_rate"),
             "collector_ms": stats.get("collector_ms"), "estimator_fit_ms": stats.get("estimator_fit_ms"),
             "scheduler_ms_mean": stats.get("scheduler_ms_mean")}
 
