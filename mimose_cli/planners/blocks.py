@@ -146,14 +146,21 @@ def _settings(module: nn.Module) -> list:
             for prefix, sub in module.named_modules()]
 
 
+def _hooks(module: nn.Module) -> list:
+    """How many forward, forward-pre, backward and backward-pre hooks each module inside
+    ``module`` has: code that runs with a layer and may keep what it sees."""
+    return [(prefix, len(sub._forward_hooks), len(sub._forward_pre_hooks), len(sub._backward_hooks),
+             len(sub._backward_pre_hooks)) for prefix, sub in module.named_modules()]
+
+
 def stack_runs(blocks: list, twins: dict) -> tuple:
     """Runs of a stack's layers a probe step may leave out, ``[(template, (skipped, ...))]``,
-    and why none could be found (or ""). In each group of blocks alike (``twin_blocks``: the
-    first, its second, the others), the layers between the group's third and its last are left
-    out when they follow one another in forward (index) order in the container that holds the
-    third and the last (a ``ModuleList``/``Sequential``), with the same settings as the third
-    (``_settings``); the third stands for them (``planners.scaling``), and the first, second and
-    last, which often run otherwise (the ends of a stack), still run."""
+    and why a group of layers alike was not left out (or ""). In each group of blocks alike
+    (``twin_blocks``: the first, its second, the others), the layers between the group's third
+    and its last are left out when they follow one another in forward (index) order in the list
+    that holds the third and the last, with the third's settings (``_settings``) and hooks; the
+    third stands for them (``planners.scaling``), and the first, second and last, which often run
+    otherwise (the ends of a stack), still run."""
     groups: dict = {}
     for index, leader in sorted(twins.items()):
         groups.setdefault(leader, []).append(index)
@@ -169,20 +176,24 @@ def stack_runs(blocks: list, twins: dict) -> tuple:
         if len(parents) != 1:
             reasons.append(f"blocks {template}..{last} alike are not in one list")
             continue
-        settings = _settings(blocks[template][1])
-        differs = next((i for i in skipped if _settings(blocks[i][1]) != settings), None)
+        differs = next((i for i in skipped if _settings(blocks[i][1]) != _settings(blocks[template][1])), None)
         if differs is not None:
             reasons.append(f"block {differs} is set up otherwise than block {template}, which has the same parameters")
             continue
+        hooked = next((i for i in skipped if _hooks(blocks[i][1]) != _hooks(blocks[template][1])), None)
+        if hooked is not None:
+            reasons.append(f"block {hooked} has other hooks than block {template}, which has the same parameters")
+            continue
         runs.append((template, skipped))
-    return runs, ("; ".join(reasons) if not runs else "")
+    return runs, "; ".join(reasons)
 
 
 @contextlib.contextmanager
 def left_out(model: nn.Module, blocks: list, skipped) -> None:
     """The blocks ``skipped`` (indices into ``blocks``) taken out of the lists that hold them
     while the context runs, so that the model's loop over a list runs only the others; put back
-    on exit. Each list keeps its class and is renumbered from 0 meanwhile."""
+    on exit. A ``ModuleList`` is renumbered from 0 meanwhile (it is indexed by position); a
+    ``Sequential`` keeps the others' names."""
     skipped = set(skipped)
     containers: dict = {}
     for index in sorted(skipped):
@@ -194,8 +205,10 @@ def left_out(model: nn.Module, blocks: list, skipped) -> None:
     saved = [(container, container._modules) for container in containers.values()]
     try:
         for container, modules in saved:
-            kept = [m for m in modules.values() if not any(m is blocks[i][1] for i in skipped)]
-            container._modules = dict((str(k), m) for k, m in enumerate(kept))
+            gone = {id(blocks[i][1]) for i in skipped}
+            kept = [m for m in modules.values() if id(m) not in gone]
+            container._modules = ({str(k): m for k, m in enumerate(kept)} if isinstance(container, nn.ModuleList)
+                                  else {name: m for name, m in modules.items() if id(m) not in gone})
         yield
     finally:
         for container, modules in saved:

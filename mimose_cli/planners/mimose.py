@@ -43,8 +43,12 @@ from mimose_cli.planners.scaling import (
     SIDE_PAIR,
     ScaledStep,
     ScalingError,
+    deeper_by_one,
     probe_batches,
     probe_sizes,
+    raw_sample,
+    run_difference,
+    sample_difference,
     structure_difference,
     twin_difference,
 )
@@ -136,6 +140,11 @@ def _counters_of(state: dict) -> MimoseCounters:
         raise ValueError(f"the saved mimose state counts {', '.join(unknown)}, which this release does not; "
                          "it was written by another mimose version")
     return MimoseCounters(**copy.deepcopy(saved))
+
+
+def _layers(runs: list) -> str:
+    """The layers ``runs`` leave out, in words: "layers 3-6" (and "8-10")."""
+    return "layers " + " and ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for _, run in runs)
 
 
 def _probe_failed(what: str, size: tuple, error: Exception) -> ScalingError:
@@ -282,29 +291,43 @@ class Mimose(Planner):
         twins = twin_blocks(self.blocks)
         runs, self.counts.probe_skips_refused = stack_runs(self.blocks, twins)
         runs = self._probe_releases(make_batch, sizes[0], step_fn, runs)
-        attempts = [(twins, runs)] if runs else []
-        attempts += [(twins, []), ({}, [])]
-        for twins, runs in attempts:
-            if self.counts.probe_twins_refused and twins:
-                continue  # blocks alike ran otherwise: every block is measured
-            skipped = [i for _, run in runs for i in run]
+        if runs:
             try:
-                with left_out(self.model, self.blocks, skipped):
-                    raws = self._probe_pair(make_batch, sizes, step_fn, twins)
-                    refused = next(filter(None, map(twin_difference, raws)), None) if twins else None
-                    if refused is None:
-                        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set,
-                                            self.num_blocks, runs)
+                return self._left_out_probes(sizes, max_size, make_batch, step_fn, twins, runs)
             except ValueError as err:  # a ScalingError, or a list the layers cannot be taken out of
-                if not runs:
-                    raise
-                self.counts.probe_skips_refused = str(err)
-                continue
+                self.counts.probe_skips_refused = f"with {_layers(runs)} left out, {err}"
+        for twins in ({},) if self.counts.probe_twins_refused else (twins, {}):
+            raws = self._probe_pair(make_batch, sizes, step_fn, twins)
+            refused = next(filter(None, map(twin_difference, raws)), None) if twins else None
             if refused is None:
                 break
             self.counts.probe_twins_refused = refused
         self.counts.probe_twins = len(raws[0].twins)
-        self.counts.probe_skipped = len(skipped)
+        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.num_blocks)
+        return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
+
+    def _left_out_probes(self, sizes: list, max_size: tuple, make_batch, step_fn, twins: dict, runs: list) -> list:
+        """The two measured probe steps with the layers of ``runs`` left out, scaled and written
+        out for every layer (``scaling.Deepening``), checked by one more probe step at the smaller
+        size with one layer more of each run kept: written out too, it must say the same (memory
+        that grows with the layers outside them, the head stacking every layer's output, does
+        not). Raises ValueError where they cannot stand for every layer."""
+        with left_out(self.model, self.blocks, [i for _, run in runs for i in run]):
+            raws = self._probe_pair(make_batch, sizes, step_fn, twins)
+        refused = next(filter(None, map(twin_difference, raws)), None) or run_difference(raws[0], runs, twins)
+        if refused is not None:  # nor would they with every layer run: every block is measured
+            self.counts.probe_twins_refused = refused
+            raise ScalingError(f"blocks alike ran otherwise ({refused})")
+        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.num_blocks, runs)
+        deeper = deeper_by_one(runs)
+        with left_out(self.model, self.blocks, [i for _, run in deeper for i in run]):
+            check = self._probe_step(make_batch, sizes[0], step_fn, twins)
+        self.counts.probe_steps += 1
+        where = sample_difference(raw_sample(raws[0], self.num_blocks, runs), raw_sample(check, self.num_blocks, deeper))
+        if where is not None:
+            raise ScalingError(f"{where} changes when one more of them runs (memory that grows with the layers)")
+        self.counts.probe_twins = len(raws[0].twins)
+        self.counts.probe_skipped = sum(len(run) for _, run in runs)
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
     def _probe_pair(self, make_batch, sizes: list, step_fn, twins: dict) -> list:
@@ -327,7 +350,7 @@ class Mimose(Planner):
             try:
                 releases = self._plain_probe(make_batch, size, step_fn, runs)
             except ValueError as err:  # a ScalingError, or releases a deeper stack cannot have
-                self.counts.probe_skips_refused, runs = str(err), []
+                self.counts.probe_skips_refused, runs = f"with {_layers(runs)} left out, {err}", []
         if not runs:
             releases = self._plain_probe(make_batch, size, step_fn, [])
         self.counts.probe_releases = releases.count

@@ -237,6 +237,14 @@ def structure_difference(a: RawStep, b: RawStep) -> str | None:
     return None
 
 
+def _recomputed(raw: RawStep, at: dict, i: int):
+    """Block ``i``'s recompute in backward: live bytes above its backward's start, or None."""
+    if ("bwd", i) not in at:
+        return None
+    start, stop = backward_stretch(raw.marks, at, i)
+    return raw.trace.ops(start, stop, at[("bwd", i)][1], recompute=True)
+
+
 def twin_difference(raw: RawStep) -> str | None:
     """Why a block run without a measuring run (``RawStep.twins``) is not like its twin, or None.
     Its forward must run as its twin's: the recompute of it in backward the same ops at the same
@@ -248,23 +256,64 @@ def twin_difference(raw: RawStep) -> str | None:
     (they differ at the ends of a stack)."""
     at = {label: (index, live) for label, index, live in raw.marks}
 
-    def recompute(i):
-        if ("bwd", i) not in at:
-            return None
-        start, stop = backward_stretch(raw.marks, at, i)
-        return raw.trace.ops(start, stop, at[("bwd", i)][1], recompute=True)
-
     def checkpointed(i):
         start = at[("dropped", i)][0] if ("dropped", i) in at else at[("enter", i)][0]
         return raw.trace.ops(start, at[("ckpt", i)][0], at[("enter", i)][1])
 
     for i, twin in sorted(raw.twins.items()):
-        mine, theirs = recompute(i), recompute(twin)
+        mine, theirs = _recomputed(raw, at, i), _recomputed(raw, at, twin)
         if mine is None or theirs is None or not np.array_equal(mine, theirs):
             return f"block {i}'s forward, recomputed, runs other ops than block {twin}'s, which has the same parameters"
         mine, theirs = checkpointed(i), checkpointed(twin)
         if (mine is None) != (theirs is None) or (mine is not None and not np.array_equal(mine, theirs)):
             return f"block {i}'s forward holds other bytes than block {twin}'s, which has the same parameters"
+    return None
+
+
+def run_difference(raw: RawStep, runs, twins: dict) -> str | None:
+    """Why a probe that left layers out (``runs``) cannot stand for them, or None: the template
+    and the layer after the left-out ones must recompute as the group's measured layer does (what
+    ``twin_difference`` checks of blocks run as twins, here also under autocast, where none is)."""
+    at = {label: (index, live) for label, index, live in raw.marks}
+    for template, skipped in runs:
+        leader = twins[template]
+        theirs = _recomputed(raw, at, leader)
+        for i in (template, skipped[-1] + 1):
+            mine = _recomputed(raw, at, i)
+            if mine is None or theirs is None or not np.array_equal(mine, theirs):
+                return f"block {i}'s forward, recomputed, runs other ops than block {leader}'s, which has the same parameters"
+    return None
+
+
+def deeper_by_one(runs) -> list:
+    """``runs`` with the first left-out layer of each run kept (it stands for the rest)."""
+    return [(skipped[0], tuple(skipped[1:])) for _, skipped in runs if len(skipped) > 1]
+
+
+def raw_sample(raw: RawStep, num_blocks: int, runs=()):
+    """The sample of one probe step at its own size, written out for every block when it left
+    layers out (``Deepening``): ``(blocks, step, shape)``."""
+    if not runs:
+        return build_sample(raw.marks, raw.trace, num_blocks, raw.per_block, raw.dropped, raw.twins)
+    deepening = Deepening(raw, num_blocks, runs)
+    live = np.empty(raw.points)
+    live[raw.op_points] = raw.trace.live
+    live[raw.mark_points] = [value for _, _, value in raw.marks]
+    live = live + deepening.extra_terms(raw.nbytes[:, None], raw.points)[0]
+    trace = Trace(live[raw.op_points], raw.trace.recompute, raw.trace.autocast)
+    marks = [(label, index, float(live[p])) for (label, index, _), p in zip(raw.marks, raw.mark_points)]
+    return deepening.sample(marks, trace, raw.per_block, raw.nbytes)
+
+
+def sample_difference(a, b) -> str | None:
+    """Where two samples ``(blocks, step, shape)`` of one size differ beyond float rounding (a
+    byte), or None; times are not compared."""
+    pairs = [(f"block {i}'s {q}", x, y) for q in a[0] if q != "fwd_ms"
+             for i, (x, y) in enumerate(zip(a[0][q], b[0][q]))]
+    pairs += [(q, a[1][q], b[1][q]) for q in a[1]]
+    for where, x, y in pairs:
+        if (x is None) != (y is None) or (x is not None and (len(x) != len(y) or not np.allclose(x, y, rtol=1e-9, atol=1.0, equal_nan=True))):
+            return where
     return None
 
 

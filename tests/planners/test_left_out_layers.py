@@ -8,6 +8,8 @@ from test_scaling import HELD_OUT, _bf16_step, assert_estimate_is_measured, mete
 
 from mimose_cli.planners.blocks import left_out, stack_runs, twin_blocks
 from mimose_cli.planners.features import Releases
+from mimose_cli.planners.trial import probe_with_plan
+from mimose_cli.torch_private import without_dispatch_modes
 
 from helpers import bert_batch, tiny_bert
 
@@ -29,9 +31,18 @@ def test_a_long_stacks_middle_layers_are_left_out_and_the_estimate_is_the_measur
     sizes and paddings they never ran."""
     with metered_mimose(tiny_bert(8)) as (planner, meter):
         stats = _probe_stats(planner)
-        assert stats["probe_skipped"] == 4 and stats["probe_steps"] == 2 and not stats["probe_skips_refused"]
+        # Two probe steps and the check at the smaller size with one layer more.
+        assert stats["probe_skipped"] == 4 and stats["probe_steps"] == 3 and not stats["probe_skips_refused"]
         assert len(planner.model.bert.encoder.layer) == 8  # put back
         assert_estimate_is_measured(planner, make, HELD_OUT)
+        for p in planner.model.parameters():
+            p.grad = None  # as at a step's start
+        for size in HELD_OUT:  # and the step peaks they give, never under
+            batch = make(size)  # live while the step is planned, as in training
+            for plan in ((), (0, 4, 7), tuple(range(8))):
+                predicted = planner.predict_peak(size, plan)
+                measured = probe_with_plan(planner, batch, plan)
+                assert measured <= predicted <= measured * 1.02, (size, plan)
 
 
 def test_under_bf16_the_left_out_layers_cast_weights_are_counted_until_the_forward_ends():
@@ -134,3 +145,119 @@ def test_releases_of_a_left_out_layer_are_its_templates():
     releases.consumers[2, 1] = True
     with pytest.raises(ValueError, match="blocks before it"):
         releases.deepened([(2, (3, 4, 5, 6))])
+
+
+def test_the_plain_probe_step_with_layers_left_out_sees_what_every_layer_lets_go_of():
+    """Under bf16 each layer lets go of its input: written out for every layer, the plain probe
+    step that left layers out says what one running every layer says."""
+    with metered_mimose(tiny_bert(8)) as (planner, meter):
+        step_fn = _bf16_step(planner.model)
+        runs, _ = stack_runs(planner.blocks, twin_blocks(planner.blocks))
+        with without_dispatch_modes():
+            deep = planner._plain_probe(make, (2, 8), step_fn, runs)
+            full = planner._plain_probe(make, (2, 8), step_fn, [])
+        assert runs == [(2, (3, 4, 5, 6))] and full.count == 6
+        assert np.array_equal(deep.consumers, full.consumers) and deep.slots == full.slots
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, layer_idx: int = 0):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.layer_idx = layer_idx
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.linear(x)) + x
+
+
+class _Deep(torch.nn.Module):
+    """Eight layers alike; ``pooled``: the head takes a statistic over every layer's output
+    (memory that grows with the layers, outside them)."""
+
+    def __init__(self, layer=_Layer, pooled: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 16)
+        self.layers = torch.nn.ModuleList([layer(i) for i in range(8)])
+        self.pooled = pooled
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        outputs = []
+        for layer in self.layers:
+            x = layer(x)
+            outputs.append(x)
+        if self.pooled:
+            with torch.no_grad():
+                spread = torch.stack(outputs).std(0)
+            x = x * spread
+        return x.float().pow(2).sum()
+
+
+def ids(size):
+    return {"input_ids": torch.randint(0, 16, size, generator=torch.Generator().manual_seed(size[1]))}
+
+
+def _deep_stats(model, step_fn=None) -> dict:
+    with metered_mimose(model) as (planner, meter):
+        planner.prepare(ids, (4, 64), step_fn=step_fn)
+        stats = planner.stats
+        assert stats["estimate_source"] == "probes"
+        assert_estimate_is_measured(planner, ids, HELD_OUT[:2], step_fn)
+    return stats
+
+
+def test_memory_that_grows_with_the_layers_outside_them_runs_every_layer():
+    """The head stacks every layer's output: with layers left out it holds fewer, which the
+    check with one layer more sees; every layer runs, and the estimate is the measured one (the
+    head's peak was 44 % low)."""
+    stats = _deep_stats(_Deep(pooled=True))
+    assert stats["probe_skipped"] == 0 and "changes when one more of them runs" in stats["probe_skips_refused"]
+    assert _deep_stats(_Deep())["probe_skipped"] == 4  # the same model without the pooled head
+
+
+def test_a_left_out_layer_with_a_hook_runs_every_layer():
+    """A hook on a middle layer (an activation monitor keeping what it sees) would not run with the
+    layer left out: such a layer stays in."""
+    model = _Deep()
+    kept = []
+    model.layers[4].register_forward_hook(lambda module, args, out: kept.append(out.detach().repeat(1, 1, 8)))
+    stats = _deep_stats(model)
+    assert stats["probe_skipped"] == 0 and "block 4 has other hooks than block 2" in stats["probe_skips_refused"]
+
+
+class _Windowed(_Layer):
+    """From its number on, a layer runs heavier (a window chosen by ``layer_idx``, as older Qwen2)."""
+
+    def forward(self, x):
+        h = self.linear(x)
+        if self.layer_idx >= 4:
+            h = h * x.repeat(1, 1, 4)[..., :16].tanh()
+        return torch.nn.functional.gelu(h) + x
+
+
+def test_under_bf16_a_last_layer_that_runs_otherwise_than_the_measured_one_runs_every_layer():
+    """Under autocast no block runs as a twin, so nothing compared the layers alike: the template
+    and the last layer must recompute as the group's measured layer does. Here the last (and
+    the left-out 4-6) run heavier: every layer runs, every block measured (it was 25 % low)."""
+    model = _Deep(_Windowed)
+
+    def step_fn(batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch)
+        loss.backward()
+
+    stats = _deep_stats(model, step_fn)
+    assert stats["probe_skipped"] == 0 and "blocks alike ran otherwise" in stats["probe_skips_refused"]
+    assert "block 7's forward, recomputed, runs other ops than block 1's" in stats["probe_twins_refused"]
+
+
+def test_a_sequential_keeps_its_names_while_layers_are_left_out():
+    from collections import OrderedDict
+
+    body = torch.nn.Sequential(OrderedDict((f"l{i}", _Layer(i)) for i in range(6)))
+    model = torch.nn.Module()
+    model.body = body
+    blocks = [(f"body.l{i}", m) for i, m in enumerate(body)]
+    with left_out(model, blocks, [3, 4]):
+        assert list(body._modules) == ["l0", "l1", "l2", "l5"] and body.l5 is blocks[5][1] and body[3] is blocks[5][1]
+    assert list(body._modules) == [f"l{i}" for i in range(6)]
