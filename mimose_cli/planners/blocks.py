@@ -160,7 +160,8 @@ def stack_runs(blocks: list, twins: dict) -> tuple:
     and its last are left out when they follow one another in forward (index) order in the list
     that holds the third and the last, with the third's settings (``_settings``) and hooks; the
     third stands for them (``planners.scaling``), and the first, second and last, which often run
-    otherwise (the ends of a stack), still run."""
+    otherwise (the ends of a stack), still run. None are left out where too few would be to pay
+    for the probe step that checks them (a stack of 6)."""
     groups: dict = {}
     for index, leader in sorted(twins.items()):
         groups.setdefault(leader, []).append(index)
@@ -185,6 +186,11 @@ def stack_runs(blocks: list, twins: dict) -> tuple:
             reasons.append(f"block {hooked} has other hooks than block {template}, which has the same parameters")
             continue
         runs.append((template, skipped))
+    left = sum(len(skipped) for _, skipped in runs)
+    # Two probe steps with ``left`` layers fewer, and one more step to check them, cost less than
+    # two with every layer when 3 * left > the blocks + 2 (the embeddings and head about one more).
+    if runs and 3 * left <= len(blocks) + 2:
+        return [], "; ".join([*reasons, f"leaving {left} of {len(blocks)} layers out would not pay for the step that checks it"])
     return runs, "; ".join(reasons)
 
 

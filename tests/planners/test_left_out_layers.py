@@ -49,11 +49,11 @@ def test_under_bf16_the_left_out_layers_cast_weights_are_counted_until_the_forwa
     """Under autocast each layer's forward leaves cast weights in autocast's cache until the
     forward ends: the left-out layers' copies of them are in the blocks' entries and gone in
     their backward, as in a step with every layer."""
-    with metered_mimose(tiny_bert(7)) as (planner, meter):
+    with metered_mimose(tiny_bert(8)) as (planner, meter):
         step_fn = _bf16_step(planner.model)
         stats = _probe_stats(planner, step_fn)
-        # The plain probe step left them out too: layers 1 to 5 let go of their input, as with every layer.
-        assert stats["probe_skipped"] == 3 and stats["probe_releases"] == 5
+        # The plain probe step left them out too: layers 1 to 6 let go of their input, as with every layer.
+        assert stats["probe_skipped"] == 4 and stats["probe_releases"] == 6
         assert_estimate_is_measured(planner, make, HELD_OUT[:2], step_fn)
 
 
@@ -61,7 +61,7 @@ def test_a_layer_the_model_keeps_to_the_end_runs_every_layer():
     """With ``output_hidden_states`` the model holds every layer's output until the step ends, past
     the backward of the layers next to it: what the left-out layers would hold cannot be placed,
     so every layer runs in the probes, saying why, and the estimate is still the measured one."""
-    with metered_mimose(tiny_bert(6)) as (planner, meter):
+    with metered_mimose(tiny_bert(8)) as (planner, meter):
         model = planner.model
 
         def step_fn(batch):
@@ -77,7 +77,7 @@ def test_a_layer_the_model_keeps_to_the_end_runs_every_layer():
 class _ByIndex(torch.nn.Module):
     """A model that runs its layers by number, ``layers[i]`` for every ``i`` it was built with."""
 
-    def __init__(self, depth: int = 6):
+    def __init__(self, depth: int = 8):
         super().__init__()
         self.depth = depth
         self.embed = torch.nn.Embedding(16, 8)
@@ -99,22 +99,31 @@ def test_a_model_that_runs_its_layers_by_number_runs_every_layer():
         stats = planner.stats
         assert stats["estimate_source"] == "probes" and stats["probe_skipped"] == 0
         assert "IndexError" in stats["probe_skips_refused"]
-        assert len(model.layers) == 6 and all(isinstance(m, torch.nn.Sequential) for m in model.layers)
+        assert len(model.layers) == 8 and all(isinstance(m, torch.nn.Sequential) for m in model.layers)
         assert_estimate_is_measured(planner, ids, HELD_OUT[:2])
 
 
 def test_layers_set_up_otherwise_are_not_left_out():
     """Alike in parameters but not in settings (a sliding window, an attention type): the layer
     cannot stand for the others; a layer's number (``layer_idx``) does not count."""
-    model = tiny_bert(6)
+    model = tiny_bert(8)
     blocks = [(f"bert.encoder.layer.{i}", m) for i, m in enumerate(model.bert.encoder.layer)]
     for i, (_, layer) in enumerate(blocks):
         layer.layer_idx = i
     twins = twin_blocks(blocks)
-    assert stack_runs(blocks, twins) == ([(2, (3, 4))], "")
+    assert stack_runs(blocks, twins) == ([(2, (3, 4, 5, 6))], "")
     blocks[4][1].attention.self.sliding_window = 16
     runs, why = stack_runs(blocks, twins)
     assert runs == [] and "block 4 is set up otherwise than block 2" in why
+
+
+def test_a_stack_too_short_to_pay_for_the_check_runs_every_layer():
+    """Six layers would leave two out: two probe steps with two layers fewer do not pay for the
+    one that checks them."""
+    model = tiny_bert(6)
+    blocks = [(f"bert.encoder.layer.{i}", m) for i, m in enumerate(model.bert.encoder.layer)]
+    runs, why = stack_runs(blocks, twin_blocks(blocks))
+    assert runs == [] and "leaving 2 of 6 layers out would not pay" in why
 
 
 def test_left_out_layers_are_put_back_whatever_happens():
