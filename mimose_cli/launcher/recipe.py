@@ -38,7 +38,7 @@ from pydantic.dataclasses import dataclass
 
 from mimose_cli.files import write_text
 from mimose_cli.launcher.data.presets import IMAGE_PRESETS, LENGTH_PRESETS, MIN_SYNTHETIC_LENGTH
-from mimose_cli.planners.options import PLANNER_OPTIONS, EveryNOptions, MimoseOptions, SublinearOptions
+from mimose_cli.planners.options import PLANNER_OPTIONS, EveryNOptions, FullOptions, MimoseOptions, SublinearOptions
 from mimose_cli.units import parse_size
 
 FORBID_UNKNOWN_KEYS = ConfigDict(extra="forbid")
@@ -297,6 +297,8 @@ class PlannerConfig:
     """Sublinear's options (used when planner.name is sublinear), e.g. {variant: sqrt}."""
     hf_every_n: EveryNOptions = field(default_factory=EveryNOptions)
     """hf-every-n's options (used when planner.name is hf-every-n), e.g. {every_n_layers: 2}."""
+    full: FullOptions = field(default_factory=FullOptions)
+    """full's options (used when planner.name is full), e.g. {selective: true}."""
     safety_margin_bytes: Optional[int] = Field(None, init=False, exclude=True, repr=False)
     """safety_margin in bytes, parsed once here; None for auto (the planner decides)."""
 

@@ -462,10 +462,22 @@ class NoCheckpointing(Planner):
 
 
 class FullCheckpointing(Planner):
-    """Checkpoint every block, as ``gradient_checkpointing_enable()`` does."""
+    """Checkpoint every block, as ``gradient_checkpointing_enable()`` does; ``selective``: keep
+    each block's compute-heavy ops' outputs and recompute the rest (``blocks.SELECTIVE``)."""
 
     name = "full"
     adapts = False
+
+    def __init__(self, model, budget=None, *, selective: bool = False, **kwargs):
+        super().__init__(model, budget, **kwargs)
+        self.selective = selective
+        if selective:
+            held = next((name for name, block in self.blocks if next(block.buffers(), None) is not None), None)
+            if held is not None:
+                raise ValueError(f"planner.full.selective cannot checkpoint block {held} selectively: it holds buffers "
+                                 "(BatchNorm statistics) that its recompute puts back, which torch's selective "
+                                 "checkpointing refuses; set planner.full.selective: false")
+            self.plan_runner.use((), selective=range(self.num_blocks))
 
     def decide(self, input_size):
         return Decision(tuple(range(self.num_blocks)))

@@ -332,12 +332,53 @@ def _buffers_kept_in_recompute(module: nn.Module, forward):
     return run
 
 
-def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None):
-    """Run ``forward`` under non-reentrant checkpointing with RNG state preserved; a ``clock``
-    times its recomputation in backward."""
+KEEP, SELECTIVE, RECOMPUTE = "keep", "selective", "recompute"
+"""What a plan does with a block: keep every activation its backward needs; keep only what the
+compute-heavy ops produce and recompute the rest in backward (``COMPUTE_HEAVY_OPS``, through
+torch's selective activation checkpointing); or keep only its inputs and recompute its forward."""
+CHOICES = (KEEP, SELECTIVE, RECOMPUTE)
+
+_aten = torch.ops.aten
+COMPUTE_HEAVY_OPS = frozenset(
+    op for op in (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+                  _aten.convolution.default, _aten._scaled_dot_product_flash_attention.default,
+                  _aten._scaled_dot_product_efficient_attention.default,
+                  _aten._scaled_dot_product_cudnn_attention.default,
+                  getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None) and
+                  _aten._scaled_dot_product_flash_attention_for_cpu.default)
+    if op is not None)
+"""Ops whose outputs a ``selective`` block keeps: the matmuls, convolutions and fused attention
+kernels (their recompute costs most per byte); pointwise ops, norms, softmax and dropout are
+recomputed."""
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in COMPUTE_HEAVY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None, choice: str = RECOMPUTE):
+    """Run ``forward`` under non-reentrant checkpointing with RNG state preserved: all of it
+    recomputed in backward, or (``choice`` ``SELECTIVE``) all but the compute-heavy ops' outputs,
+    which are kept; a ``clock`` times the recomputation."""
     if clock is not None:
         forward = clock.timed(forward)
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    extra = {}
+    if choice == SELECTIVE:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+    elif choice != RECOMPUTE:
+        raise ValueError(f"choice={choice!r} cannot be checkpointed; expected {SELECTIVE!r} or {RECOMPUTE!r}")
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+
+def run_block(choice: str, forward, args, kwargs, clock: RecomputeClock | None = None):
+    """The one place a block is run as a plan chose (``CHOICES``), in training."""
+    if choice == KEEP or not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return run_checkpointed(forward, args, kwargs, clock, choice)
 
 
 # The keyword arguments Hugging Face's GradientCheckpointingLayer clears when it checkpoints
@@ -390,19 +431,24 @@ class PlanRunner(BlockRunner):
         self.clock = clock
         self.plan: tuple = ()
         self._plan_set: frozenset = frozenset()
+        self.selective: frozenset = frozenset()
+        """Blocks checkpointed selectively (``SELECTIVE``) when a plan checkpoints them, rather
+        than recomputed whole."""
 
-    def use(self, plan) -> None:
+    def use(self, plan, selective=None) -> None:
         self.plan = tuple(sorted(plan))
         self._plan_set = frozenset(self.plan)
+        if selective is not None:
+            self.selective = frozenset(selective)
 
     def begin(self, info, inputs=None) -> None:
         super().begin(info)
         self.use(info.plan)
 
     def run(self, index, forward, args, kwargs):
-        if index in self._plan_set and torch.is_grad_enabled():
-            return run_checkpointed(forward, args, kwargs, self.clock)
-        return forward(*args, **kwargs)
+        if index not in self._plan_set:
+            return forward(*args, **kwargs)
+        return run_block(SELECTIVE if index in self.selective else RECOMPUTE, forward, args, kwargs, self.clock)
 
 
 class BlockRouter:

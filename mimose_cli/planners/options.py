@@ -10,7 +10,7 @@ together); ``PLANNER_OPTIONS`` names every planner. Keywords only the library ca
 import dataclasses
 from typing import Literal, Optional
 
-from pydantic import ConfigDict, Field, StrictFloat, StrictInt, ValidationError
+from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 from pydantic.dataclasses import dataclass
 
 _STRICT = ConfigDict(extra="forbid")  # strict scalars per field, as the recipe's
@@ -49,6 +49,14 @@ class EveryNOptions:
 
 
 @dataclass(config=_STRICT, frozen=True)
+class FullOptions:
+    selective: StrictBool = False
+    """Checkpoint every block selectively: keep the outputs of its compute-heavy ops (matmuls,
+    convolutions, attention kernels) and recompute the rest (torch's selective activation
+    checkpointing), instead of recomputing its whole forward."""
+
+
+@dataclass(config=_STRICT, frozen=True)
 class NoOptions:
     """A planner that takes no options."""
 
@@ -56,7 +64,7 @@ class NoOptions:
 PLANNER_OPTIONS = {
     "mimose": MimoseOptions,
     "none": NoOptions,
-    "full": NoOptions,
+    "full": FullOptions,
     "sublinear": SublinearOptions,
     "dtr": NoOptions,
     "oracle": NoOptions,
