@@ -177,11 +177,12 @@ def stack_runs(blocks: list, twins: dict) -> tuple:
         if len(parents) != 1:
             reasons.append(f"blocks {template}..{last} alike are not in one list")
             continue
-        differs = next((i for i in skipped if _settings(blocks[i][1]) != _settings(blocks[template][1])), None)
+        settings, hooks = _settings(blocks[template][1]), _hooks(blocks[template][1])
+        differs = next((i for i in skipped if _settings(blocks[i][1]) != settings), None)
         if differs is not None:
             reasons.append(f"block {differs} is set up otherwise than block {template}, which has the same parameters")
             continue
-        hooked = next((i for i in skipped if _hooks(blocks[i][1]) != _hooks(blocks[template][1])), None)
+        hooked = next((i for i in skipped if _hooks(blocks[i][1]) != hooks), None)
         if hooked is not None:
             reasons.append(f"block {hooked} has other hooks than block {template}, which has the same parameters")
             continue
@@ -209,9 +210,9 @@ def left_out(model: nn.Module, blocks: list, skipped) -> None:
             raise ValueError(f"block {blocks[index][0]} is not in a ModuleList or Sequential")
         containers[id(container)] = container
     saved = [(container, container._modules) for container in containers.values()]
+    gone = {id(blocks[i][1]) for i in skipped}
     try:
         for container, modules in saved:
-            gone = {id(blocks[i][1]) for i in skipped}
             kept = [m for m in modules.values() if id(m) not in gone]
             container._modules = ({str(k): m for k, m in enumerate(kept)} if isinstance(container, nn.ModuleList)
                                   else {name: m for name, m in modules.items() if id(m) not in gone})

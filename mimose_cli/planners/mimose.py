@@ -142,6 +142,11 @@ def _counters_of(state: dict) -> MimoseCounters:
     return MimoseCounters(**copy.deepcopy(saved))
 
 
+def _skipped(runs: list) -> list:
+    """The blocks ``runs`` (``blocks.stack_runs``) leave out."""
+    return [i for _, run in runs for i in run]
+
+
 def _layers(runs: list) -> str:
     """The layers ``runs`` leave out, in words: "layers 3-6" (and "8-10")."""
     return "layers " + " and ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for _, run in runs)
@@ -312,7 +317,7 @@ class Mimose(Planner):
         size with one layer more of each run kept: written out too, it must say the same (memory
         that grows with the layers outside them, the head stacking every layer's output, does
         not). Raises ValueError where they cannot stand for every layer."""
-        with left_out(self.model, self.blocks, [i for _, run in runs for i in run]):
+        with left_out(self.model, self.blocks, _skipped(runs)):
             raws = self._probe_pair(make_batch, sizes, step_fn, twins)
         refused = next(filter(None, map(twin_difference, raws)), None) or run_difference(raws[0], runs, twins)
         if refused is not None:  # nor would they with every layer run: every block is measured
@@ -320,14 +325,14 @@ class Mimose(Planner):
             raise ScalingError(f"blocks alike ran otherwise ({refused})")
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.num_blocks, runs)
         deeper = deeper_by_one(runs)
-        with left_out(self.model, self.blocks, [i for _, run in deeper for i in run]):
+        with left_out(self.model, self.blocks, _skipped(deeper)):
             check = self._probe_step(make_batch, sizes[0], step_fn, twins)
         self.counts.probe_steps += 1
         where = sample_difference(raw_sample(raws[0], self.num_blocks, runs), raw_sample(check, self.num_blocks, deeper))
         if where is not None:
             raise ScalingError(f"{where} changes when one more of them runs (memory that grows with the layers)")
         self.counts.probe_twins = len(raws[0].twins)
-        self.counts.probe_skipped = sum(len(run) for _, run in runs)
+        self.counts.probe_skipped = len(_skipped(runs))
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
     def _probe_pair(self, make_batch, sizes: list, step_fn, twins: dict) -> list:
@@ -360,7 +365,7 @@ class Mimose(Planner):
     def _plain_probe(self, make_batch, size: tuple, step_fn, runs: list):
         """The plain probe step's ``Releases``, with the layers of ``runs`` left out."""
         try:
-            with left_out(self.model, self.blocks, [i for _, run in runs for i in run]):
+            with left_out(self.model, self.blocks, _skipped(runs)):
                 releases = probe_with_runner(self, self._probe_batch(make_batch, size),
                                              InputReleases(self.model, self.num_blocks), step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
