@@ -31,12 +31,16 @@ class _LifetimeLedger(StorageLedger):
 
     def add(self, storage, counted: bool = True, tensor=None) -> int:
         ref = self.refs.get(id(storage))
-        before = None if ref is None else ref.nbytes
+        if ref is None:  # a new storage (most ops' outputs): a lifetime when it has bytes
+            added = super().add(storage, counted)
+            if added:
+                self._start(self.refs[id(storage)], tensor)
+            return added
+        if not ref.counted:
+            return 0
+        before = ref.nbytes
         added = super().add(storage, counted)
-        ref = self.refs[id(storage)]
-        if ref.counted and ref.nbytes and before is None:
-            self._start(ref, tensor)
-        elif ref.counted and before is not None and ref.nbytes != before:
+        if ref.nbytes != before:  # resized: one lifetime ends, another starts
             if getattr(ref, "index", None) is not None:
                 self.died[ref.index] = self.probe.points
             self._start(ref, tensor)

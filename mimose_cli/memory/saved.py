@@ -50,15 +50,17 @@ class SavedBytesCounter:
     works the same on every device and is cheap: one dictionary look-up per saved tensor.
     """
 
-    def __init__(self, exclude=(), keep: bool = True):
-        # Kept as tensors, not storage ids: ids are read on __enter__, after any .to(device).
+    def __init__(self, exclude=(), keep: bool = True, pin: bool = False):
+        # Kept as tensors, not storage ids: ids are read on __enter__, after any .to(device);
+        # ``pin`` reads them once, now (a counter entered for every block of one step).
         self._exclude = list(exclude)
         # keep=False: a forward that is never backwarded (the profiler's): autograd is handed
         # nothing, and the counter holds what was saved until ``reset()`` so that the memory
         # behaves as a block's does until it ends.
         self._keep = keep
         self._held: list = []
-        self._excluded_ids: set[int] = set()
+        self._excluded_ids: set[int] = storage_ids(self._exclude) if pin else set()
+        self._pinned = pin
         self._seen = WeakIdKeyDictionary()
         self._hooks = None
         self.bytes = 0
@@ -75,7 +77,8 @@ class SavedBytesCounter:
         return sum(storage.nbytes() for storage in list(self._seen.keys()))
 
     def __enter__(self) -> "SavedBytesCounter":
-        self._excluded_ids = storage_ids(self._exclude)
+        if not self._pinned:
+            self._excluded_ids = storage_ids(self._exclude)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack if self._keep else _never_unpacked)
         self._hooks.__enter__()
         return self

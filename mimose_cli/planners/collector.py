@@ -204,7 +204,6 @@ class ShuttlingCollector(BlockRunner):
         self.model = model
         self.clock = clock
         self.blocks = blocks
-        self.counter = SavedBytesCounter(exclude=list(model.parameters()))
         names = [name for name, _ in blocks]
         modules = dict(model.named_modules())
         self.block_names = names
@@ -233,6 +232,10 @@ class ShuttlingCollector(BlockRunner):
         batch = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)] if inputs is not None else []
         self.probe.ignore([*self.model.parameters(), *self.model.buffers(), *batch])
         self.probe.__enter__()
+        # Which modules checkpoint themselves, and the weights' storages the saved-bytes
+        # counter leaves out, are read once a step (every block's call asks).
+        self.checkpointed = {n for n, m in self.modules.items() if getattr(m, "gradient_checkpointing", False) is True}
+        self.counter = SavedBytesCounter(exclude=self.model.parameters(), pin=True)
         self.marks: list = []
         self.mark_points: list = []
         self.calls = [0] * len(self.blocks)
@@ -249,14 +252,11 @@ class ShuttlingCollector(BlockRunner):
         self.marks.append((label, len(self.probe.trace), self.probe.live))
         self.mark_points.append(self.probe.point())
 
-    def _checkpointed_modules(self) -> set:
-        return {n for n, m in self.modules.items() if getattr(m, "gradient_checkpointing", False) is True}
-
     def run(self, index: int, forward, args, kwargs):
         """Measure, drop, restore RNG, run checkpointed."""
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        reason = drop_reason(self.block_names[index], self._checkpointed_modules(),
+        reason = drop_reason(self.block_names[index], self.checkpointed,
                              self.parents[index], self.children[index],
                              calls=self.calls[index], in_checkpoint=inside_checkpoint())
         self.calls[index] += 1

@@ -47,7 +47,8 @@ class TokenSpace:
         vocab_size = config.vocab_size
         specials = {getattr(config, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
         structural = [i for i in range(NUM_RESERVED_IDS) if i != config.pad_token_id][:5]
-        content = np.setdiff1d(np.arange(NUM_RESERVED_IDS, vocab_size), [s for s in specials if s is not None])
+        content = np.arange(NUM_RESERVED_IDS, vocab_size)
+        content = content[~np.isin(content, [s for s in specials if s is not None])]
         if len(content) < 64:
             raise ValueError(f"vocab_size={vocab_size} is too small for synthetic data; use >= 128")
         return cls(*structural, content=content)
