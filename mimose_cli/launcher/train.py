@@ -190,7 +190,8 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop
             end.records.append(record)
             writer.metric(record)
             writer.plan({"step": record.step, "micro_step": micro_step,
-                         "input_size": record.input_size, "plan": record.plan})
+                         "input_size": record.input_size, "plan": record.plan,
+                         **({"selective": record.selective} if record.selective else {})})
             if end.status == "oom":
                 end.error = record.error
                 view.message(f"[red]step {record.step} ran out of memory[/red]: {record.error}")

@@ -1,6 +1,7 @@
 """The collector's per-op probe: live storage bytes after every op, on any device."""
 
 import contextlib
+import time
 
 import torch
 
@@ -21,6 +22,9 @@ class _LifetimeLedger(StorageLedger):
         self.died: list = []
         self.shapes: list = []
         """The shape and element size of the tensor each storage was first seen with."""
+        self.heavy: list = []
+        """Whether each storage was first seen as the output of one of the probe's
+        ``heavy_ops`` (what a selective checkpoint keeps)."""
 
     def _start(self, ref, tensor) -> None:
         ref.index = len(self.nbytes)
@@ -28,6 +32,7 @@ class _LifetimeLedger(StorageLedger):
         self.born.append(self.probe.points)
         self.died.append(None)
         self.shapes.append(None if tensor is None else (tuple(tensor.shape), tensor.element_size()))
+        self.heavy.append(self.probe.heavy_now)
 
     def add(self, storage, counted: bool = True, tensor=None) -> int:
         ref = self.refs.get(id(storage))
@@ -63,10 +68,19 @@ class LiveProbe(UncompiledDispatchMode):
     With ``lifetimes`` it also writes down every counted storage's bytes and when it lived, in
     *points*: each op's entry in the trace is one, and so is each ``point()`` a caller takes
     between ops (the collector's marks). So the live bytes at every point can be rebuilt as a
-    sum over storages (``planners.scaling`` scales each storage with the input size)."""
+    sum over storages (``planners.scaling`` scales each storage with the input size). The time
+    spent inside the ops themselves is summed apart for ``heavy_ops`` and the rest (``heavy_ms``,
+    ``light_ms``): what recomputing a block with and without those ops' outputs kept costs."""
 
-    def __init__(self, flag=lambda: False, lifetimes: bool = False):
+    def __init__(self, flag=lambda: False, lifetimes: bool = False, heavy_ops=frozenset()):
         super().__init__()
+        self.heavy_ops = heavy_ops
+        """Ops timed apart (``heavy_ms``; the others in ``light_ms``) whose outputs' storages the
+        lifetimes mark (``_LifetimeLedger.heavy``): the compute-heavy ops."""
+        self.heavy_now = False
+        self.heavy_ms = 0.0
+        self.light_ms = 0.0
+        self.heavy_count = 0
         self.points = 0
         self.op_points: list = []
         """The point of each entry of ``trace`` (with ``lifetimes``)."""
@@ -103,7 +117,15 @@ class LiveProbe(UncompiledDispatchMode):
             self._counting = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
+        ms = (time.perf_counter() - start) * 1e3
+        self.heavy_now = func in self.heavy_ops
+        if self.heavy_now:
+            self.heavy_ms += ms
+            self.heavy_count += 1
+        else:
+            self.light_ms += ms
         # Most ops return one tensor or a flat tuple of them: no pytree walk for those.
         if type(out) is torch.Tensor:
             leaves = (out,)

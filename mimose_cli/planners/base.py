@@ -36,7 +36,7 @@ class Decision:
     """What a policy decides for one input size."""
 
     plan: tuple
-    """Indices of the blocks to checkpoint."""
+    """Indices of the blocks to checkpoint (the others are kept)."""
     phase: str = "responsive"
     """A label for reports (Mimose: sheltered, measuring, responsive, untrusted, recovery)."""
     cache_hit: bool | None = None
@@ -48,6 +48,9 @@ class Decision:
     what it measured to ``observe``."""
     excluded_ms: float = 0.0
     """Time deciding took that is not the step's (the oracle's measurements)."""
+    selective: tuple = ()
+    """Those of ``plan`` checkpointed selectively (``blocks.SELECTIVE``: their compute-heavy ops'
+    outputs kept); the rest of ``plan`` are recomputed whole."""
 
 
 @dataclass
@@ -58,6 +61,8 @@ class StepInfo:
     input_size: tuple
     plan: tuple
     planning_ms: float = 0.0
+    selective: tuple = ()
+    """The blocks of ``plan`` checkpointed selectively (``Decision.selective``)."""
     phase: str = "responsive"
     cache_hit: bool | None = None
     predicted_peak_bytes: int | None = None
@@ -205,9 +210,10 @@ class Planner:
         """The plan in force (the last step's, or ``set_plan``'s)."""
         return self.plan_runner.plan
 
-    def set_plan(self, plan) -> None:
-        """Checkpoint ``plan`` until the next step decides again (probes, experiments)."""
-        self.plan_runner.use(plan)
+    def set_plan(self, plan, selective=()) -> None:
+        """Checkpoint ``plan`` (``selective`` of it selectively) until the next step decides
+        again (probes, experiments)."""
+        self.plan_runner.use(plan, selective)
 
     def _route(self, index, forward, args, kwargs):
         if self.measurer is not None and self.measurer.active:
@@ -267,8 +273,10 @@ class Planner:
             plan = tuple(range(self.num_blocks))
             decision = Decision(plan, "recovery", predicted_peak_bytes=self.predict_peak(size, plan))
         planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
-        return StepInfo(step=self.steps, input_size=size, plan=tuple(sorted(decision.plan)),
-                        planning_ms=planning_ms, phase=decision.phase, cache_hit=decision.cache_hit,
+        plan = tuple(sorted(decision.plan))
+        return StepInfo(step=self.steps, input_size=size, plan=plan,
+                        selective=tuple(sorted(set(decision.selective) & set(plan))), planning_ms=planning_ms,
+                        phase=decision.phase, cache_hit=decision.cache_hit,
                         predicted_peak_bytes=decision.predicted_peak_bytes,
                         measured=decision.measure and self.measurer is not None,
                         excluded_ms=decision.excluded_ms, retries=self.attempt)
@@ -477,7 +485,7 @@ class FullCheckpointing(Planner):
                 raise ValueError(f"planner.full.selective cannot checkpoint block {held} selectively: it holds buffers "
                                  "(BatchNorm statistics) that its recompute puts back, which torch's selective "
                                  "checkpointing refuses; set planner.full.selective: false")
-            self.plan_runner.use((), selective=range(self.num_blocks))
 
     def decide(self, input_size):
-        return Decision(tuple(range(self.num_blocks)))
+        every = tuple(range(self.num_blocks))
+        return Decision(every, selective=every if self.selective else ())

@@ -433,23 +433,25 @@ class PlanRunner(BlockRunner):
         self.plan: tuple = ()
         self._plan_set: frozenset = frozenset()
         self.selective: frozenset = frozenset()
-        """Blocks checkpointed selectively (``SELECTIVE``) when a plan checkpoints them, rather
-        than recomputed whole."""
+        """Blocks of the plan checkpointed selectively (``SELECTIVE``) rather than recomputed whole."""
 
-    def use(self, plan, selective=None) -> None:
+    def use(self, plan, selective=()) -> None:
         self.plan = tuple(sorted(plan))
         self._plan_set = frozenset(self.plan)
-        if selective is not None:
-            self.selective = frozenset(selective)
+        self.selective = frozenset(selective)
+
+    def choice(self, index: int) -> str:
+        """What the plan in force does with block ``index`` (``CHOICES``)."""
+        if index not in self._plan_set:
+            return KEEP
+        return SELECTIVE if index in self.selective else RECOMPUTE
 
     def begin(self, info, inputs=None) -> None:
         super().begin(info)
-        self.use(info.plan)
+        self.use(info.plan, getattr(info, "selective", ()))
 
     def run(self, index, forward, args, kwargs):
-        if index not in self._plan_set:
-            return forward(*args, **kwargs)
-        return run_block(SELECTIVE if index in self.selective else RECOMPUTE, forward, args, kwargs, self.clock)
+        return run_block(self.choice(index), forward, args, kwargs, self.clock)
 
 
 class BlockRouter:

@@ -20,7 +20,7 @@ the transient peaks, on any device.
 import contextlib
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ import torch
 from mimose_cli.memory import SavedBytesCounter, synchronize
 from mimose_cli.memory.probe import LiveProbe
 from mimose_cli.planners.blocks import (
+    COMPUTE_HEAVY_OPS,
     BlockRunner,
     RngState,
     inside_checkpoint,
@@ -225,7 +226,7 @@ class ShuttlingCollector(BlockRunner):
         """Start a measured step: the probe, the marks. The step's batch (``inputs``) is part of
         its start, as the weights are: not counted when an op aliases it (a saved-tensor hook's
         ``detach`` of the images a convolution saves)."""
-        self.probe = LiveProbe(flag=recomputing, lifetimes=self.lifetimes)
+        self.probe = LiveProbe(flag=recomputing, lifetimes=self.lifetimes, heavy_ops=COMPUTE_HEAVY_OPS)
         # Gradients already live (accumulation in a loop of the user's) are not ignored: the
         # probe counts each when backward first writes into it, as if it were allocated then,
         # so samples with and without them agree.
@@ -246,6 +247,7 @@ class ShuttlingCollector(BlockRunner):
         self.saved = np.full(len(self.blocks), np.nan)
         self.resident = np.full(len(self.blocks), np.nan)
         self.release_bytes = np.full(len(self.blocks), np.nan)
+        self.op_ms = {q: np.full(len(self.blocks), np.nan) for q in ("heavy_ms", "light_ms", "ops", "heavy_ops")}
         self.active = True
 
     def mark(self, label) -> None:
@@ -326,6 +328,8 @@ class ShuttlingCollector(BlockRunner):
                 self.counter.reset()
                 synchronize(device)
                 begin = time.perf_counter()
+                probe = self.probe
+                heavy, light, ops, heavy_ops = probe.heavy_ms, probe.light_ms, len(probe.trace), probe.heavy_count
                 with self.counter:
                     out = forward(*args, **kwargs)
             except torch.OutOfMemoryError:
@@ -333,6 +337,9 @@ class ShuttlingCollector(BlockRunner):
                 return False
             synchronize(device)
             self.fwd_ms[index] = (time.perf_counter() - begin) * 1e3
+            for quantity, value in (("heavy_ms", probe.heavy_ms - heavy), ("light_ms", probe.light_ms - light),
+                                    ("ops", len(probe.trace) - ops), ("heavy_ops", probe.heavy_count - heavy_ops)):
+                self.op_ms[quantity][index] = value
             self.saved[index] = self.counter.bytes
             self.mark(("plain", index))
             return _first_grad_tensor(out) is not None
@@ -377,7 +384,7 @@ class ShuttlingCollector(BlockRunner):
                            np.array(probe.op_points, dtype=np.int64), per_block, dict(self.dropped),
                            np.array(ledger.nbytes, dtype=float), np.array(ledger.born, dtype=np.int64),
                            np.array(died, dtype=np.int64), probe.points, list(ledger.shapes),
-                           dict(self.twin_of))
+                           dict(self.twin_of), np.array(ledger.heavy, dtype=bool), dict(self.op_ms))
         return build_sample(self.marks, trace, len(self.blocks), per_block, self.dropped, self.twin_of)
 
     def abort(self) -> None:
@@ -437,6 +444,13 @@ class RawStep:
     """Each storage's first tensor: ``(shape, element size)``, or None."""
     twins: dict
     """The blocks run without a measuring run, ``{block: the block like it}``."""
+    heavy: np.ndarray | None = None
+    """Whether each storage was first seen as a compute-heavy op's output
+    (``blocks.COMPUTE_HEAVY_OPS``): what a selective checkpoint keeps (``scaling.selective_extra``)."""
+    op_ms: dict = field(default_factory=dict)
+    """Per block, of its measuring run: the ms inside compute-heavy ops (``heavy_ms``) and inside
+    the others (``light_ms``), and how many ops it ran (``ops``, ``heavy_ops`` of them heavy);
+    NaN for blocks not measured."""
 
 
 @dataclass
@@ -459,6 +473,8 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
     the shape is None when not every block ran. A block of ``twins`` ran only checkpointed: what
     its plain run would hold and peak at (above its entry) is its twin's."""
     twins = twins or {}
+    per_block = dict(per_block)
+    extra = per_block.pop("selective_extra_bytes", None)
     at = {label: (index, live) for label, index, live in marks}
     blocks = {q: [None] * num_blocks for q in BLOCK_QUANTITIES}
     step = {q: None for q in STEP_QUANTITIES}
@@ -484,6 +500,10 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
             _block_forward(blocks, i, at, entry[i], after[i], trace, per_block)
         if following is not None and blocks["ckpt_bytes"][i] is not None and ("enter", following) in at:
             blocks["gap_peak_bytes"][following] = trace.ops(at[("ckpt", i)][0], *at[("enter", following)])
+    if extra is not None:  # a selective checkpoint also holds its compute-heavy ops' outputs
+        for i, ckpt in enumerate(blocks["ckpt_bytes"]):
+            if ckpt is not None and not np.isnan(extra[i]):
+                blocks["selective_bytes"][i] = ckpt + extra[i]
     shape = StepShape(tuple(order), _backward_order(marks) == order[::-1])
     _block_backward(blocks, step, at, entry, marks, trace, shape, dropped)
     return blocks, step, shape

@@ -121,7 +121,7 @@ def _let_go(pred: Prediction, plan_mask: np.ndarray, order) -> tuple:
     return let_go, let_go @ span
 
 
-def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
+def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:
     """The step's memory events above the start-of-step bytes, for one plan (a bool mask over
     blocks) or for many at once (masks of shape ``(plans, blocks)``: events on the last axis).
 
@@ -132,21 +132,31 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray) -> np.ndarray:
     when it is checkpointed). When backward does not run in reverse forward order, every
     backward event and the tail sit above everything the forward held instead. Parameter
     gradients are in the fitted values.
+
+    ``selective_mask`` (within ``plan_mask``) marks the blocks checkpointed selectively: they hold
+    ``selective_bytes`` until their backward, their forward peaks at the checkpointed run's peak
+    plus what they keep beyond a full checkpoint (an upper bound), and their backward at the
+    recompute's peak (the kept outputs are handed to the recompute, which would have made them).
     """
     b, s = pred.blocks, pred.step
     order = None if pred.order is None else list(pred.order)
     if order is not None:
         b = {q: v[order] for q, v in b.items()}
         plan_mask = plan_mask[..., order]
+        if selective_mask is not None:
+            selective_mask = selective_mask[..., order]
+    extra = 0.0
+    if selective_mask is not None:
+        extra = np.where(selective_mask & plan_mask, np.maximum(b["selective_bytes"] - b["ckpt_bytes"], 0.0), 0.0)
     # Inputs no plain block saves are let go of once the loop moves on (``Releases``), where a
     # checkpoint keeps them until its backward.
     let_go, unseen = _let_go(pred, plan_mask, order)
-    held = np.where(plan_mask, b["ckpt_bytes"], b["plain_bytes"]) - let_go
+    held = np.where(plan_mask, b["ckpt_bytes"], b["plain_bytes"]) + extra - let_go
     one = np.ones(held.shape[:-1] + (1,))
     entry = s["pre_bytes"] + np.concatenate((0.0 * one, np.cumsum(held, axis=-1)), axis=-1)
     at = entry[..., :-1]
     fwd = at + np.maximum(b["gap_peak_bytes"],
-                          np.where(plan_mask, b["ckpt_fwd_peak_bytes"], b["fwd_peak_bytes"]))
+                          np.where(plan_mask, b["ckpt_fwd_peak_bytes"] + extra, b["fwd_peak_bytes"]))
     own = np.maximum(b["bwd_peak_bytes"], np.where(plan_mask, b["recompute_peak_bytes"], NO_EVENT))
     top = entry[..., -1:]
     # Samples run every block checkpointed, so what a block's run leaves until the forward ends

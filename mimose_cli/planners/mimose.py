@@ -35,6 +35,7 @@ import numpy as np
 
 from mimose_cli.planners.base import Decision, Planner, StepInfo
 from mimose_cli.planners.blocks import left_out, stack_runs, twin_blocks
+from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
@@ -56,6 +57,10 @@ from mimose_cli.planners.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import probe_step, probe_with_runner, to_model_device
 from mimose_cli.torch_private import without_dispatch_modes
 
+CHOICE_SETS = ("block", "selective")
+"""What a plan may do with a block: ``block``, keep it or recompute it whole (the paper's); ``selective``,
+also checkpoint it selectively (``blocks.SELECTIVE``) where that costs less time for the bytes it frees."""
+
 
 class CachedPlan(NamedTuple):
     """A plan-cache entry: the plan, its predicted peak above the step's start, and whether that
@@ -64,6 +69,8 @@ class CachedPlan(NamedTuple):
     plan: tuple
     peak_bytes: float
     fits: bool
+    selective: tuple = ()
+    """The blocks of ``plan`` checkpointed selectively (``choices="selective"``)."""
 
 
 @dataclass
@@ -167,7 +174,7 @@ class Mimose(Planner):
 
     def __init__(self, model, budget=None, *, blocks=None, safety_margin="auto", meter=None,
                  estimate: str = "probes", sheltered_steps: int = 5, granularity: int = 1, bucket: float = 0.10,
-                 prediction_margin: float = 0.001):
+                 prediction_margin: float = 0.001, choices: str = "block"):
         if estimate not in ("probes", "sheltered"):
             raise ValueError(f"estimate={estimate!r} is invalid; expected 'probes' or 'sheltered'")
         if not isinstance(sheltered_steps, int) or sheltered_steps < 1:
@@ -176,10 +183,15 @@ class Mimose(Planner):
             raise ValueError(f"granularity={granularity!r} is invalid; expected an integer >= 1")
         if not 0.0 <= bucket < 1.0:
             raise ValueError(f"bucket={bucket!r} is invalid; expected a fraction in [0, 1)")
+        if choices not in CHOICE_SETS:
+            raise ValueError(f"choices={choices!r} is invalid; expected one of {', '.join(map(repr, CHOICE_SETS))}")
         if not 0.0 <= prediction_margin < 1.0:
             raise ValueError(f"prediction_margin={prediction_margin!r} is invalid; expected a fraction in [0, 1)")
         super().__init__(model, budget, blocks=blocks, safety_margin=safety_margin, meter=meter)
         self.estimate = estimate
+        self.choices = choices
+        self.choice_times: ChoiceTimes | None = None
+        """What recomputing each block costs per choice (``choices="selective"``, from the probes)."""
         self._probed = estimate != "probes"  # the probes run once, before the first step
         self._loaded = False  # the estimator came from a saved state (no probes in this process)
         self.sheltered_steps = sheltered_steps
@@ -253,6 +265,10 @@ class Mimose(Planner):
         finally:
             self.measurer.collector_ms = collector_ms  # the probes' measuring runs are in probe_ms
             self.counts.probe_ms += (time.perf_counter() - start) * 1e3
+        if self.choice_times is not None:  # part of the probes' time
+            start = time.perf_counter()
+            self.choice_times.meter_ms, self.choice_times.mode_ms = dispatch_costs_ms()
+            self.counts.probe_ms += (time.perf_counter() - start) * 1e3
         for size, sample in samples:
             self.estimator.add(size, *sample)
         self.counts.probe_samples = len(samples)
@@ -309,6 +325,7 @@ class Mimose(Planner):
             self.counts.probe_twins_refused = refused
         self.counts.probe_twins = len(raws[0].twins)
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.num_blocks)
+        self._time_choices(raws, sizes, twins, [])
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
     def _left_out_probes(self, sizes: list, max_size: tuple, make_batch, step_fn, twins: dict, runs: list) -> list:
@@ -333,7 +350,19 @@ class Mimose(Planner):
             raise ScalingError(f"{where} changes when one more of them runs (memory that grows with the layers)")
         self.counts.probe_twins = len(raws[0].twins)
         self.counts.probe_skipped = len(_skipped(runs))
+        self._time_choices(raws, sizes, twins, runs)
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
+
+    def _time_choices(self, raws: list, sizes: list, twins: dict, runs: list) -> None:
+        """With ``choices="selective"``: each choice's recompute time per block from the probes'
+        measuring runs (``ChoiceTimes``); a block run without one takes the block like it."""
+        if self.choices != "selective":
+            return
+        stand_in = dict(twins)
+        for template, skipped in runs:
+            stand_in.update({i: twins.get(template, template) for i in skipped})
+        # The dispatch modes' costs are timed once the device's meter is back (``_probe``).
+        self.choice_times = ChoiceTimes.from_probes(raws, [math.prod(size) for size in sizes], stand_in, (0.0, 0.0))
 
     def _probe_pair(self, make_batch, sizes: list, step_fn, twins: dict) -> list:
         """The two measured probe steps at ``sizes`` (``RawStep``s), the first once more when it
@@ -466,7 +495,7 @@ class Mimose(Planner):
             self.counts.hits += 1
         else:
             self.counts.misses += 1
-        return Decision(entry.plan, cache_hit=hit, predicted_peak_bytes=int(base + entry.peak_bytes))
+        return Decision(entry.plan, selective=entry.selective, cache_hit=hit, predicted_peak_bytes=int(base + entry.peak_bytes))
 
     def _measuring(self, size: tuple, phase: str) -> Decision:
         """A step the collector measures (every block checkpointed); a retry after such a step
@@ -508,32 +537,55 @@ class Mimose(Planner):
             return base + self._timeline_peak(pred, plan)
 
         limit = self.limit_bytes - self.recovery_margins.get(key, 0)
-        plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak, limit, self.bucket)
+        selective = ()
+        if self._selective_known():
+            recompute_ms, selective_ms = self.choice_times.at(math.prod(key))
+            savings = [np.zeros(self.num_blocks), pred.savings - (pred.blocks["selective_bytes"] - pred.blocks["ckpt_bytes"]),
+                       pred.savings]
+            savings[1] = np.where(savings[1] > 0, savings[1], np.nan)  # no saving: not a choice
+            costs = [np.zeros(self.num_blocks), selective_ms, recompute_ms]
+            plan, selective, peak, fits = choice_plan_checked(
+                savings, costs, lambda p, sel: base + self._timeline_peak(pred, p, sel), limit)
+        else:
+            plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak, limit, self.bucket)
         if not fits:
             self.counts.unfit_plans += 1
             self._warn(f"input size {key} is predicted not to fit the budget even with every "
                        "block checkpointed; the step may run out of memory")
-        entry = CachedPlan(plan, peak - base, fits)
+        entry = CachedPlan(plan, peak - base, fits, selective)
         self.cache[key] = entry
         self.counts.scheduler_ms += (time.perf_counter() - start) * 1e3
         return entry
 
+    def _selective_known(self) -> bool:
+        """Whether plans may checkpoint blocks selectively: asked for, each block's selective
+        bytes in the estimate (the probes measure them; measured training steps do not) and
+        their recompute times known."""
+        layout = self.estimator.layout
+        return (self.choices == "selective" and self.choice_times is not None
+                and all(("selective_bytes", i) in layout for i in range(self.num_blocks)))
+
     def size_key(self, size: tuple) -> tuple:
         return self.cache_key(size)
 
-    def predict_peak(self, size: tuple, plan: tuple) -> int | None:
-        """The trusted prediction for ``plan`` at ``size``, or None (not fitted, not trusted)."""
+    def predict_peak(self, size: tuple, plan: tuple, selective: tuple = ()) -> int | None:
+        """The trusted prediction for ``plan`` at ``size`` (its blocks in ``selective``
+        checkpointed selectively), or None (not fitted, not trusted)."""
         key = self.cache_key(size)
         if not self.estimator.fitted or self.estimator.trust.reason(key) is not None:
             return None
-        return int(self._start_bytes() + self._timeline_peak(self.estimator.predict(key), plan))
+        return int(self._start_bytes() + self._timeline_peak(self.estimator.predict(key), plan, selective))
 
-    def _timeline_peak(self, pred, plan) -> float:
+    def _timeline_peak(self, pred, plan, selective=()) -> float:
         """The predicted peak above the step's start for ``plan``, with the prediction margin
         and the fit's residual (``Trust.residual_bytes``) on top."""
         masks = np.zeros(self.num_blocks, dtype=bool)
         masks[list(plan)] = True
-        peak = float(peak_timeline(pred, masks).max())
+        chosen = None
+        if selective:
+            chosen = np.zeros(self.num_blocks, dtype=bool)
+            chosen[list(selective)] = True
+        peak = float(peak_timeline(pred, masks, chosen).max())
         return peak * (1.0 + self.prediction_margin) + self.estimator.trust.residual_bytes
 
     def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> None:
@@ -627,7 +679,9 @@ class Mimose(Planner):
     def state_dict(self) -> dict:
         return {**super().state_dict(), "num_blocks": self.num_blocks, "granularity": self.granularity,
                 "estimator": self.estimator.state_dict(),
-                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits] for k, v in self.cache.items()],
+                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits, list(v.selective)] for k, v in self.cache.items()],
+                "choices": self.choices,
+                "choice_times": self.choice_times.state_dict() if self.choice_times is not None else None,
                 "recovery_margins": [[list(k), v] for k, v in self.recovery_margins.items()],
                 "counters": asdict(self.counts)}
 
@@ -643,7 +697,8 @@ class Mimose(Planner):
         self._probed = True
         self._loaded = True
         self.cache = {}
-        if state.get("granularity") == self.granularity:
-            self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits))
-                          for k, p, peak, fits in state.get("cache", [])}
+        self.choice_times = ChoiceTimes.from_state(state.get("choice_times")) if self.choices == "selective" else None
+        if state.get("granularity") == self.granularity and state.get("choices", "block") == self.choices:
+            self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), tuple(rest[0]) if rest else ())
+                          for k, p, peak, fits, *rest in state.get("cache", [])}
         self.recovery_margins = {tuple(k): v for k, v in state.get("recovery_margins", [])}

@@ -32,6 +32,11 @@ class MimoseOptions:
     """The greedy scheduler groups blocks whose predicted sizes are within this fraction."""
     prediction_margin: StrictFloat = Field(0.001, ge=0.0, lt=1.0)
     """Relative headroom on every predicted peak."""
+    choices: Literal["block", "selective"] = "block"
+    """What a plan may do with each block: ``block``, keep it or recompute it whole (the paper's
+    plans); ``selective``, also checkpoint it selectively (keep its matmuls', convolutions' and
+    attention kernels' outputs, recompute the rest) where the probes measure that it frees the
+    bytes needed for less recompute time. Needs ``estimate: probes``."""
 
 
 @dataclass(config=_STRICT, frozen=True)

@@ -293,8 +293,9 @@ def deeper_by_one(runs) -> list:
 def raw_sample(raw: RawStep, num_blocks: int, runs=()):
     """The sample of one probe step at its own size, written out for every block when it left
     layers out (``Deepening``): ``(blocks, step, shape)``."""
+    per_block = {**raw.per_block, "selective_extra_bytes": selective_extra(raw, raw.nbytes)}
     if not runs:
-        return build_sample(raw.marks, raw.trace, num_blocks, raw.per_block, raw.dropped, raw.twins)
+        return build_sample(raw.marks, raw.trace, num_blocks, per_block, raw.dropped, raw.twins)
     deepening = Deepening(raw, num_blocks, runs)
     live = np.empty(raw.points)
     live[raw.op_points] = raw.trace.live
@@ -302,7 +303,26 @@ def raw_sample(raw: RawStep, num_blocks: int, runs=()):
     live = live + deepening.extra_terms(raw.nbytes[:, None], raw.points)[0]
     trace = Trace(live[raw.op_points], raw.trace.recompute, raw.trace.autocast)
     marks = [(label, index, float(live[p])) for (label, index, _), p in zip(raw.marks, raw.mark_points)]
-    return deepening.sample(marks, trace, raw.per_block, raw.nbytes)
+    return deepening.sample(marks, trace, per_block, raw.nbytes)
+
+
+def selective_extra(raw: RawStep, storage_bytes: np.ndarray) -> np.ndarray:
+    """Per block (NaN where unknown), the bytes a selective checkpoint holds beyond a full one:
+    the compute-heavy ops' outputs (``RawStep.heavy``) its checkpointed run made and freed
+    before it returned (those it returns are in ``ckpt_bytes`` already), at the size whose
+    storages have ``storage_bytes``. Torch's selective checkpointing keeps them (aliases of the
+    same storages) until the recompute takes them back."""
+    extra = np.full(len(raw.per_block["saved_bytes"]), np.nan)
+    if raw.heavy is None or len(raw.heavy) != len(storage_bytes):
+        return extra
+    point = {label: p for (label, _, _), p in zip(raw.marks, raw.mark_points)}
+    for i in range(len(extra)):
+        start, stop = point.get(("dropped", i), point.get(("enter", i))), point.get(("ckpt", i))
+        if start is None or stop is None:
+            continue
+        inside = raw.heavy & (raw.born >= start) & (raw.born < stop) & (raw.died <= stop)
+        extra[i] = float(storage_bytes[inside].sum())
+    return extra
 
 
 def sample_difference(a, b) -> str | None:
@@ -376,8 +396,10 @@ class ScaledStep:
         per_block = {"fwd_ms": np.full(len(a.per_block["fwd_ms"]), np.nan)}
         for quantity, (values, term) in self.per_block.items():
             per_block[quantity] = np.where(term >= 0, values * scale[np.maximum(term, 0)], np.nan)
+        storage_bytes = self.coef @ f
+        per_block["selective_extra_bytes"] = selective_extra(a, storage_bytes)
         if self.deepening is not None:
-            blocks, step, shape = self.deepening.sample(marks, trace, per_block, self.coef @ f)
+            blocks, step, shape = self.deepening.sample(marks, trace, per_block, storage_bytes)
         else:
             blocks, step, shape = build_sample(marks, trace, self.num_blocks, per_block, a.dropped, a.twins)
         for quantity in ("fwd_ms", "saved_bytes", "release_bytes"):  # not measured at this size: no value
@@ -473,7 +495,8 @@ class Deepening:
         for (template, skipped), (after, arriving) in zip(self.runs, self.arrivals):
             jump = len(skipped) * float(storage_bytes[arriving].sum())
             t, a = self.position[template], self.position[after]
-            for q, sign, k in (("ckpt_bytes", -1, t), ("plain_bytes", -1, t), ("gap_peak_bytes", 1, a)):
+            for q, sign, k in (("ckpt_bytes", -1, t), ("selective_bytes", -1, t), ("plain_bytes", -1, t),
+                               ("gap_peak_bytes", 1, a)):
                 if blocks[q][k] is not None:
                     blocks[q][k] = blocks[q][k] + sign * jump
         source = [self.position[self.skipped.get(i, i)] for i in range(self.num_blocks)]

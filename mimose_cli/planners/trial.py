@@ -96,16 +96,17 @@ def probe_with_runner(planner, batch, runner, step_fn=None):
     return runner.end(None)
 
 
-def probe_with_plan(planner, batch, plan, step_fn=None):
-    """``probe_step`` (with ``step_fn``) with ``plan`` checkpointed through the planner's own
+def probe_with_plan(planner, batch, plan, step_fn=None, selective=()):
+    """``probe_step`` (with ``step_fn``) with ``plan`` checkpointed (``selective`` of it
+    selectively) through the planner's own
     router (its runner and measurer set aside meanwhile); the plan in force, runner and measurer
     are put back after. Returns what ``probe_step`` returns."""
-    saved = planner.runner, planner.measurer, planner.plan
+    saved = planner.runner, planner.measurer, planner.plan, planner.plan_runner.selective
     planner.runner, planner.measurer = planner.plan_runner, None
-    planner.set_plan(plan)
+    planner.set_plan(plan, selective)
     try:
         with planner.applying():
             return probe_step(planner, batch, step_fn)
     finally:
         planner.runner, planner.measurer = saved[:2]
-        planner.set_plan(saved[2])
+        planner.set_plan(saved[2], saved[3])

@@ -57,7 +57,8 @@ def _shape(record: StepRecord) -> str:
 
 
 def _blocks(record: StepRecord) -> str:
-    return f"{len(record.plan)}/{'?' if record.num_blocks is None else record.num_blocks}"
+    selective = f" ({len(record.selective)} sel)" if record.selective else ""
+    return f"{len(record.plan)}/{'?' if record.num_blocks is None else record.num_blocks}{selective}"
 
 
 def _peak(record: StepRecord, budget_bytes) -> str:

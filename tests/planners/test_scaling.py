@@ -10,7 +10,7 @@ from mimose_cli.memory import build_meter
 from mimose_cli.planners.blocks import twin_blocks
 from mimose_cli.planners.features import BLOCK_QUANTITIES, NO_EVENT, STEP_QUANTITIES, TOKENS
 from mimose_cli.planners.mimose import Mimose
-from mimose_cli.planners.scaling import _dimension, _polynomial, exponents, probe_batches, probe_sizes
+from mimose_cli.planners.scaling import _dimension, _polynomial, exponents, probe_batches, probe_sizes, raw_sample
 from mimose_cli.planners.trial import probe_step, probe_with_plan
 
 from helpers import bert_batch, run_step, tiny_bert
@@ -71,9 +71,13 @@ def assert_estimate_is_measured(planner, make_batch, sizes, step_fn=None):
     for size in sizes:
         predicted = planner.estimator.predict(size)
         batch = make_batch(size)  # made before the probe starts counting
-        planner.measurer.begin(inputs=batch)
-        probe_step(planner, batch, step_fn)
-        blocks, step, _ = planner.measurer.end()
+        planner.measurer.lifetimes = True  # for the selective bytes (``scaling.selective_extra``)
+        try:
+            planner.measurer.begin(inputs=batch)
+            probe_step(planner, batch, step_fn)
+            blocks, step, _ = raw_sample(planner.measurer.end(), planner.num_blocks)
+        finally:
+            planner.measurer.lifetimes = False
         for q in BLOCK_QUANTITIES:
             if q in ("fwd_ms", "saved_bytes"):  # not scaled (times; a sum of terms)
                 continue

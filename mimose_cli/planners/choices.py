@@ -1,0 +1,186 @@
+"""Finer plans: each block kept, checkpointed selectively or recomputed whole (``blocks.CHOICES``).
+
+``ChoiceTimes`` says what recomputing a block costs under each choice at any input size, from
+the probe steps' measuring runs (the time inside the compute-heavy ops and inside the others,
+at the two probe sizes) and the per-op cost of a Python dispatch mode on this machine: a
+selective checkpoint recomputes only the light ops, but torch runs a dispatch mode over every
+op of the block in its forward and in its recompute. On a GPU the heavy ops dominate and a
+selective recompute costs a fraction of a full one; on tiny CPU models the dispatch mode costs
+more than the heavy ops, and the scheduler sees it.
+
+``choice_plan_checked`` is the scheduler over the three choices: a multiple-choice knapsack
+solved greedily (the upgrade that covers the excess at the least time, else the one that frees
+the most bytes per ms), each round checked on the predicted timeline, then every upgrade taken
+back where the plan still fits without it.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from mimose_cli.torch_private import UncompiledDispatchMode, without_dispatch_modes
+
+
+class _PassThrough(UncompiledDispatchMode):
+    """A dispatch mode that only runs each op: what any Python dispatch mode costs per op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def dispatch_costs_ms(ops: int = 400) -> tuple:
+    """``(meter, mode)``: ms per op that the dispatch modes active now add (the simulated
+    device's meter), and that one more Python dispatch mode adds (a selective checkpoint's),
+    timed on tiny adds (the best of three runs each)."""
+    x = torch.ones(4)
+
+    def per_op() -> float:
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(ops):
+                torch.add(x, x)
+            best = min(best, (time.perf_counter() - start) * 1e3 / ops)
+        return best
+
+    active = per_op()
+    with _PassThrough():
+        moded = per_op()
+    with without_dispatch_modes():
+        bare = per_op()
+    return max(active - bare, 0.0), max(moded - active, 0.0)
+
+
+@dataclass
+class ChoiceTimes:
+    """Per block, the ms inside its compute-heavy ops and inside the others as ``a + c * BL``
+    (fitted through the two probe sizes' measuring runs), its op counts, and the per-op costs
+    of the dispatch modes (``dispatch_costs_ms``)."""
+
+    heavy: np.ndarray  # (blocks, 2): a, c
+    light: np.ndarray
+    heavy_ops: np.ndarray
+    light_ops: np.ndarray
+    meter_ms: float
+    mode_ms: float
+
+    @classmethod
+    def from_probes(cls, raws: list, units: Sequence[float], stand_in: dict, costs: tuple) -> "ChoiceTimes | None":
+        """From the two probe steps (``RawStep.op_ms``) at sizes whose ``B * L`` are ``units``;
+        a block not measured takes the values of ``stand_in[block]`` (the block like it that was).
+        None when a block has no stand-in measured."""
+        n = len(raws[0].per_block["saved_bytes"])
+        fits = {}
+        for quantity in ("heavy_ms", "light_ms", "ops", "heavy_ops"):
+            values = np.array([raw.op_ms.get(quantity, np.full(n, np.nan)) for raw in raws], dtype=float)
+            for i in range(n):
+                if np.isnan(values[:, i]).any():
+                    values[:, i] = values[:, stand_in.get(i, i)]
+            if np.isnan(values).any():
+                return None
+            slope = (values[1] - values[0]) / (units[1] - units[0]) if units[1] != units[0] else np.zeros(n)
+            fits[quantity] = np.stack([values[0] - slope * units[0], slope], axis=1)
+        ops = fits["ops"][:, 0] + fits["ops"][:, 1] * units[0]
+        heavy_ops = fits["heavy_ops"][:, 0] + fits["heavy_ops"][:, 1] * units[0]
+        return cls(fits["heavy_ms"], fits["light_ms"], heavy_ops, ops - heavy_ops, *costs)
+
+    def at(self, units: float) -> tuple:
+        """``(recompute ms, selective ms)`` per block at an input size with ``B * L`` = ``units``."""
+        heavy = np.maximum(self.heavy[:, 0] + self.heavy[:, 1] * units, 0.0)
+        light = np.maximum(self.light[:, 0] + self.light[:, 1] * units, 0.0)
+        ops = self.heavy_ops + self.light_ops
+        recompute = heavy + light + ops * self.meter_ms
+        selective = light + self.light_ops * self.meter_ms + 2 * ops * self.mode_ms
+        return recompute, selective
+
+    def state_dict(self) -> dict:
+        return {"heavy": self.heavy.tolist(), "light": self.light.tolist(), "heavy_ops": self.heavy_ops.tolist(),
+                "light_ops": self.light_ops.tolist(), "meter_ms": self.meter_ms, "mode_ms": self.mode_ms}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> "ChoiceTimes | None":
+        if not state:
+            return None
+        return cls(np.array(state["heavy"]), np.array(state["light"]), np.array(state["heavy_ops"]),
+                   np.array(state["light_ops"]), float(state["meter_ms"]), float(state["mode_ms"]))
+
+
+KEEP_LEVEL, SELECTIVE_LEVEL, RECOMPUTE_LEVEL = 0, 1, 2
+
+
+def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequence[float]],
+                        predict_peak: Callable[[tuple, tuple], float], limit_bytes: float) -> tuple:
+    """The least-recompute choices whose predicted peak fits: ``(plan, selective, peak, fits)``.
+
+    ``savings[level][i]`` and ``costs[level][i]`` are what block ``i`` frees and costs under each
+    level (0 keep, 1 selective, 2 recompute; a level a block cannot take has NaN savings);
+    ``predict_peak(plan, selective)`` is the step's predicted peak. Each round upgrades blocks
+    until their savings cover the excess, taking the upgrade that covers the rest alone at the
+    least time (ties: the earlier block, whose savings last longest in backward), else the one
+    that frees the most bytes per ms, then predicts the whole plan again; once it fits, each
+    upgrade is taken back, last first, where the plan still fits without it."""
+    n = len(savings[0])
+    save = np.nan_to_num(np.array(savings, dtype=float), nan=-1.0)
+    cost = np.array(costs, dtype=float)
+    level = np.zeros(n, dtype=int)
+    taken: list = []
+
+    def plan_of(levels):
+        return (tuple(int(i) for i in np.flatnonzero(levels > KEEP_LEVEL)),
+                tuple(int(i) for i in np.flatnonzero(levels == SELECTIVE_LEVEL)))
+
+    peak = predict_peak(*plan_of(level))
+    while peak > limit_bytes:
+        excess = peak - limit_bytes
+        moved = False
+        while excess > 0:
+            best = _best_upgrade(save, cost, level, excess)
+            if best is None:
+                break
+            i, to = best
+            excess -= save[to, i] - max(save[level[i], i], 0.0)
+            taken.append((i, int(level[i])))
+            level[i] = to
+            moved = True
+        if not moved:
+            break
+        peak = predict_peak(*plan_of(level))
+    if peak > limit_bytes:
+        return (*plan_of(level), peak, False)
+    for i, before in reversed(taken[1:]):
+        if level[i] == KEEP_LEVEL:
+            continue
+        trial = level.copy()
+        trial[i] = before
+        trial_peak = predict_peak(*plan_of(trial))
+        if trial_peak <= limit_bytes:
+            level, peak = trial, trial_peak
+    return (*plan_of(level), peak, True)
+
+
+def _best_upgrade(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess: float):
+    """``(block, level)``: the cheapest upgrade whose extra savings cover ``excess`` alone, else
+    the one with the most extra bytes per extra ms; None when no upgrade frees more."""
+    blocks = np.arange(save.shape[1])
+    current_save = np.maximum(save[level, blocks], 0.0)
+    current_cost = np.where(level > KEEP_LEVEL, cost[level, blocks], 0.0)
+    best_cover, best_rate = None, None
+    for to in (SELECTIVE_LEVEL, RECOMPUTE_LEVEL):
+        gain = save[to] - current_save
+        extra = np.maximum(cost[to] - current_cost, 1e-9)
+        usable = (level < to) & (save[to] >= 0) & (gain > 0)
+        for i in np.flatnonzero(usable):
+            if gain[i] >= excess:
+                key = (extra[i], i)
+                if best_cover is None or key < best_cover[0]:
+                    best_cover = (key, (int(i), to))
+            key = (-gain[i] / extra[i], i)
+            if best_rate is None or key < best_rate[0]:
+                best_rate = (key, (int(i), to))
+    if best_cover is not None:
+        return best_cover[1]
+    return None if best_rate is None else best_rate[1]

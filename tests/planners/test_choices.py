@@ -1,0 +1,141 @@
+"""Finer plans (``planner.mimose.choices: selective``): each block kept, checkpointed selectively or
+recomputed; the selective bytes from the probes, the scheduler over the three choices, the plan
+as the step ran it in records."""
+
+import numpy as np
+import pytest
+import torch
+from test_scaling import HELD_OUT, metered_mimose, padded
+
+from mimose_cli.launcher.recipe import load_recipe
+from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked
+from mimose_cli.planners.trial import probe_with_plan
+from mimose_cli.runs.plots import plan_figure
+from mimose_cli.runs.records import StepRecord
+
+from helpers import bert_batch, run_step, tiny_bert
+
+QUICKSTART = "recipes/quickstart.yaml"
+
+
+def make(size):
+    return padded(bert_batch(*size))
+
+
+def _additive(savings_of, levels_of):
+    """A peak predictor over ``(plan, selective)``: 100 minus what the blocks' levels save."""
+    def predict(plan, selective):
+        levels = [2 if i in plan and i not in selective else 1 if i in selective else 0 for i in range(len(levels_of))]
+        return 100.0 - sum(savings_of[level][i] for i, level in enumerate(levels))
+    return predict
+
+
+def test_the_scheduler_takes_the_choice_that_frees_enough_for_the_least_time():
+    """Selective frees 6 for 1 ms, recompute 10 for 4 ms: an excess of 5 takes one selective block,
+    of 12 two selective blocks (12 for 2 ms, cheaper than a recompute and a selective, 5 ms)."""
+    savings = [[0.0] * 3, [6.0] * 3, [10.0] * 3]
+    costs = [[0.0] * 3, [1.0] * 3, [4.0] * 3]
+    predict = _additive(savings, [0] * 3)
+    assert choice_plan_checked(savings, costs, predict, 95.0)[:2] == ((0,), (0,))
+    plan, selective, peak, fits = choice_plan_checked(savings, costs, predict, 88.0)
+    assert fits and peak <= 88.0 and set(selective) == set(plan) and len(plan) == 2
+    # Nothing selective frees enough: every block recomputed is what fits.
+    plan, selective, peak, fits = choice_plan_checked(savings, costs, predict, 71.0)
+    assert fits and plan == (0, 1, 2) and selective == ()
+
+
+def test_a_choice_a_block_cannot_take_is_never_chosen_and_nothing_fitting_says_so():
+    savings = [[0.0] * 2, [np.nan, 6.0], [10.0, 10.0]]
+    costs = [[0.0] * 2, [0.1, 1.0], [4.0, 4.0]]
+    predict = _additive(np.nan_to_num(savings), [0] * 2)
+    plan, selective, _, fits = choice_plan_checked(savings, costs, predict, 95.0)
+    assert fits and 0 not in selective
+    assert choice_plan_checked(savings, costs, predict, 50.0)[3] is False  # 20 is the most it frees
+
+
+def test_the_choice_times_say_selective_costs_the_light_ops_and_the_dispatch_modes():
+    times = ChoiceTimes(heavy=np.array([[0.0, 0.01]]), light=np.array([[0.0, 0.002]]), heavy_ops=np.array([5.0]),
+                        light_ops=np.array([20.0]), meter_ms=0.01, mode_ms=0.005)
+    recompute, selective = times.at(1000.0)
+    assert recompute[0] == pytest.approx(10 + 2 + 25 * 0.01)
+    assert selective[0] == pytest.approx(2 + 20 * 0.01 + 2 * 25 * 0.005)
+    again = ChoiceTimes.from_state(times.state_dict())
+    assert np.allclose(again.at(1000.0), (recompute, selective))
+
+
+def test_finer_plans_fit_hold_their_predictions_and_compute_what_plain_training_does():
+    """With selective recompute made cheap in the time model, a middle budget is met by plans
+    that checkpoint blocks selectively; every such plan's measured peak is within its prediction
+    (never under) and within 2 % of it; the losses equal plain training's bit for bit: the
+    recompute runs the same ops in the same order on the same inputs (torch's selective
+    checkpointing hands back the forward's own outputs of the ops it kept)."""
+    with metered_mimose(tiny_bert(4), choices="selective") as (planner, meter):
+        planner.prepare(make, (4, 64))
+        assert planner.choice_times is not None and planner._selective_known()
+        planner.choice_times.mode_ms = 0.0  # selective recompute as cheap as its light ops
+        for p in planner.model.parameters():
+            p.grad = None
+        seen = 0
+        for size in HELD_OUT:
+            batch = make(size)
+            none_peak = probe_with_plan(planner, batch, ())
+            full_peak = probe_with_plan(planner, batch, tuple(range(4)))
+            planner.budget_bytes = int(full_peak + 0.5 * (none_peak - full_peak))
+            planner.cache = {}
+            decision = planner.decide(size)
+            assert decision.predicted_peak_bytes <= planner.limit_bytes
+            measured = probe_with_plan(planner, batch, decision.plan, selective=decision.selective)
+            assert measured <= decision.predicted_peak_bytes <= measured * 1.02, (size, decision)
+            seen += bool(decision.selective)
+        assert seen  # the budgets were met with selective blocks
+
+
+def test_a_step_planned_with_selective_blocks_says_so_and_trains_as_plain():
+    model, reference = tiny_bert(4), tiny_bert(4)
+    data = bert_batch(4, 64)
+    from mimose_cli.memory import build_meter
+    from mimose_cli.planners.base import NoCheckpointing
+    from mimose_cli.planners.mimose import Mimose
+
+    meter = build_meter("simulated", 10**9)
+    with meter.activate():
+        meter.track(model, reference)
+        plain = NoCheckpointing(reference, meter=meter)
+        plain_loss, none_peak, _ = run_step(plain, meter, data)
+        plain.close()
+        planner = Mimose(model, 10**9, meter=meter, choices="selective")
+        planner.prepare(lambda size: bert_batch(*size), (4, 64))
+        planner.choice_times.mode_ms = 0.0
+        meter.track(data)
+        # Room for the step with one block checkpointed selectively: cheaper than recomputing one.
+        planner.budget_bytes = planner.predict_peak((4, 64), (0,), (0,)) + 1024
+        budget = planner.budget_bytes
+        loss, peak, info = run_step(planner, meter, data)
+        planner.close()
+    assert info.selective and set(info.selective) <= set(info.plan)
+    assert peak <= budget < none_peak and torch.equal(loss, plain_loss)
+
+
+def test_the_heat_map_shows_selective_blocks_and_records_keep_them():
+    records = [StepRecord(step=0, plan=[0, 1], selective=[1], num_blocks=3),
+               StepRecord(step=1, plan=[], num_blocks=3)]
+    figure = plan_figure(records)
+    image = figure.axes[0].images[0].get_array()
+    assert image[0, 0] == 2.0 and image[1, 0] == 1.0 and image[2, 0] == 0.0
+    labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert "checkpointed selectively" in labels
+
+
+def test_a_recipe_chooses_the_choice_set_and_refuses_others():
+    recipe = load_recipe(QUICKSTART, ["planner.mimose.choices=selective"])
+    assert recipe.planner.keywords["choices"] == "selective"
+    with pytest.raises(ValueError, match="choices"):
+        load_recipe(QUICKSTART, ["planner.mimose.choices=offload"])
+
+
+def test_block_level_plans_checkpoint_nothing_selectively():
+    with metered_mimose(tiny_bert(4)) as (planner, meter):
+        planner.prepare(make, (4, 64))
+        assert planner.choice_times is None and not planner._selective_known()
+        planner.budget_bytes = 1  # nothing fits: every block, none selectively
+        assert planner.decide((4, 40)).selective == ()
