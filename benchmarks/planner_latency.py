@@ -6,7 +6,10 @@ the median is reported. The budget is set so that a miss must checkpoint about h
 blocks. Paper: fit < 1 ms, prediction ~16 us, estimator + scheduler 0.26-0.39 ms per miss.
 Targets here: miss <= 0.5 ms, hit <= 10 us. Writes benchmarks/results/planner_latency.json.
 
-    python benchmarks/planner_latency.py [--blocks 12,24,48]
+With ``--choices selective`` the same for finer plans (each block kept, checkpointed selectively
+or recomputed; ``choices.choice_plan_checked``), fitted from the probes.
+
+    python benchmarks/planner_latency.py [--blocks 12,24,48] [--choices block,selective]
 """
 
 import argparse
@@ -35,7 +38,14 @@ def median_us(fn, repeat: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def fitted_planner(num_blocks: int):
+def _batch(size):
+    b, length = size
+    return {"input_ids": torch.randint(0, 100, (b, length)), "labels": torch.randint(0, 2, (b,))}
+
+
+def fitted_planner(num_blocks: int, choices: str = "block"):
+    """Block-level plans: fitted from a sheltered phase on ``SHELTERED``; finer plans
+    (``choices="selective"``, whose selective bytes only the probes measure): from the probes."""
     torch.manual_seed(0)
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=num_blocks, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=256, attn_implementation="eager")
@@ -43,9 +53,15 @@ def fitted_planner(num_blocks: int):
     meter = build_meter("simulated", None)
     with meter.activate():
         meter.track(model)
+        if choices == "selective":
+            planner = Mimose(model, "100GB", meter=meter, choices="selective")
+            planner.prepare(_batch, (16, 256))
+            planner.choice_times.mode_ms = 0.0  # selective as cheap as its light ops: the scheduler uses it
+            planner.meter = None
+            return planner
         planner = Mimose(model, "100GB", meter=meter, sheltered_steps=len(SHELTERED))
-        for b, length in SHELTERED:
-            batch = {"input_ids": torch.randint(0, 100, (b, length)), "labels": torch.randint(0, 2, (b,))}
+        for size in SHELTERED:
+            batch = _batch(size)
             with planner.step(batch):
                 model(**batch).loss.backward()
             for p in model.parameters():
@@ -54,8 +70,8 @@ def fitted_planner(num_blocks: int):
     return planner
 
 
-def measure(num_blocks: int, repeat: int) -> dict:
-    planner = fitted_planner(num_blocks)
+def measure(num_blocks: int, repeat: int, choices: str = "block") -> dict:
+    planner = fitted_planner(num_blocks, choices)
     size = (16, 200)
     pred = planner.estimator.predict(size)
     none_peak = peak_timeline(pred, np.zeros(num_blocks, dtype=bool)).max()
@@ -70,9 +86,10 @@ def measure(num_blocks: int, repeat: int) -> dict:
     miss_us = median_us(miss, repeat)
     planner.decide(size)
     hit_us = median_us(lambda: planner.decide(size), repeat)
-    plan = planner.decide(size).plan
+    decision = planner.decide(size)
+    plan = decision.plan
     planner.close()
-    return {"num_blocks": num_blocks, "fit_us": fit_us, "predict_us": predict_us, "miss_us": miss_us,
+    return {"num_blocks": num_blocks, "choices": choices, "selective_blocks": len(decision.selective), "fit_us": fit_us, "predict_us": predict_us, "miss_us": miss_us,
             "hit_us": hit_us, "plan_length": len(plan),
             "ops_fitted": int(sum(len(a) for a in planner.estimator.samples[0][0]["bwd_peak_bytes"] if a is not None)),
             "ops_kept": int(planner.estimator.coef.shape[1])}
@@ -82,15 +99,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="12,24,48")
     parser.add_argument("--repeat", type=int, default=2000)
+    parser.add_argument("--choices", default="block,selective",
+                        help="block: the paper's plans (sheltered fit); selective: finer plans (probes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
-    print(f"{'blocks':>6} {'fit us':>9} {'predict us':>10} {'miss us':>9} {'hit us':>7} {'plan':>5} {'ops kept':>8}")
-    for n in (int(b) for b in args.blocks.split(",")):
-        row = measure(n, args.repeat)
-        rows.append(row)
-        print(f"{n:6d} {row['fit_us']:9.1f} {row['predict_us']:10.1f} {row['miss_us']:9.1f} "
-              f"{row['hit_us']:7.2f} {row['plan_length']:5d} {row['ops_kept']:8d}", flush=True)
+    print(f"{'blocks':>6} {'choices':>9} {'fit us':>9} {'predict us':>10} {'miss us':>9} {'hit us':>7} {'plan':>5} "
+          f"{'sel':>4} {'ops kept':>8}")
+    for choices in args.choices.split(","):
+        for n in (int(b) for b in args.blocks.split(",")):
+            row = measure(n, args.repeat, choices)
+            rows.append(row)
+            print(f"{n:6d} {choices:>9} {row['fit_us']:9.1f} {row['predict_us']:10.1f} {row['miss_us']:9.1f} "
+                  f"{row['hit_us']:7.2f} {row['plan_length']:5d} {row['selective_blocks']:4d} {row['ops_kept']:8d}",
+                  flush=True)
     write_results("planner_latency", rows, numpy=np.__version__,
                   targets_us={"miss": 500, "hit": 10, "fit": 1000})
 

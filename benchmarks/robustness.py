@@ -34,6 +34,7 @@ Writes benchmarks/results/robustness.json.
     python benchmarks/robustness.py [--steps 100] [--models bert,t5] [--settings fp32,accum4]
     python benchmarks/robustness.py --quick      # a few steps of a subset, about a minute
     python benchmarks/robustness.py --jobs 2     # (model, setting) pairs in 2 processes
+    python benchmarks/robustness.py --choices selective   # Mimose's finer plans (robustness_selective.json)
 """
 
 import argparse
@@ -299,15 +300,18 @@ def train_step(t: Trainer, spec: ModelSpec, shape: Shape, step: int) -> StepReco
     return record
 
 
-def train_run(spec: ModelSpec, setting: Setting, shapes: list, planner_name: str, budget_bytes) -> Run:
-    """Train on ``shapes`` with one planner on a fresh simulated device of ``budget_bytes``."""
+def train_run(spec: ModelSpec, setting: Setting, shapes: list, planner_name: str, budget_bytes,
+              choices: str = "block") -> Run:
+    """Train on ``shapes`` with one planner on a fresh simulated device of ``budget_bytes``
+    (Mimose's plans: ``choices``)."""
     model = build_model(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu") if setting.precision == "fp16" else None
     meter = build_meter("simulated", budget_bytes)
     with meter.activate():
         meter.track(model, optimizer)
-        planner = build_planner(planner_name, model, budget_bytes, meter=meter)
+        options = {"choices": choices} if planner_name == "mimose" else {}
+        planner = build_planner(planner_name, model, budget_bytes, meter=meter, **options)
         trainer = Trainer(model, optimizer, scaler, meter, planner, make_step_fn(model, spec, setting, scaler),
                           setting.accumulation)
         if spec.kind == "image" and planner_name == "mimose":
@@ -391,7 +395,7 @@ def summarize(cell: Cell, run: Run, reference: list) -> None:
     cell.mimose = run.stats
 
 
-def evaluate(model_name: str, setting_name: str, steps: int) -> list:
+def evaluate(model_name: str, setting_name: str, steps: int, choices: str = "block") -> list:
     """The three budget cells of one (model, setting): calibrate with none and full, then Mimose."""
     spec, setting = MODELS[model_name], SETTINGS[setting_name]
     cells = [Cell(model_name, setting_name, round(100 * f)) for f in BUDGET_FRACTIONS]
@@ -410,7 +414,7 @@ def evaluate(model_name: str, setting_name: str, steps: int) -> list:
         cell.budget_bytes = int(full_peak + fraction * (none_peak - full_peak))
         start = time.perf_counter()
         try:
-            summarize(cell, train_run(spec, setting, shapes, "mimose", cell.budget_bytes), none.records)
+            summarize(cell, train_run(spec, setting, shapes, "mimose", cell.budget_bytes, choices), none.records)
         except Exception as error:
             cell.error = one_line(error)
         cell.wall_s = time.perf_counter() - start
@@ -474,18 +478,18 @@ def _init_worker() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="mimose_cli")
 
 
-def run_matrix(pairs: list, steps: int, jobs: int) -> list:
+def run_matrix(pairs: list, steps: int, jobs: int, choices: str = "block") -> list:
     """Every (model, setting) pair's cells, in matrix order; a progress line per pair."""
     _init_worker()
     if jobs == 1:
         results = []
         for pair in pairs:
-            results.append(evaluate(*pair, steps))
+            results.append(evaluate(*pair, steps, choices))
             print(f"done {pair[0]}/{pair[1]}", flush=True)
         return [row for cells in results for row in cells]
     # spawn: a forked torch can deadlock on the parent's thread pools
     with ProcessPoolExecutor(jobs, multiprocessing.get_context("spawn"), initializer=_init_worker) as pool:
-        futures = {pool.submit(evaluate, *pair, steps): pair for pair in pairs}
+        futures = {pool.submit(evaluate, *pair, steps, choices): pair for pair in pairs}
         for future in futures:
             future.add_done_callback(lambda f, pair=futures[future]: print(f"done {pair[0]}/{pair[1]}", flush=True))
         return [row for future in futures for row in future.result()]
@@ -498,6 +502,8 @@ def main():
     parser.add_argument("--steps", type=int, default=100, help="micro-batches per run")
     parser.add_argument("--quick", action="store_true", help="12 steps of bert and vit in fp32 and varbatch")
     parser.add_argument("--jobs", type=int, default=1, help="processes, one (model, setting) pair each")
+    parser.add_argument("--choices", default="block", choices=("block", "selective"),
+                        help="Mimose's plans (planner.mimose.choices); selective writes robustness_selective.json")
     args = parser.parse_args()
     if args.quick:
         args.models, args.settings, args.steps = "bert,vit", "fp32,varbatch", 12
@@ -507,10 +513,11 @@ def main():
         parser.error(f"unknown model or setting {unknown[0]!r}; models: {','.join(MODELS)}; "
                      f"settings: {','.join(SETTINGS)}")
     start = time.perf_counter()
-    rows = run_matrix(pairs, args.steps, args.jobs)
+    rows = run_matrix(pairs, args.steps, args.jobs, args.choices)
     wall_s = time.perf_counter() - start
     counts = target_counts(rows)
-    write_results("robustness", rows, steps=args.steps, jobs=args.jobs, wall_s=wall_s,
+    name = "robustness" if args.choices == "block" else "robustness_selective"
+    write_results(name, rows, steps=args.steps, jobs=args.jobs, wall_s=wall_s, choices=args.choices,
                   budget_fractions=list(BUDGET_FRACTIONS), targets=TARGETS,
                   targets_met={k: list(v) for k, v in counts.items()})
     print(HEADER)

@@ -185,7 +185,7 @@ def test_a_second_train_plans_again():
     ({}, "1KB", {}, "budget of 1000 B cannot hold the model's weights and their gradients .*raise it"),
     ({}, "1GB", {"planner": "fast"}, "planner='fast' is unknown; choose one of dtr, full, hf-every-n, mimose"),
     ({}, "1GB", {"sheltered": 3}, "sheltered=3 is not an option of planner='mimose'; its options: bucket, "
-                                  "estimate, granularity, prediction_margin, sheltered_steps"),
+                                  "choices, estimate, granularity, prediction_margin, sheltered_steps"),
     ({}, "1GB", {"bucket": "fast"}, "bucket='fast' is invalid for planner='mimose'; expected a valid number"),
     ({}, "1GB", {"planner": "sublinear"}, "pass max_input_size=\\(batch_size, max_length\\)"),
     ({}, "1GB", {"planner": "hf-every-n"}, "planner='hf-every-n' plans once, for the largest batch"),
