@@ -38,7 +38,14 @@ from pydantic.dataclasses import dataclass
 
 from mimose_cli.files import write_text
 from mimose_cli.launcher.data.presets import IMAGE_PRESETS, LENGTH_PRESETS, MIN_SYNTHETIC_LENGTH
-from mimose_cli.planners.options import PLANNER_OPTIONS, EveryNOptions, FullOptions, MimoseOptions, SublinearOptions
+from mimose_cli.planners.options import (
+    PLANNER_OPTIONS,
+    EveryNOptions,
+    FullOptions,
+    MimoseOptions,
+    OracleOptions,
+    SublinearOptions,
+)
 from mimose_cli.units import parse_size
 
 FORBID_UNKNOWN_KEYS = ConfigDict(extra="forbid")
@@ -299,6 +306,8 @@ class PlannerConfig:
     """hf-every-n's options (used when planner.name is hf-every-n), e.g. {every_n_layers: 2}."""
     full: FullOptions = field(default_factory=FullOptions)
     """full's options (used when planner.name is full), e.g. {selective: true}."""
+    oracle: OracleOptions = field(default_factory=OracleOptions)
+    """The oracle's options (used when planner.name is oracle), e.g. {choices: selective}."""
     safety_margin_bytes: Optional[int] = Field(None, init=False, exclude=True, repr=False)
     """safety_margin in bytes, parsed once here; None for auto (the planner decides)."""
 

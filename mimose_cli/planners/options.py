@@ -62,6 +62,14 @@ class FullOptions:
 
 
 @dataclass(config=_STRICT, frozen=True)
+class OracleOptions:
+    choices: Literal["block", "selective"] = "block"
+    """The plans it searches: ``block``, each block kept or recomputed; ``selective``, also
+    checkpointed selectively (Mimose's ``choices: selective``, so that "x oracle" compares like
+    with like)."""
+
+
+@dataclass(config=_STRICT, frozen=True)
 class NoOptions:
     """A planner that takes no options."""
 
@@ -72,7 +80,7 @@ PLANNER_OPTIONS = {
     "full": FullOptions,
     "sublinear": SublinearOptions,
     "dtr": NoOptions,
-    "oracle": NoOptions,
+    "oracle": OracleOptions,
     "hf-every-n": EveryNOptions,
 }
 """Planner name -> the options a recipe may give it."""

@@ -18,8 +18,10 @@ import warnings
 import numpy as np
 
 from mimose_cli.planners.base import Decision, Planner, StepInfo
+from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import BLOCK_QUANTITIES, NO_EVENT, STEP_QUANTITIES, Prediction, peak_timeline
+from mimose_cli.planners.scaling import raw_sample
 from mimose_cli.planners.sublinear import BlockProfile
 from mimose_cli.planners.trial import probe_step, to_model_device
 
@@ -44,11 +46,48 @@ def measured_prediction(size: tuple, sample, num_blocks: int) -> Prediction | No
                       {q: value(step[q], q) for q in STEP_QUANTITIES}, shape.order, shape.backward_reversed)
 
 
-def plan_peak(pred: Prediction, plan) -> float:
-    """The measured step peak above its start with ``plan`` checkpointed."""
+def plan_peak(pred: Prediction, plan, selective=()) -> float:
+    """The measured step peak above its start with ``plan`` checkpointed (``selective`` of it
+    selectively)."""
     mask = np.zeros(len(pred.blocks["fwd_ms"]), dtype=bool)
     mask[list(plan)] = True
-    return float(peak_timeline(pred, mask).max())
+    chosen = None
+    if selective:
+        chosen = np.zeros(len(mask), dtype=bool)
+        chosen[list(selective)] = True
+    return float(peak_timeline(pred, mask, chosen).max())
+
+
+EXACT_MAX_CHOICE_BLOCKS = 8
+
+
+def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray, selective_ms: np.ndarray) -> tuple:
+    """Finer plans (``choices="selective"``): ``(plan, selective)`` with the least recompute time
+    whose measured peak fits, over every block kept, checkpointed selectively or recomputed: all
+    3^n plans up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks, beyond them Mimose's scheduler
+    (``choices.choice_plan_checked``) on the measurements. A block whose selective checkpoint
+    frees nothing is not checkpointed selectively; every block recomputed when nothing fits."""
+    n = len(recompute_ms)
+    every = tuple(range(n))
+    useful = pred.blocks["selective_bytes"] < pred.blocks["plain_bytes"]
+    if n > EXACT_MAX_CHOICE_BLOCKS:
+        savings = pred.savings
+        selective_savings = np.where(useful, savings - (pred.blocks["selective_bytes"] - pred.blocks["ckpt_bytes"]), np.nan)
+        plan, selective, _, fits = choice_plan_checked(
+            [np.zeros(n), selective_savings, savings], [np.zeros(n), selective_ms, recompute_ms],
+            lambda p, sel: plan_peak(pred, p, sel), limit_bytes)
+        return (plan, selective) if fits else (every, ())
+    levels = (np.arange(3 ** n)[:, None] // 3 ** np.arange(n)) % 3
+    levels = levels[~((levels == 1) & ~useful).any(axis=1)]
+    plans, chosen = levels > 0, levels == 1
+    peaks = peak_timeline(pred, plans, chosen).max(axis=-1)
+    cost = np.where(levels == 2, recompute_ms, 0.0).sum(axis=1) + np.where(chosen, selective_ms, 0.0).sum(axis=1)
+    cost = cost + plans.sum(axis=1) * 1e-9
+    cost[peaks > limit_bytes] = np.inf
+    best = int(np.argmin(cost))
+    if not np.isfinite(cost[best]):
+        return every, ()
+    return (tuple(int(i) for i in np.flatnonzero(plans[best])), tuple(int(i) for i in np.flatnonzero(chosen[best])))
 
 
 def exact_search(pred: Prediction, limit_bytes: float) -> tuple:
@@ -148,9 +187,15 @@ class Oracle(Planner):
 
     name = "oracle"
 
-    def __init__(self, model, budget=None, **kwargs):
+    def __init__(self, model, budget=None, *, choices: str = "block", **kwargs):
+        if choices not in ("block", "selective"):
+            raise ValueError(f"choices={choices!r} is invalid; expected 'block' or 'selective'")
         super().__init__(model, budget, **kwargs)
+        self.choices = choices
         self.measurer = ShuttlingCollector(model, self.blocks)
+        self.measurer.lifetimes = choices == "selective"  # the selective bytes (``scaling.selective_extra``)
+        self.choice_ms: dict = {}  # input size -> (recompute ms, selective ms) per block
+        self._dispatch_costs = None
         self.measured: dict = {}  # input size -> Prediction, or None when it could not be measured
         self._make_batch = None
         self.excluded_ms_total = 0.0
@@ -175,6 +220,13 @@ class Oracle(Planner):
             ran = probe_step(self, batch) is not None
         finally:
             sample = self.measurer.end() if ran else self.measurer.abort()  # abort keeps nothing
+        if sample is not None and self.measurer.lifetimes:
+            raw, sample = sample, raw_sample(sample, self.num_blocks)
+            if self._dispatch_costs is None:
+                self._dispatch_costs = dispatch_costs_ms()
+            units = [float(np.prod(size))] * 2
+            times = ChoiceTimes.from_probes([raw, raw], units, {}, self._dispatch_costs)
+            self.choice_ms[size] = times.at(units[0]) if times is not None else None
         pred = None if sample is None else measured_prediction(size, sample, self.num_blocks)
         if pred is None:
             warnings.warn(f"oracle: input size {size} could not be measured (out of memory, or a "
@@ -190,14 +242,18 @@ class Oracle(Planner):
         pred = self.measured[size]
         base = self.meter.current_bytes() if self.meter is not None else 0
         if pred is None:
-            plan, predicted = tuple(range(self.num_blocks)), None
+            plan, predicted, selective = tuple(range(self.num_blocks)), None, ()
         else:
             limit = None if self.limit_bytes is None else self.limit_bytes - self.margin_bytes - base
-            plan = optimal_plan(pred, limit)
-            predicted = int(base + plan_peak(pred, plan))
+            plan, selective = optimal_plan(pred, limit), ()
+            times = self.choice_ms.get(size)
+            if times is not None and limit is not None and plan_peak(pred, ()) > limit:
+                plan, selective = choice_search(pred, limit, *times)
+            predicted = int(base + plan_peak(pred, plan, selective))
         excluded_ms = (time.perf_counter() - start) * 1e3
         self.excluded_ms_total += excluded_ms
-        return Decision(plan, cache_hit=hit, predicted_peak_bytes=predicted, excluded_ms=excluded_ms)
+        return Decision(plan, cache_hit=hit, predicted_peak_bytes=predicted, excluded_ms=excluded_ms,
+                        selective=selective)
 
     def observe(self, info: StepInfo, peak_bytes, sample) -> None:
         """Keep the largest measured overshoot of the measured timeline as a margin (none was

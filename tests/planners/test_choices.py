@@ -139,3 +139,34 @@ def test_block_level_plans_checkpoint_nothing_selectively():
         assert planner.choice_times is None and not planner._selective_known()
         planner.budget_bytes = 1  # nothing fits: every block, none selectively
         assert planner.decide((4, 40)).selective == ()
+
+
+def test_the_oracle_searches_the_same_choices_and_its_plans_fit():
+    """``oracle`` with ``choices="selective"``: every plan of keep / selective / recompute over 4
+    blocks, on this size's measurements; with selective made cheap in the time model a middle
+    budget takes selective blocks, the step fits, and its recompute time is no more than the
+    block-level oracle's plan costs under the same times."""
+    from mimose_cli.memory import build_meter
+    from mimose_cli.planners.oracle import Oracle, optimal_plan, plan_peak
+
+    model = tiny_bert(4)
+    data = bert_batch(4, 64)
+    meter = build_meter("simulated", 10**9)
+    with meter.activate():
+        meter.track(model, data)
+        oracle = Oracle(model, 10**9, meter=meter, choices="selective")
+        oracle._dispatch_costs = (0.0, 0.0)  # selective recompute costs its light ops only
+        oracle.batch = data
+        pred = oracle.measure((4, 64))
+        oracle.measured[(4, 64)] = pred
+        base = meter.current_bytes()
+        none_peak, full_peak = plan_peak(pred, ()), plan_peak(pred, tuple(range(4)))
+        oracle.budget_bytes = int(base + full_peak + 0.5 * (none_peak - full_peak))
+        decision = oracle.decide((4, 64))
+        recompute_ms, selective_ms = oracle.choice_ms[(4, 64)]
+        block_level = optimal_plan(pred, oracle.limit_bytes - base)
+        cost = sum(selective_ms[i] if i in decision.selective else recompute_ms[i] for i in decision.plan)
+        assert decision.selective and cost <= sum(recompute_ms[i] for i in block_level) + 1e-9
+        loss, peak, info = run_step(oracle, meter, data)
+        oracle.close()
+    assert info.selective == decision.selective and peak <= oracle.budget_bytes
