@@ -211,6 +211,7 @@ class StepRecord:
     retries: int = 0
     error: str | None = None
     optimizer_error: str | None = None
+    selective: tuple = ()
 
     @property
     def oom(self) -> bool:
@@ -292,7 +293,8 @@ def train_step(t: Trainer, spec: ModelSpec, shape: Shape, step: int) -> StepReco
         loss, retries, error = run_step(t.planner, t.step_fn, batch)
     info = t.planner.last
     record = StepRecord(loss, mem.peak_bytes, info.predicted_peak_bytes if info else None,
-                        tuple(info.plan) if info else (), info.phase if info else None, retries, error)
+                        tuple(info.plan) if info else (), info.phase if info else None, retries, error,
+                        selective=tuple(info.selective) if info else ())
     if record.oom:
         t.optimizer.zero_grad(set_to_none=True)  # the lost step's partial gradients
     elif (step + 1) % t.accumulation == 0:
@@ -352,6 +354,8 @@ class Cell:
     first_lost_error: str | None = None
     binding_steps: int = 0
     binding_peak_mean_pct: float | None = None
+    selective_steps: int = 0
+    """Steps whose plan checkpointed a block selectively (``--choices selective``)."""
     predicted_steps: int = 0
     pred_err_min_pct: float | None = None
     """Most negative (predicted - measured) / measured: the worst under-prediction."""
@@ -381,6 +385,7 @@ def summarize(cell: Cell, run: Run, reference: list) -> None:
     responsive = [r for r in records if r.phase == "responsive" and not r.oom]
     ratios = [r.peak_bytes / cell.budget_bytes for r in responsive if r.plan]
     cell.binding_steps = len(ratios)
+    cell.selective_steps = sum(bool(r.selective) for r in records)
     cell.binding_peak_mean_pct = 100 * float(np.mean(ratios)) if ratios else None
     errors = [(r.predicted_peak_bytes - r.peak_bytes) / r.peak_bytes
               for r in responsive if r.predicted_peak_bytes is not None]
@@ -432,7 +437,7 @@ def untrusted(stats: dict):
 
 HEADER = (f"{'model':10} {'setting':8} {'bud%':>4} {'budget MB':>9} {'OOM':>4} {'shel':>4} {'opt':>3} "
           f"{'retry':>5} {'bind':>4} {'peak/bud %':>10} {'err min %':>9} {'|err| max %':>11} "
-          f"{'loss diff':>9} {'unfit':>5} {'under':>5} {'untr':>4} {'warn':>4}  first lost step")
+          f"{'loss diff':>9} {'unfit':>5} {'under':>5} {'untr':>4} {'warn':>4} {'sel':>4}  first lost step")
 
 
 def table_line(row: dict) -> str:
@@ -446,7 +451,7 @@ def table_line(row: dict) -> str:
             f"{_fmt(row['binding_peak_mean_pct'], '.2f', 10)} {_fmt(row['pred_err_min_pct'], '.3f', 9)} "
             f"{_fmt(row['pred_err_max_abs_pct'], '.3f', 11)} {_fmt(row['loss_max_abs_diff'], '.1e', 9)} "
             f"{stats.get('unfit_plans', 0):5d} {stats.get('underpredictions', 0):5d} "
-            f"{_fmt(untrusted(stats), 'd', 4)} {len(stats.get('warnings', [])):4d}  {lost}")
+            f"{_fmt(untrusted(stats), 'd', 4)} {len(stats.get('warnings', [])):4d} {row.get('selective_steps', 0):4d}  {lost}")
 
 
 def target_counts(rows: list) -> dict:
@@ -516,7 +521,7 @@ def main():
     rows = run_matrix(pairs, args.steps, args.jobs, args.choices)
     wall_s = time.perf_counter() - start
     counts = target_counts(rows)
-    name = "robustness" if args.choices == "block" else "robustness_selective"
+    name = "robustness" if args.choices == "block" else f"robustness_{args.choices}"
     write_results(name, rows, steps=args.steps, jobs=args.jobs, wall_s=wall_s, choices=args.choices,
                   budget_fractions=list(BUDGET_FRACTIONS), targets=TARGETS,
                   targets_met={k: list(v) for k, v in counts.items()})

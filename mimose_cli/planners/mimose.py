@@ -190,6 +190,8 @@ class Mimose(Planner):
         super().__init__(model, budget, blocks=blocks, safety_margin=safety_margin, meter=meter)
         self.estimate = estimate
         self.choices = choices
+        self._selectable = np.array([next(block.buffers(), None) is None for _, block in self.blocks])
+        """Blocks that may be checkpointed selectively: those without buffers."""
         self.choice_times: ChoiceTimes | None = None
         """What recomputing each block costs per choice (``choices="selective"``, from the probes)."""
         self._probed = estimate != "probes"  # the probes run once, before the first step
@@ -542,7 +544,9 @@ class Mimose(Planner):
             recompute_ms, selective_ms = self.choice_times.at(math.prod(key))
             savings = [np.zeros(self.num_blocks), pred.savings - (pred.blocks["selective_bytes"] - pred.blocks["ckpt_bytes"]),
                        pred.savings]
-            savings[1] = np.where(savings[1] > 0, savings[1], np.nan)  # no saving: not a choice
+            # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
+            # checkpointing refuses them): not a choice for that block.
+            savings[1] = np.where((savings[1] > 0) & self._selectable, savings[1], np.nan)
             costs = [np.zeros(self.num_blocks), selective_ms, recompute_ms]
             plan, selective, peak, fits = choice_plan_checked(
                 savings, costs, lambda p, sel: base + self._timeline_peak(pred, p, sel), limit)

@@ -61,15 +61,17 @@ def plan_peak(pred: Prediction, plan, selective=()) -> float:
 EXACT_MAX_CHOICE_BLOCKS = 8
 
 
-def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray, selective_ms: np.ndarray) -> tuple:
+def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray, selective_ms: np.ndarray,
+                  selectable: np.ndarray) -> tuple:
     """Finer plans (``choices="selective"``): ``(plan, selective)`` with the least recompute time
     whose measured peak fits, over every block kept, checkpointed selectively or recomputed: all
     3^n plans up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks, beyond them Mimose's scheduler
     (``choices.choice_plan_checked``) on the measurements. A block whose selective checkpoint
-    frees nothing is not checkpointed selectively; every block recomputed when nothing fits."""
+    frees nothing, or holds buffers (``selectable`` False), is not checkpointed selectively; every
+    block recomputed when nothing fits."""
     n = len(recompute_ms)
     every = tuple(range(n))
-    useful = pred.blocks["selective_bytes"] < pred.blocks["plain_bytes"]
+    useful = (pred.blocks["selective_bytes"] < pred.blocks["plain_bytes"]) & selectable
     if n > EXACT_MAX_CHOICE_BLOCKS:
         savings = pred.savings
         selective_savings = np.where(useful, savings - (pred.blocks["selective_bytes"] - pred.blocks["ckpt_bytes"]), np.nan)
@@ -248,7 +250,8 @@ class Oracle(Planner):
             plan, selective = optimal_plan(pred, limit), ()
             times = self.choice_ms.get(size)
             if times is not None and limit is not None and plan_peak(pred, ()) > limit:
-                plan, selective = choice_search(pred, limit, *times)
+                selectable = np.array([next(block.buffers(), None) is None for _, block in self.blocks])
+                plan, selective = choice_search(pred, limit, *times, selectable)
             predicted = int(base + plan_peak(pred, plan, selective))
         excluded_ms = (time.perf_counter() - start) * 1e3
         self.excluded_ms_total += excluded_ms
