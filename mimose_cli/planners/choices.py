@@ -122,7 +122,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     until their savings cover the excess, taking the upgrade that covers the rest alone at the
     least time (ties: the earlier block, whose savings last longest in backward), else the one
     that frees the most bytes per ms, then predicts the whole plan again; once it fits, each
-    upgrade is taken back, last first, where the plan still fits without it."""
+    upgrades are taken back, last first, while the plan still fits without them."""
     n = len(savings[0])
     save = np.nan_to_num(np.array(savings, dtype=float), nan=-1.0)
     cost = np.array(costs, dtype=float)
@@ -138,13 +138,13 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
         excess = peak - limit_bytes
         moved = False
         while excess > 0:
-            best = _best_upgrade(save, cost, level, excess)
-            if best is None:
+            upgrades = _best_upgrades(save, cost, level, excess)
+            if not upgrades:
                 break
-            i, to = best
-            excess -= save[to, i] - max(save[level[i], i], 0.0)
-            taken.append((i, int(level[i])))
-            level[i] = to
+            for i, to in upgrades:
+                excess -= save[to, i] - max(save[level[i], i], 0.0)
+                taken.append((i, int(level[i])))
+                level[i] = to
             moved = True
         if not moved:
             break
@@ -157,30 +157,41 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
         trial = level.copy()
         trial[i] = before
         trial_peak = predict_peak(*plan_of(trial))
-        if trial_peak <= limit_bytes:
-            level, peak = trial, trial_peak
+        if trial_peak > limit_bytes:
+            break  # the earlier upgrades were taken to cover more: as the block-level greedy
+        level, peak = trial, trial_peak
     return (*plan_of(level), peak, True)
 
 
-def _best_upgrade(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess: float):
-    """``(block, level)``: the cheapest upgrade whose extra savings cover ``excess`` alone, else
-    the one with the most extra bytes per extra ms; None when no upgrade frees more."""
+def _best_upgrades(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess: float) -> list:
+    """``[(block, level)]``: the cheapest upgrade whose extra savings cover ``excess`` alone;
+    else the upgrades with the most extra bytes per extra ms, best first (ties: the earlier
+    block, then selective), one per block, as many as leave some excess (at least one), so that
+    a caller takes them in one go; empty when no upgrade frees more."""
     blocks = np.arange(save.shape[1])
     current_save = np.maximum(save[level, blocks], 0.0)
     current_cost = np.where(level > KEEP_LEVEL, cost[level, blocks], 0.0)
-    best_cover, best_rate = None, None
-    for to in (SELECTIVE_LEVEL, RECOMPUTE_LEVEL):
-        gain = save[to] - current_save
-        extra = np.maximum(cost[to] - current_cost, 1e-9)
-        usable = (level < to) & (save[to] >= 0) & (gain > 0)
-        for i in np.flatnonzero(usable):
-            if gain[i] >= excess:
-                key = (extra[i], i)
-                if best_cover is None or key < best_cover[0]:
-                    best_cover = (key, (int(i), to))
-            key = (-gain[i] / extra[i], i)
-            if best_rate is None or key < best_rate[0]:
-                best_rate = (key, (int(i), to))
-    if best_cover is not None:
-        return best_cover[1]
-    return None if best_rate is None else best_rate[1]
+    targets = np.array([SELECTIVE_LEVEL, RECOMPUTE_LEVEL])
+    # Flattened in block order, selective before recompute for a block: ties go to the first.
+    gain = (save[1:] - current_save).T.ravel()
+    extra = np.maximum(cost[1:] - current_cost, 1e-9).T.ravel()
+    usable = ((level[:, None] < targets) & (save[1:].T >= 0)).ravel() & (gain > 0)
+    if not usable.any():
+        return []
+    covers = usable & (gain >= excess)
+    if covers.any():
+        flat = int(np.argmin(np.where(covers, extra, np.inf)))
+        return [(flat // 2, int(targets[flat % 2]))]
+    rate = np.where(usable, gain / extra, -np.inf)
+    ranked = np.argsort(-rate, kind="stable")[: int(usable.sum())]
+    chosen, seen, total = [], set(), 0.0
+    for flat in ranked.tolist():
+        block = flat // 2
+        if block in seen:
+            continue
+        if chosen and total + gain[flat] >= excess:
+            break
+        seen.add(block)
+        chosen.append((block, int(targets[flat % 2])))
+        total += gain[flat]
+    return chosen
