@@ -149,6 +149,7 @@ def plan_figure(records, title: str = "blocks checkpointed per step", what: str 
               origin="lower", interpolation="nearest", extent=(-0.5, len(records) - 0.5, -0.5, num_blocks - 0.5))
     handles = [Patch(color=CHECKPOINTED, label=what), Patch(color=PLAIN, label="run plainly")]
     if any(r.selective for r in records):
+        handles[0] = Patch(color=CHECKPOINTED, label=f"{what} (recomputed whole)")
         handles.insert(1, Patch(color=SELECTIVE, label="checkpointed selectively"))
     oom = [i for i, r in enumerate(records) if r.oom]
     for i in oom:
