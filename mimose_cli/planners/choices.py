@@ -146,8 +146,12 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
                 taken.append((i, int(level[i])))
                 level[i] = to
             moved = True
-        if not moved:
-            break
+        if not moved:  # no upgrade frees more by the savings: the rest recomputed, as the block greedy
+            rest = np.flatnonzero(level < RECOMPUTE_LEVEL)
+            if not len(rest):
+                break
+            taken += [(int(i), int(level[i])) for i in rest]
+            level[rest] = RECOMPUTE_LEVEL
         peak = predict_peak(*plan_of(level))
     if peak > limit_bytes:
         return (*plan_of(level), peak, False)

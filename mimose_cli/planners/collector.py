@@ -503,7 +503,7 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
     if extra is not None:  # a selective checkpoint also holds its compute-heavy ops' outputs
         for i, ckpt in enumerate(blocks["ckpt_bytes"]):
             if ckpt is not None and not np.isnan(extra[i]):
-                blocks["selective_bytes"][i] = ckpt + extra[i]
+                blocks["selective_extra_bytes"][i] = np.array([extra[i]])
     shape = StepShape(tuple(order), _backward_order(marks) == order[::-1])
     _block_backward(blocks, step, at, entry, marks, trace, shape, dropped)
     return blocks, step, shape

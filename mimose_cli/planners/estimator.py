@@ -134,7 +134,7 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
     gradients are in the fitted values.
 
     ``selective_mask`` (within ``plan_mask``) marks the blocks checkpointed selectively: they hold
-    ``selective_bytes`` until their backward, their forward peaks at the checkpointed run's peak
+    ``selective_extra_bytes`` more than checkpointed until their backward, their forward peaks at the checkpointed run's peak
     plus what they keep beyond a full checkpoint (an upper bound), and their backward at the
     recompute's peak (the kept outputs are handed to the recompute, which would have made them).
     """
@@ -147,7 +147,7 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
             selective_mask = selective_mask[..., order]
     extra = 0.0
     if selective_mask is not None:
-        extra = np.where(selective_mask & plan_mask, np.maximum(b["selective_bytes"] - b["ckpt_bytes"], 0.0), 0.0)
+        extra = np.where(selective_mask & plan_mask, np.maximum(b["selective_extra_bytes"], 0.0), 0.0)
     # Inputs no plain block saves are let go of once the loop moves on (``Releases``), where a
     # checkpoint keeps them until its backward.
     let_go, unseen = _let_go(pred, plan_mask, order)
@@ -376,7 +376,9 @@ class Estimator:
         if state["num_blocks"] != self.num_blocks:
             raise ValueError(f"the saved estimator has {state['num_blocks']} blocks, this model "
                              f"{self.num_blocks}; it was fitted for another model")
-        if (list(state["block_quantities"]) != list(BLOCK_QUANTITIES)
+        # A state from before finer plans lacks the selective bytes: its plans stay block-level.
+        earlier = [q for q in BLOCK_QUANTITIES if q != "selective_extra_bytes"]
+        if (list(state["block_quantities"]) not in (list(BLOCK_QUANTITIES), earlier)
                 or list(state["features"]) != list(self.feature_set.names)):
             raise ValueError("the saved estimator was written by an incompatible mimose version")
         self.sizes = [tuple(s) for s in state["sizes"]]

@@ -542,7 +542,7 @@ class Mimose(Planner):
         selective = ()
         if self._selective_known():
             recompute_ms, selective_ms = self.choice_times.at(math.prod(key))
-            savings = [np.zeros(self.num_blocks), pred.savings - (pred.blocks["selective_bytes"] - pred.blocks["ckpt_bytes"]),
+            savings = [np.zeros(self.num_blocks), pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0),
                        pred.savings]
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
             # checkpointing refuses them): not a choice for that block.
@@ -567,7 +567,7 @@ class Mimose(Planner):
         their recompute times known."""
         layout = self.estimator.layout
         return (self.choices == "selective" and self.choice_times is not None
-                and all(("selective_bytes", i) in layout for i in range(self.num_blocks)))
+                and all(("selective_extra_bytes", i) in layout for i in range(self.num_blocks)))
 
     def size_key(self, size: tuple) -> tuple:
         return self.cache_key(size)

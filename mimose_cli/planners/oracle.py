@@ -71,10 +71,11 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     block recomputed when nothing fits."""
     n = len(recompute_ms)
     every = tuple(range(n))
-    useful = (pred.blocks["selective_bytes"] < pred.blocks["plain_bytes"]) & selectable
+    extra = np.maximum(pred.blocks["selective_extra_bytes"], 0.0)
+    useful = (pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"]) & selectable
     if n > EXACT_MAX_CHOICE_BLOCKS:
         savings = pred.savings
-        selective_savings = np.where(useful, savings - (pred.blocks["selective_bytes"] - pred.blocks["ckpt_bytes"]), np.nan)
+        selective_savings = np.where(useful, savings - extra, np.nan)
         plan, selective, _, fits = choice_plan_checked(
             [np.zeros(n), selective_savings, savings], [np.zeros(n), selective_ms, recompute_ms],
             lambda p, sel: plan_peak(pred, p, sel), limit_bytes)
@@ -224,10 +225,12 @@ class Oracle(Planner):
             sample = self.measurer.end() if ran else self.measurer.abort()  # abort keeps nothing
         if sample is not None and self.measurer.lifetimes:
             raw, sample = sample, raw_sample(sample, self.num_blocks)
+            if any(v is None for v in sample[0]["selective_extra_bytes"]):  # unmeasured: block-level only
+                raw = None
             if self._dispatch_costs is None:
                 self._dispatch_costs = dispatch_costs_ms()
             units = [float(np.prod(size))] * 2
-            times = ChoiceTimes.from_probes([raw, raw], units, {}, self._dispatch_costs)
+            times = None if raw is None else ChoiceTimes.from_probes([raw, raw], units, {}, self._dispatch_costs)
             self.choice_ms[size] = times.at(units[0]) if times is not None else None
         pred = None if sample is None else measured_prediction(size, sample, self.num_blocks)
         if pred is None:

@@ -495,8 +495,7 @@ class Deepening:
         for (template, skipped), (after, arriving) in zip(self.runs, self.arrivals):
             jump = len(skipped) * float(storage_bytes[arriving].sum())
             t, a = self.position[template], self.position[after]
-            for q, sign, k in (("ckpt_bytes", -1, t), ("selective_bytes", -1, t), ("plain_bytes", -1, t),
-                               ("gap_peak_bytes", 1, a)):
+            for q, sign, k in (("ckpt_bytes", -1, t), ("plain_bytes", -1, t), ("gap_peak_bytes", 1, a)):
                 if blocks[q][k] is not None:
                     blocks[q][k] = blocks[q][k] + sign * jump
         source = [self.position[self.skipped.get(i, i)] for i in range(self.num_blocks)]

@@ -170,3 +170,23 @@ def test_the_oracle_searches_the_same_choices_and_its_plans_fit():
         loss, peak, info = run_step(oracle, meter, data)
         oracle.close()
     assert info.selective == decision.selective and peak <= oracle.budget_bytes
+
+
+def test_blocks_whose_savings_read_zero_are_still_taken_when_the_plan_needs_them():
+    """The savings only approximate the peak: where no upgrade frees more by them and the plan
+    still does not fit, the rest are recomputed, as the block-level greedy adds blocks."""
+    savings = [[0.0] * 3, [np.nan] * 3, [0.0, 0.0, 5.0]]
+    costs = [[0.0] * 3, [1.0] * 3, [4.0] * 3]
+    plan, selective, peak, fits = choice_plan_checked(savings, costs, lambda p, s: 100.0 - 10 * len(p), 75.0)
+    assert fits and peak <= 75.0 and len(plan) >= 3 and selective == ()
+
+
+def test_an_estimator_saved_before_finer_plans_still_loads_and_plans_block_level():
+    with metered_mimose(tiny_bert(4)) as (planner, meter):
+        planner.prepare(make, (4, 64))
+        state = planner.estimator.state_dict()
+    state["block_quantities"] = [q for q in state["block_quantities"] if q != "selective_extra_bytes"]
+    state["layout"] = [row for row in state["layout"] if row[0] != "selective_extra_bytes"]
+    with metered_mimose(tiny_bert(4), choices="selective") as (planner, meter):
+        planner.estimator.load_state_dict(state)
+        assert planner.estimator.fitted and not planner._selective_known()
