@@ -19,7 +19,7 @@ import torch
 
 from mimose_cli.files import write_text
 from mimose_cli.memory import build_meter
-from mimose_cli.planners.blocks import BlockRouter, PlanRunner, RecomputeClock, discover_blocks
+from mimose_cli.planners.blocks import BlockRouter, PlanRunner, RecomputeClock, discover_blocks, selectable
 from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.recovery import PlanOutOfMemoryError, StepGuard, oom_message, reached_bytes
 from mimose_cli.planners.usage import EnteredOnce, check_supported, check_trackable, claim, release, warn_if_eager
@@ -480,7 +480,7 @@ class FullCheckpointing(Planner):
         super().__init__(model, budget, **kwargs)
         self.selective = selective
         if selective:
-            held = next((name for name, block in self.blocks if next(block.buffers(), None) is not None), None)
+            held = next((name for (name, _), ok in zip(self.blocks, selectable(self.blocks)) if not ok), None)
             if held is not None:
                 raise ValueError(f"planner.full.selective cannot checkpoint block {held} selectively: it holds buffers "
                                  "(BatchNorm statistics) that its recompute puts back, which torch's selective "

@@ -359,6 +359,12 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in COMPUTE_HEAVY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def selectable(blocks: list) -> list:
+    """Whether each block may be checkpointed selectively: not when it holds buffers (BatchNorm
+    statistics), whose restore before its recompute torch's selective checkpointing refuses."""
+    return [next(block.buffers(), None) is None for _, block in blocks]
+
+
 def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None, choice: str = RECOMPUTE):
     """Run ``forward`` under non-reentrant checkpointing with RNG state preserved: all of it
     recomputed in backward, or (``choice`` ``SELECTIVE``) all but the compute-heavy ops' outputs,

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mimose_cli.planners.base import Decision, Planner, StepInfo
-from mimose_cli.planners.blocks import left_out, stack_runs, twin_blocks
+from mimose_cli.planners.blocks import left_out, selectable, stack_runs, twin_blocks
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, peak_timeline
@@ -190,7 +190,7 @@ class Mimose(Planner):
         super().__init__(model, budget, blocks=blocks, safety_margin=safety_margin, meter=meter)
         self.estimate = estimate
         self.choices = choices
-        self._selectable = np.array([next(block.buffers(), None) is None for _, block in self.blocks])
+        self._selectable = np.array(selectable(self.blocks))
         """Blocks that may be checkpointed selectively: those without buffers."""
         self.choice_times: ChoiceTimes | None = None
         """What recomputing each block costs per choice (``choices="selective"``, from the probes)."""

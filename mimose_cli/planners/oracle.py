@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 
 from mimose_cli.planners.base import Decision, Planner, StepInfo
+from mimose_cli.planners.blocks import selectable
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import BLOCK_QUANTITIES, NO_EVENT, STEP_QUANTITIES, Prediction, peak_timeline
@@ -253,8 +254,7 @@ class Oracle(Planner):
             plan, selective = optimal_plan(pred, limit), ()
             times = self.choice_ms.get(size)
             if times is not None and limit is not None and plan_peak(pred, ()) > limit:
-                selectable = np.array([next(block.buffers(), None) is None for _, block in self.blocks])
-                plan, selective = choice_search(pred, limit, *times, selectable)
+                plan, selective = choice_search(pred, limit, *times, np.array(selectable(self.blocks)))
             predicted = int(base + plan_peak(pred, plan, selective))
         excluded_ms = (time.perf_counter() - start) * 1e3
         self.excluded_ms_total += excluded_ms
