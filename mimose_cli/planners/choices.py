@@ -9,9 +9,9 @@ selective recompute costs a fraction of a full one; on tiny CPU models the dispa
 more than the heavy ops, and the scheduler sees it.
 
 ``choice_plan_checked`` is the scheduler over the three choices: a multiple-choice knapsack
-solved greedily (the upgrade that covers the excess at the least time, else the one that frees
-the most bytes per ms), each round checked on the predicted timeline, then every upgrade taken
-back where the plan still fits without it.
+solved greedily (the upgrade that covers the excess at the least time, else the ones that free
+the most bytes per ms), each round checked on the predicted timeline, then the upgrades taken
+back, last first, while the plan still fits without them.
 """
 
 import math
@@ -121,7 +121,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     ``predict_peak(plan, selective)`` is the step's predicted peak. Each round upgrades blocks
     until their savings cover the excess, taking the upgrade that covers the rest alone at the
     least time (ties: the earlier block, whose savings last longest in backward), else the one
-    that frees the most bytes per ms, then predicts the whole plan again; once it fits, each
+    that frees the most bytes per ms, then predicts the whole plan again; once it fits, the
     upgrades are taken back, last first, while the plan still fits without them."""
     n = len(savings[0])
     save = np.nan_to_num(np.array(savings, dtype=float), nan=-1.0)

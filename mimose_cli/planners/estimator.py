@@ -34,7 +34,7 @@ from mimose_cli.planners.trust import Trust
 _MAX_SAMPLES = 60  # the most recent samples fitted (a bit per sample marks which are missing)
 
 __all__ = ["BLOCK_QUANTITIES", "FEATURES", "NO_EVENT", "STEP_QUANTITIES", "TIME_FEATURES", "Estimator",
-           "Prediction", "features", "least_squares", "peak_timeline", "prune_ops", "select_features"]
+           "Prediction", "features", "least_squares", "peak_timeline", "plan_peak_bytes", "prune_ops", "select_features"]
 
 
 def select_features(design: np.ndarray, candidates: tuple, names: tuple = FEATURES) -> list:
@@ -119,6 +119,18 @@ def _let_go(pred: Prediction, plan_mask: np.ndarray, order) -> tuple:
     # span[L, k]: block k's backward no longer sees what block L let go of.
     span = active[:, None] & (first[:, None] <= positions[None, :]) & (positions[None, :] <= positions[:, None])
     return let_go, let_go @ span
+
+
+def plan_peak_bytes(pred: Prediction, plan, selective=()) -> float:
+    """The peak of ``peak_timeline`` for ``plan`` (block indices), ``selective`` of them
+    checkpointed selectively."""
+    mask = np.zeros(len(pred.blocks["ckpt_bytes"]), dtype=bool)
+    mask[list(plan)] = True
+    chosen = None
+    if selective:
+        chosen = np.zeros(len(mask), dtype=bool)
+        chosen[list(selective)] = True
+    return float(peak_timeline(pred, mask, chosen).max())
 
 
 def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:

@@ -37,7 +37,7 @@ from mimose_cli.planners.base import Decision, Planner, StepInfo
 from mimose_cli.planners.blocks import left_out, selectable, stack_runs, twin_blocks
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
-from mimose_cli.planners.estimator import Estimator, peak_timeline
+from mimose_cli.planners.estimator import Estimator, plan_peak_bytes
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.inputs import infer_input_size, resized_batch
 from mimose_cli.planners.scaling import (
@@ -583,13 +583,7 @@ class Mimose(Planner):
     def _timeline_peak(self, pred, plan, selective=()) -> float:
         """The predicted peak above the step's start for ``plan``, with the prediction margin
         and the fit's residual (``Trust.residual_bytes``) on top."""
-        masks = np.zeros(self.num_blocks, dtype=bool)
-        masks[list(plan)] = True
-        chosen = None
-        if selective:
-            chosen = np.zeros(self.num_blocks, dtype=bool)
-            chosen[list(selective)] = True
-        peak = float(peak_timeline(pred, masks, chosen).max())
+        peak = plan_peak_bytes(pred, plan, selective)
         return peak * (1.0 + self.prediction_margin) + self.estimator.trust.residual_bytes
 
     def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> None:

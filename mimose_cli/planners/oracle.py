@@ -21,7 +21,14 @@ from mimose_cli.planners.base import Decision, Planner, StepInfo
 from mimose_cli.planners.blocks import selectable
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import ShuttlingCollector
-from mimose_cli.planners.estimator import BLOCK_QUANTITIES, NO_EVENT, STEP_QUANTITIES, Prediction, peak_timeline
+from mimose_cli.planners.estimator import (
+    BLOCK_QUANTITIES,
+    NO_EVENT,
+    STEP_QUANTITIES,
+    Prediction,
+    peak_timeline,
+    plan_peak_bytes,
+)
 from mimose_cli.planners.scaling import raw_sample
 from mimose_cli.planners.sublinear import BlockProfile
 from mimose_cli.planners.trial import probe_step, to_model_device
@@ -50,13 +57,7 @@ def measured_prediction(size: tuple, sample, num_blocks: int) -> Prediction | No
 def plan_peak(pred: Prediction, plan, selective=()) -> float:
     """The measured step peak above its start with ``plan`` checkpointed (``selective`` of it
     selectively)."""
-    mask = np.zeros(len(pred.blocks["fwd_ms"]), dtype=bool)
-    mask[list(plan)] = True
-    chosen = None
-    if selective:
-        chosen = np.zeros(len(mask), dtype=bool)
-        chosen[list(selective)] = True
-    return float(peak_timeline(pred, mask, chosen).max())
+    return plan_peak_bytes(pred, plan, selective)
 
 
 EXACT_MAX_CHOICE_BLOCKS = 8
@@ -198,6 +199,7 @@ class Oracle(Planner):
         self.choices = choices
         self.measurer = ShuttlingCollector(model, self.blocks)
         self.measurer.lifetimes = choices == "selective"  # the selective bytes (``scaling.selective_extra``)
+        self.selectable = np.array(selectable(self.blocks))
         self.choice_ms: dict = {}  # input size -> (recompute ms, selective ms) per block
         self._dispatch_costs = None
         self.measured: dict = {}  # input size -> Prediction, or None when it could not be measured
@@ -254,7 +256,7 @@ class Oracle(Planner):
             plan, selective = optimal_plan(pred, limit), ()
             times = self.choice_ms.get(size)
             if times is not None and limit is not None and plan_peak(pred, ()) > limit:
-                plan, selective = choice_search(pred, limit, *times, np.array(selectable(self.blocks)))
+                plan, selective = choice_search(pred, limit, *times, self.selectable)
             predicted = int(base + plan_peak(pred, plan, selective))
         excluded_ms = (time.perf_counter() - start) * 1e3
         self.excluded_ms_total += excluded_ms
