@@ -114,20 +114,35 @@ def discover_blocks(model: nn.Module, pattern: str | list | None = None) -> list
     return found
 
 
-def twin_blocks(blocks: list) -> dict:
+def twin_blocks(blocks: list, first_leads: bool = True) -> dict:
     """``{block index: index of an earlier block like it}``: blocks of the same class with the same
     parameters and buffers (names, shapes, dtypes, whether they need gradients), the layers of a
-    homogeneous stack. Each group's second block stands for the later ones; the first is left on
-    its own, since the first layer of a stack often runs otherwise (its input may need no
-    gradient: frozen embeddings, a LoRA model). Alike in these, blocks usually run the same ops on
-    the same bytes; whoever relies on it checks it (``planners.scaling``)."""
+    homogeneous stack. Each group's first block stands for the later ones; with ``first_leads``
+    off its second does and the first is left on its own, for a stack whose first layer runs
+    otherwise (its input needs no gradient: frozen embeddings, a LoRA model; the plain probe step
+    sees that, ``collector.InputReleases.input_grads``). Alike in these, blocks usually run the
+    same ops on the same bytes; whoever relies on it checks it (``planners.scaling``)."""
     groups: dict = {}
     for index, (_, module) in enumerate(blocks):
         signature = (type(module),
                      tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()),
                      tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()))
         groups.setdefault(signature, []).append(index)
-    return {index: group[1] for group in groups.values() for index in group[2:]}
+    lead = 0 if first_leads else 1
+    return {index: group[lead] for group in groups.values() for index in group[lead + 1:]}
+
+
+def first_runs_otherwise(twins: dict, input_grads: dict) -> str | None:
+    """Why a group's first block cannot stand for the others (``twin_blocks``): its tensor inputs
+    need gradients otherwise than its first twin's, as a plain probe step saw them
+    (``input_grads``: block -> whether each tensor input needed one); None where none differs."""
+    firsts = {}
+    for index, leader in sorted(twins.items()):
+        firsts.setdefault(leader, index)
+    for leader, first in firsts.items():
+        if leader in input_grads and first in input_grads and input_grads[leader] != input_grads[first]:
+            return f"block {leader}'s inputs need gradients otherwise than block {first}'s"
+    return None
 
 
 def _settings(module: nn.Module) -> list:
@@ -156,12 +171,13 @@ def _hooks(module: nn.Module) -> list:
 def stack_runs(blocks: list, twins: dict) -> tuple:
     """Runs of a stack's layers a probe step may leave out, ``[(template, (skipped, ...))]``,
     and why a group of layers alike was not left out (or ""). In each group of blocks alike
-    (``twin_blocks``: the first, its second, the others), the layers between the group's third
-    and its last are left out when they follow one another in forward (index) order in the list
-    that holds the third and the last, with the third's settings (``_settings``) and hooks; the
-    third stands for them (``planners.scaling``), and the first, second and last, which often run
-    otherwise (the ends of a stack), still run. None are left out where too few would be to pay
-    for the probe step that checks them (a stack of 6)."""
+    (``twin_blocks``: the block that stands for them and its twins), the layers between the first
+    twin (the template) and the group's last are left out when they follow one another in forward
+    (index) order in the list that holds the template and the last, with the template's settings
+    (``_settings``) and hooks; the template, run as the left-out layers would be (without a
+    measuring run), stands for them (``planners.scaling``), and the group's leader and last, which
+    may run otherwise (the ends of a stack), still run. None are left out where too few would be
+    to pay for the probe step that checks them (a stack of 5)."""
     groups: dict = {}
     for index, leader in sorted(twins.items()):
         groups.setdefault(leader, []).append(index)

@@ -160,6 +160,10 @@ class InputReleases(BlockRunner):
         self.exclude = {id(t.untyped_storage()) for t in tensors if t.layout is torch.strided and not t.is_meta}
         self.pending: dict = {}  # id(storage) -> (weak reference, [(block, slot)])
         self.freed: list = []  # [(block, slot)] of each input freed between two block calls
+        self.input_grads: dict = {}
+        """Block -> whether each of its tensor inputs needed a gradient, at its first call: a
+        stack's first layer whose input needs none (frozen embeddings) runs otherwise than the
+        next (``blocks.first_runs_otherwise``)."""
 
     def run(self, index: int, forward, args, kwargs):
         if not torch.is_grad_enabled():
@@ -169,7 +173,9 @@ class InputReleases(BlockRunner):
         return forward(*args, **kwargs)
 
     def _note(self, index: int, args, kwargs) -> None:
-        for slot, leaf in enumerate(tree_leaves((args, kwargs))):
+        leaves = tree_leaves((args, kwargs))
+        self.input_grads.setdefault(index, tuple(leaf.requires_grad for leaf in leaves if isinstance(leaf, torch.Tensor)))
+        for slot, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor) or leaf.layout is not torch.strided or leaf.is_meta:
                 continue
             storage = leaf.untyped_storage()

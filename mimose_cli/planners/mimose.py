@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mimose_cli.planners.base import Decision, Planner, StepInfo
-from mimose_cli.planners.blocks import left_out, selectable, stack_runs, twin_blocks
+from mimose_cli.planners.blocks import first_runs_otherwise, left_out, selectable, stack_runs, twin_blocks
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, plan_peak_bytes
@@ -116,6 +116,9 @@ class MimoseCounters:
     and settings (``blocks.stack_runs``)."""
     probe_skips_refused: str = ""
     """Why the probes ran every layer of a long stack after all, or empty."""
+    probe_first_refused: str = ""
+    """Why a stack's first layer did not stand for the layers alike after it (its second did:
+    ``blocks.first_runs_otherwise``), or empty."""
     probe_in_step_ms: float = 0.0
     """The part of ``probe_ms`` spent inside the first step's planning (no ``prepare``)."""
     probe_samples: int = 0
@@ -311,9 +314,7 @@ class Mimose(Planner):
         # third stands for them): the probes cost about as much at any depth. Should the left-out
         # layers not be describable, every layer runs; should layers alike not run alike, every
         # block is measured.
-        twins = twin_blocks(self.blocks)
-        runs, self.counts.probe_skips_refused = stack_runs(self.blocks, twins)
-        runs = self._probe_releases(make_batch, sizes[0], step_fn, runs)
+        twins, runs = self._probe_layout(make_batch, sizes[0], step_fn)
         if runs:
             try:
                 return self._left_out_probes(sizes, max_size, make_batch, step_fn, twins, runs)
@@ -377,33 +378,54 @@ class Mimose(Planner):
             self.counts.probe_steps += 1
         return raws
 
-    def _probe_releases(self, make_batch, size: tuple, step_fn, runs: list) -> list:
+    def _probe_layout(self, make_batch, size: tuple, step_fn) -> tuple:
+        """``(twins, runs)``: the blocks the probes take as an earlier block alike (``twin_blocks``)
+        and the layers they leave out (``stack_runs``), after the plain probe step
+        (``_probe_releases``). A group's first block stands for the others, unless the plain
+        probe step saw its inputs need gradients otherwise than the next one's (frozen
+        embeddings): then its second does, and the plain probe step runs again without the
+        layers that leaves out."""
+        def layout(first_leads: bool) -> tuple:
+            twins = twin_blocks(self.blocks, first_leads)
+            runs, self.counts.probe_skips_refused = stack_runs(self.blocks, twins)
+            return (twins, *self._probe_releases(make_batch, size, step_fn, runs))
+
+        twins, runs, input_grads = layout(True)
+        refused = first_runs_otherwise(twins, input_grads)
+        if refused is None:
+            return twins, runs
+        self.counts.probe_first_refused = refused
+        return layout(False)[:2]
+
+    def _probe_releases(self, make_batch, size: tuple, step_fn, runs: list) -> tuple:
         """A plain probe step at ``size``: which inputs blocks run plainly let go of
         (``collector.InputReleases``); the collector measures their bytes from then on. The
         layers of ``runs`` are left out (``Releases.deepened``); where that cannot be described
-        (or run), the step runs again with every layer. Returns the runs still to leave out."""
+        (or run), the step runs again with every layer. Returns the runs still to leave out and
+        whether each block's tensor inputs needed gradients (``InputReleases.input_grads``)."""
         if runs:
             try:
-                releases = self._plain_probe(make_batch, size, step_fn, runs)
+                releases, input_grads = self._plain_probe(make_batch, size, step_fn, runs)
             except ValueError as err:  # a ScalingError, or releases a deeper stack cannot have
                 self.counts.probe_skips_refused, runs = f"with {_layers(runs)} left out, {err}", []
         if not runs:
-            releases = self._plain_probe(make_batch, size, step_fn, [])
+            releases, input_grads = self._plain_probe(make_batch, size, step_fn, [])
         self.counts.probe_releases = releases.count
         self.estimator.releases = self.measurer.releases = releases
-        return runs
+        return runs, input_grads
 
-    def _plain_probe(self, make_batch, size: tuple, step_fn, runs: list):
-        """The plain probe step's ``Releases``, with the layers of ``runs`` left out."""
+    def _plain_probe(self, make_batch, size: tuple, step_fn, runs: list) -> tuple:
+        """The plain probe step's ``Releases`` and ``InputReleases.input_grads``, with the layers
+        of ``runs`` left out."""
+        runner = InputReleases(self.model, self.num_blocks)
         try:
             with left_out(self.model, self.blocks, _skipped(runs)):
-                releases = probe_with_runner(self, self._probe_batch(make_batch, size),
-                                             InputReleases(self.model, self.num_blocks), step_fn)
+                releases = probe_with_runner(self, self._probe_batch(make_batch, size), runner, step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
             raise _probe_failed("plain probe step", size, error) from error
         if releases is None:
             raise ScalingError(f"the plain probe step at input size {size} ran out of memory")
-        return releases.deepened(runs) if runs else releases
+        return (releases.deepened(runs) if runs else releases), runner.input_grads
 
     def _probe_sizes(self, make_batch, max_size: tuple, vary_lengths: bool, image: bool = False) -> list:
         """The probes' two sizes at the smallest batch ``make_batch`` can make both of (two rows,

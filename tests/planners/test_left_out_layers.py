@@ -26,13 +26,14 @@ def _probe_stats(planner, step_fn=None) -> dict:
 
 
 def test_a_long_stacks_middle_layers_are_left_out_and_the_estimate_is_the_measured_one():
-    """Eight layers: the probes run the first three and the last (the third stands for layers 3 to
+    """Eight layers: the probes run the first two and the last (the second stands for layers 2 to
     6) and their estimate equals, to float rounding, what a step with every layer measures, at
     sizes and paddings they never ran."""
     with metered_mimose(tiny_bert(8)) as (planner, meter):
         stats = _probe_stats(planner)
         # Two probe steps and the check at the smaller size with one layer more.
-        assert stats["probe_skipped"] == 4 and stats["probe_steps"] == 3 and not stats["probe_skips_refused"]
+        assert stats["probe_skipped"] == 5 and stats["probe_steps"] == 3 and not stats["probe_skips_refused"]
+        assert stats["probe_twins"] == 2 and not stats["probe_first_refused"]  # layers 1 and 7 run as layer 0
         assert len(planner.model.bert.encoder.layer) == 8  # put back
         assert_estimate_is_measured(planner, make, HELD_OUT)
         for p in planner.model.parameters():
@@ -53,7 +54,7 @@ def test_under_bf16_the_left_out_layers_cast_weights_are_counted_until_the_forwa
         step_fn = _bf16_step(planner.model)
         stats = _probe_stats(planner, step_fn)
         # The plain probe step left them out too: layers 1 to 6 let go of their input, as with every layer.
-        assert stats["probe_skipped"] == 4 and stats["probe_releases"] == 6
+        assert stats["probe_skipped"] == 5 and stats["probe_releases"] == 6
         assert_estimate_is_measured(planner, make, HELD_OUT[:2], step_fn)
 
 
@@ -111,19 +112,20 @@ def test_layers_set_up_otherwise_are_not_left_out():
     for i, (_, layer) in enumerate(blocks):
         layer.layer_idx = i
     twins = twin_blocks(blocks)
-    assert stack_runs(blocks, twins) == ([(2, (3, 4, 5, 6))], "")
+    assert stack_runs(blocks, twins) == ([(1, (2, 3, 4, 5, 6))], "")
     blocks[4][1].attention.self.sliding_window = 16
     runs, why = stack_runs(blocks, twins)
-    assert runs == [] and "block 4 is set up otherwise than block 2" in why
+    assert runs == [] and "block 4 is set up otherwise than block 1" in why
 
 
 def test_a_stack_too_short_to_pay_for_the_check_runs_every_layer():
-    """Six layers would leave two out: two probe steps with two layers fewer do not pay for the
-    one that checks them."""
+    """Five layers would leave two out: two probe steps with two layers fewer do not pay for the
+    one that checks them; six would leave three out, which does."""
     model = tiny_bert(6)
     blocks = [(f"bert.encoder.layer.{i}", m) for i, m in enumerate(model.bert.encoder.layer)]
-    runs, why = stack_runs(blocks, twin_blocks(blocks))
-    assert runs == [] and "leaving 2 of 6 layers out would not pay" in why
+    runs, why = stack_runs(blocks[:5], twin_blocks(blocks[:5]))
+    assert runs == [] and "leaving 2 of 5 layers out would not pay" in why
+    assert stack_runs(blocks, twin_blocks(blocks)) == ([(1, (2, 3, 4))], "")
 
 
 def test_left_out_layers_are_put_back_whatever_happens():
@@ -163,9 +165,9 @@ def test_the_plain_probe_step_with_layers_left_out_sees_what_every_layer_lets_go
         step_fn = _bf16_step(planner.model)
         runs, _ = stack_runs(planner.blocks, twin_blocks(planner.blocks))
         with without_dispatch_modes():
-            deep = planner._plain_probe(make, (2, 8), step_fn, runs)
-            full = planner._plain_probe(make, (2, 8), step_fn, [])
-        assert runs == [(2, (3, 4, 5, 6))] and full.count == 6
+            deep, _ = planner._plain_probe(make, (2, 8), step_fn, runs)
+            full, _ = planner._plain_probe(make, (2, 8), step_fn, [])
+        assert runs == [(1, (2, 3, 4, 5, 6))] and full.count == 6
         assert np.array_equal(deep.consumers, full.consumers) and deep.slots == full.slots
 
 
@@ -221,7 +223,19 @@ def test_memory_that_grows_with_the_layers_outside_them_runs_every_layer():
     head's peak was 44 % low)."""
     stats = _deep_stats(_Deep(pooled=True))
     assert stats["probe_skipped"] == 0 and "changes when one more of them runs" in stats["probe_skips_refused"]
-    assert _deep_stats(_Deep())["probe_skipped"] == 4  # the same model without the pooled head
+    assert _deep_stats(_Deep())["probe_skipped"] == 5  # the same model without the pooled head
+
+
+def test_a_first_layer_whose_input_needs_no_gradient_does_not_stand_for_the_others():
+    """Frozen embeddings: the first layer's input needs no gradient, the second's does, so the
+    first runs otherwise (its backward computes no input gradient). The plain probe step sees it:
+    the second layer stands for the later ones, the first is measured on its own, and the
+    estimate is still the measured one."""
+    model = _Deep()
+    model.embed.requires_grad_(False)
+    stats = _deep_stats(model)
+    assert "block 0's inputs need gradients otherwise than block 1's" in stats["probe_first_refused"]
+    assert stats["probe_skipped"] == 4 and stats["probe_twins"] == 2  # layers 2 and 7 run as layer 1
 
 
 def test_a_left_out_layer_with_a_hook_runs_every_layer():
@@ -231,7 +245,7 @@ def test_a_left_out_layer_with_a_hook_runs_every_layer():
     kept = []
     model.layers[4].register_forward_hook(lambda module, args, out: kept.append(out.detach().repeat(1, 1, 8)))
     stats = _deep_stats(model)
-    assert stats["probe_skipped"] == 0 and "block 4 has other hooks than block 2" in stats["probe_skips_refused"]
+    assert stats["probe_skipped"] == 0 and "block 4 has other hooks than block 1" in stats["probe_skips_refused"]
 
 
 class _Windowed(_Layer):
@@ -257,7 +271,7 @@ def test_under_bf16_a_last_layer_that_runs_otherwise_than_the_measured_one_runs_
 
     stats = _deep_stats(model, step_fn)
     assert stats["probe_skipped"] == 0 and "blocks alike ran otherwise" in stats["probe_skips_refused"]
-    assert "block 7's forward, recomputed, runs other ops than block 1's" in stats["probe_twins_refused"]
+    assert "block 7's forward, recomputed, runs other ops than block 0's" in stats["probe_twins_refused"]
 
 
 def test_a_sequential_keeps_its_names_while_layers_are_left_out():

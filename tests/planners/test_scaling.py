@@ -91,22 +91,23 @@ def assert_estimate_is_measured(planner, make_batch, sizes, step_fn=None):
 def test_a_scaled_sample_is_the_sample_the_collector_measures_at_that_size():
     """What the probes' samples say at a size is what measuring a step there says, every block
     and step quantity the timeline is built from, to float rounding; the probes measured only
-    the first two layers plainly, the others (alike in parameters) are taken from the second."""
+    the first layer plainly, the others (alike in parameters) are taken from it."""
     with metered_mimose() as (planner, meter):
         planner.prepare(lambda size: padded(bert_batch(*size)), (4, 64))
-        assert planner.stats["probe_twins"] == len(planner.blocks) - 2 >= 1  # the first two measured
+        assert planner.stats["probe_twins"] == len(planner.blocks) - 1 >= 1  # the first measured
         assert planner.stats["probe_steps"] == 2
         assert_estimate_is_measured(planner, lambda size: padded(bert_batch(*size)), HELD_OUT)
 
 
 def test_blocks_alike_are_the_same_class_with_the_same_parameters_and_buffers():
-    """Each group's second block stands for the later ones; the first (a stack's first layer may
-    run otherwise) and a group of two are measured."""
+    """Each group's first block stands for the later ones; with ``first_leads`` off its second
+    does, and the first (a stack's first layer may run otherwise) and a group of two are measured."""
     frozen = torch.nn.Linear(8, 8).requires_grad_(False)
     blocks = [(str(n), m) for n, m in enumerate([torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(8, 8),
                                                   frozen, torch.nn.BatchNorm1d(8), torch.nn.BatchNorm1d(8),
                                                   torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])]
-    assert twin_blocks(blocks) == {6: 2, 7: 2}
+    assert twin_blocks(blocks) == {2: 0, 6: 0, 7: 0, 5: 4}
+    assert twin_blocks(blocks, first_leads=False) == {6: 2, 7: 2}
 
 
 class _TwoStacks(torch.nn.Module):
@@ -137,7 +138,7 @@ def test_layers_of_two_stacks_are_taken_from_a_layer_of_their_own_stack():
     with metered_mimose(model, blocks="[fs]*.[0-9]") as (planner, meter):
         make = lambda size: {"input_ids": torch.randint(0, 16, size)}  # noqa: E731
         planner.prepare(make, (4, 64))
-        assert planner.stats["probe_twins"] == 2 and planner.stats["probe_steps"] == 2
+        assert planner.stats["probe_twins"] == 4 and planner.stats["probe_steps"] == 2  # each stack's first measured
         assert_estimate_is_measured(planner, make, HELD_OUT)
 
 
@@ -152,6 +153,7 @@ def test_a_first_layer_whose_input_needs_no_gradient_leaves_the_others_alike():
         planner.prepare(make, (4, 64))
         stats = planner.stats
         assert stats["probe_twins"] == 2 and stats["probe_steps"] == 2 and not stats["probe_twins_refused"]
+        assert "block 0's inputs need gradients otherwise" in stats["probe_first_refused"]
         assert_estimate_is_measured(planner, make, HELD_OUT)
 
 
