@@ -7,6 +7,9 @@
 - ``saved``: what autograd saves for backward (``SavedBytesCounter``), unique storage bytes,
   parameter bytes.
 - ``profiler``: a block's saved bytes and forward time in one forward pass (``BlockProfiler``).
+- ``offload``: what autograd saves in a block held in host memory until backward
+  (``OffloadHooks``, the choice ``blocks.OFFLOAD``), and the copies' modelled time (``offload_ms``);
+  a meter counts the host copies apart (``Meter.host_copy``, ``host_bytes``).
 
 Usage::
 

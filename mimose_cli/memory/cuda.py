@@ -23,6 +23,7 @@ class CudaMeter(Meter):
     kind = "cuda"
 
     def __init__(self, budget_bytes: int | None, device: torch.device):
+        super().__init__()
         self.budget_bytes = budget_bytes
         self.device = torch.device(device)
 
@@ -76,6 +77,7 @@ class CudaMeter(Meter):
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.host.reset_peak()
 
     def _finish_step(self, mem: StepMemory) -> None:
         mem.reserved_peak_bytes = torch.cuda.max_memory_reserved(self.device)

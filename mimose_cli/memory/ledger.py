@@ -48,3 +48,21 @@ class StorageLedger:
         if self.refs.get(ref.key) is ref:
             del self.refs[ref.key]
             self.live -= ref.nbytes
+
+
+class HostLedger(StorageLedger):
+    """Host memory that offloaded copies hold (``Meter.host_copy``): counted apart from the
+    device's, since on the CPU host and device are one memory and only this count tells them
+    apart; with its own peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak = 0
+
+    def add(self, storage, counted: bool = True) -> int:
+        added = super().add(storage, counted)
+        self.peak = max(self.peak, self.live)
+        return added
+
+    def reset_peak(self) -> None:
+        self.peak = self.live

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mimose_cli.memory.ledger import HostLedger
+
 
 @dataclass
 class StepMemory:
@@ -20,6 +22,8 @@ class StepMemory:
     """Bytes held for backward; filled by the training loop from a SavedBytesCounter."""
     reserved_peak_bytes: int = 0
     """Peak bytes reserved by the CUDA caching allocator (0 on the simulated device)."""
+    peak_host_bytes: int = 0
+    """Highest host bytes offloaded copies held (``Meter.host_copy``): never the device's."""
 
 
 class Meter:
@@ -27,6 +31,10 @@ class Meter:
 
     kind: str = ""
     budget_bytes: int | None = None
+
+    def __init__(self):
+        self.host = HostLedger()
+        """Host memory offloaded copies hold, apart from the device's (``host_copy``)."""
 
     def activate(self):
         """Context manager that turns the meter (and its budget) on for the whole run."""
@@ -52,8 +60,24 @@ class Meter:
         raise NotImplementedError
 
     def reset_peak(self) -> None:
-        """Start a new peak window at the current live bytes."""
+        """Start a new peak window at the current live bytes (the host's too)."""
         raise NotImplementedError
+
+    def host_copy(self, make):
+        """``make()``'s tensor, an offloaded copy: counted as host memory for as long as it lives
+        (``host_bytes``), never as the device's. A meter that counts every op's outputs (the
+        simulated device) must not see it made: see ``SimulatedMeter``."""
+        tensor = make()
+        self.host.add(tensor.untyped_storage())
+        return tensor
+
+    def host_bytes(self) -> int:
+        """Host bytes offloaded copies hold now."""
+        return self.host.live
+
+    def peak_host_bytes(self) -> int:
+        """Highest ``host_bytes`` since the last ``reset_peak()``."""
+        return self.host.peak
 
     supports_pressure_handler: bool = False
     """Whether ``set_pressure_handler`` works: the meter can ask for memory to be freed before
@@ -89,6 +113,7 @@ class Meter:
         finally:
             mem.peak_bytes = self.peak_bytes()
             mem.end_bytes = self.current_bytes()
+            mem.peak_host_bytes = self.peak_host_bytes()
             self._finish_step(mem)
 
     def _finish_step(self, mem: StepMemory) -> None:

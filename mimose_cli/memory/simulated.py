@@ -103,6 +103,18 @@ def _add_subclass(ledger: _Ledger, tensor) -> int:
     return sum(ledger.add(st) for st in storages if st.device.type != "meta")
 
 
+class _HostSide:
+    """Stands in for the device's ledger while an offloaded copy is made (``host_copy``): the
+    storages it makes are marked as not the device's (counted as 0 bytes there, also when an op
+    writes them later), and the host's count takes them instead."""
+
+    def __init__(self, ledger: _Ledger):
+        self.ledger = ledger
+
+    def add(self, storage, counted: bool = True) -> int:
+        return self.ledger.add(storage, counted=False)
+
+
 class _StorageMode(TorchDispatchMode):
     """Counts the output storages of every op; raises out-of-memory past the budget."""
 
@@ -129,8 +141,9 @@ class SimulatedMeter(Meter):
     supports_pressure_handler = True
 
     def __init__(self, budget_bytes: int | None = None):
+        super().__init__()
         self._ledger = _Ledger(budget_bytes)
-        self._active = False
+        self._mode: _StorageMode | None = None
 
     @property
     def budget_bytes(self) -> int | None:
@@ -144,14 +157,26 @@ class SimulatedMeter(Meter):
     @contextlib.contextmanager
     def activate(self):
         """Count every op's outputs (and enforce the budget) inside this context."""
-        if self._active:
+        if self._mode is not None:
             raise RuntimeError("this simulated meter is already active")
-        self._active = True
+        self._mode = _StorageMode(self._ledger)
         try:
-            with _patched_storage_resize(self._ledger), _StorageMode(self._ledger):
+            with _patched_storage_resize(self._ledger), self._mode:
                 yield self
         finally:
-            self._active = False
+            self._mode = None
+
+    def host_copy(self, make):
+        """``make()``'s tensor counted as host memory only: host and device are one memory here,
+        so the copy is made with the device's ledger standing aside (``_HostSide``), and the
+        device's peak is what a GPU's would be, the offloaded bytes left out."""
+        if self._mode is None:
+            return super().host_copy(make)
+        self._mode.ledger = _HostSide(self._ledger)
+        try:
+            return super().host_copy(make)
+        finally:
+            self._mode.ledger = self._ledger
 
     @contextlib.contextmanager
     def unlimited(self):
@@ -204,6 +229,7 @@ class SimulatedMeter(Meter):
 
     def reset_peak(self) -> None:
         self._ledger.peak = self._ledger.live
+        self.host.reset_peak()
 
 
 @contextlib.contextmanager

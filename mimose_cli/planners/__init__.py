@@ -10,7 +10,8 @@ _EXPORTS = {
     "PLANNERS": "registry", "build_planner": "registry",
     "Decision": "base", "FullCheckpointing": "base", "NoCheckpointing": "base", "Planner": "base",
     "StepInfo": "base", "BlockRunner": "blocks", "PlanRunner": "blocks", "discover_blocks": "blocks",
-    "DTR": "dtr", "EveryN": "every_n", "Mimose": "mimose", "Oracle": "oracle", "Sublinear": "sublinear",
+    "DTR": "dtr", "EveryN": "every_n", "FullOffload": "offload", "Mimose": "mimose", "Oracle": "oracle",
+    "Sublinear": "sublinear",
     "infer_input_size": "inputs",
 }
 

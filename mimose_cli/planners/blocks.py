@@ -349,11 +349,13 @@ def _buffers_kept_in_recompute(module: nn.Module, forward):
     return run
 
 
-KEEP, SELECTIVE, RECOMPUTE = "keep", "selective", "recompute"
+KEEP, SELECTIVE, RECOMPUTE, OFFLOAD = "keep", "selective", "recompute", "offload"
 """What a plan does with a block: keep every activation its backward needs; keep only what the
 compute-heavy ops produce and recompute the rest in backward (``COMPUTE_HEAVY_OPS``, through
-torch's selective activation checkpointing); or keep only its inputs and recompute its forward."""
-CHOICES = (KEEP, SELECTIVE, RECOMPUTE)
+torch's selective activation checkpointing); keep only its inputs and recompute its forward; or
+run it as it is with what autograd saves inside it held in host memory until backward brings it
+back (``memory.offload``: no recompute, two copies)."""
+CHOICES = (KEEP, SELECTIVE, RECOMPUTE, OFFLOAD)
 
 _aten = torch.ops.aten
 COMPUTE_HEAVY_OPS = frozenset(
@@ -397,10 +399,15 @@ def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None,
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
-def run_block(choice: str, forward, args, kwargs, clock: RecomputeClock | None = None):
-    """The one place a block is run as a plan chose (``CHOICES``), in training."""
+def run_block(choice: str, forward, args, kwargs, clock: RecomputeClock | None = None, offload_hooks=None):
+    """The one place a block is run as a plan chose (``CHOICES``), in training; an ``OFFLOAD``
+    block runs under ``offload_hooks()`` (``PlanRunner.offload_hooks``)."""
     if choice == KEEP or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if choice == OFFLOAD:
+        assert offload_hooks is not None, "an OFFLOAD block needs the hooks that move its saved tensors"
+        with offload_hooks():
+            return forward(*args, **kwargs)
     return run_checkpointed(forward, args, kwargs, clock, choice)
 
 
@@ -456,6 +463,9 @@ class PlanRunner(BlockRunner):
         self._plan_set: frozenset = frozenset()
         self.selective: frozenset = frozenset()
         """Blocks of the plan checkpointed selectively (``SELECTIVE``) rather than recomputed whole."""
+        self.offload_hooks = None
+        """Makes the ``memory.offload.OffloadHooks`` for one call of a block the plan leaves out,
+        which is then offloaded (``OFFLOAD``) rather than kept; None: kept (planner ``offload``)."""
 
     def use(self, plan, selective=()) -> None:
         self.plan = tuple(sorted(plan))
@@ -465,7 +475,7 @@ class PlanRunner(BlockRunner):
     def choice(self, index: int) -> str:
         """What the plan in force does with block ``index`` (``CHOICES``)."""
         if index not in self._plan_set:
-            return KEEP
+            return KEEP if self.offload_hooks is None else OFFLOAD
         return SELECTIVE if index in self.selective else RECOMPUTE
 
     def begin(self, info, inputs=None) -> None:
@@ -473,7 +483,7 @@ class PlanRunner(BlockRunner):
         self.use(info.plan, getattr(info, "selective", ()))
 
     def run(self, index, forward, args, kwargs):
-        return run_block(self.choice(index), forward, args, kwargs, self.clock)
+        return run_block(self.choice(index), forward, args, kwargs, self.clock, self.offload_hooks)
 
 
 class BlockRouter:

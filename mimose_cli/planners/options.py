@@ -82,6 +82,7 @@ PLANNER_OPTIONS = {
     "dtr": NoOptions,
     "oracle": OracleOptions,
     "hf-every-n": EveryNOptions,
+    "offload": NoOptions,
 }
 """Planner name -> the options a recipe may give it."""
 

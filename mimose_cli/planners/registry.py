@@ -7,6 +7,7 @@ from mimose_cli.planners.base import FullCheckpointing, NoCheckpointing, Planner
 from mimose_cli.planners.dtr import DTR
 from mimose_cli.planners.every_n import EveryN
 from mimose_cli.planners.mimose import Mimose
+from mimose_cli.planners.offload import FullOffload
 from mimose_cli.planners.options import PLANNER_NAMES
 from mimose_cli.planners.oracle import Oracle
 from mimose_cli.planners.sublinear import Sublinear
@@ -19,6 +20,7 @@ PLANNERS = {
     "dtr": DTR,
     "oracle": Oracle,
     "hf-every-n": EveryN,
+    "offload": FullOffload,
 }
 assert tuple(PLANNERS) == PLANNER_NAMES, "every planner has its options in planners.options"
 

@@ -10,6 +10,7 @@ from mimose_cli.planners import build_planner
 from helpers import assert_tensors_close
 
 PLANNED = ["full", "mimose"]  # mimose: its first step, sheltered (every block runs twice)
+PLAIN_RUNS = [*PLANNED, "offload"]  # offload runs each block once, as it is, its saved tensors copied
 
 
 def make_planner(name, model):
@@ -78,7 +79,7 @@ def tiny_t5():
     return T5ForConditionalGeneration(config).train()  # dropout 0.1 stays on
 
 
-@pytest.mark.parametrize("name", PLANNED)
+@pytest.mark.parametrize("name", PLAIN_RUNS)
 def test_t5_decoder_blocks_run_without_their_cache_and_match_a_plain_step(name):
     # The decoder keeps its own config (use_cache=True) and hands each block a cache that a
     # second run or a recompute would append to again.
@@ -210,7 +211,7 @@ def test_several_globs_name_the_blocks_of_each_in_forward_order():
         mimose_cli.planners.blocks.discover_blocks(model, ["blocks.0", "nothing.*"])
 
 
-@pytest.mark.parametrize("name", PLANNED)
+@pytest.mark.parametrize("name", PLAIN_RUNS)
 def test_a_resnet_step_computes_what_a_plain_step_does(name):
     """Every bottleneck (BatchNorm inside, the statistics advancing once) checkpointed or measured."""
     images = {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2)),

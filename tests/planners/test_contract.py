@@ -94,9 +94,11 @@ def test_every_planner_is_importable_from_the_package_without_importing_torch_fi
     import sys
 
     code = ("import sys, mimose_cli; assert 'torch' not in sys.modules; "
-            "from mimose_cli import Mimose, Sublinear, DTR, EveryN, FullCheckpointing, NoCheckpointing, Oracle, Decision; "
+            "from mimose_cli import Mimose, Sublinear, DTR, EveryN, FullCheckpointing, NoCheckpointing, Oracle, "
+            "FullOffload, Decision; "
             "from mimose_cli.planners import PLANNERS; "
-            "assert {c.name for c in (Mimose, Sublinear, DTR, EveryN, FullCheckpointing, NoCheckpointing, Oracle)} "
+            "assert {c.name for c in (Mimose, Sublinear, DTR, EveryN, FullCheckpointing, NoCheckpointing, Oracle, "
+            "FullOffload)} "
             "== set(PLANNERS)")
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

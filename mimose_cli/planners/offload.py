@@ -1,0 +1,35 @@
+"""The planner ``offload``: every block run as it is, with what autograd saves inside it held in
+host memory until backward (``blocks.OFFLOAD``). Off unless named: the copies' time is modelled
+(``memory.offload.offload_ms``), not yet measured on a GPU; docs/MIMOSE.md "Finer plans"."""
+
+import torch
+
+from mimose_cli.memory.offload import OffloadHooks, resident_storages
+from mimose_cli.planners.base import Decision, Planner
+
+
+class FullOffload(Planner):
+    """Offload every block: the device holds the activations between the blocks, those under
+    ``OFFLOAD_MIN_BYTES`` and the parameters; the rest waits in host memory, which the meter
+    counts apart (``Meter.host_bytes``). A step that still runs out of memory is retried with
+    every block recomputed (``Planner.recover``), which needs no host memory."""
+
+    name = "offload"
+    builds_meter = True  # on the CPU, only the simulated device's host count tells the copies apart
+
+    def __init__(self, model, budget=None, **kwargs):
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if device.type not in ("cuda", "cpu"):  # checked before the planner claims the model
+            raise ValueError(f"planner offload moves saved tensors between a CUDA device and host memory (simulated "
+                             f"on the CPU), but the model is on {device.type}; choose another planner")
+        super().__init__(model, budget, **kwargs)
+        self._resident = resident_storages(model)
+        self.plan_runner.offload_hooks = self._hooks
+
+    def _hooks(self) -> OffloadHooks:
+        return OffloadHooks(self._resident, self.meter)
+
+    def decide(self, input_size, context=None):
+        # Read once a step: the parameters may have moved since the last (``model.to``).
+        self._resident = resident_storages(self.model)
+        return Decision(())
