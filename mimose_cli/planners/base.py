@@ -1,7 +1,8 @@
 """The one planner contract every strategy (Mimose and the baselines) implements.
 
-A planner is a policy: ``decide(input_size) -> Decision`` says which blocks to checkpoint for a
-batch of that size, from what the planner knows. ``Planner.step`` (never overridden) asks it,
+A planner is a policy: ``decide(input_size, context) -> Decision`` says which blocks to checkpoint
+for a batch of that size, from what the planner knows and what ``context`` (a ``StepContext``: the
+batch, the attempt, how ``run`` runs a batch) says of the step. ``Planner.step`` (never overridden) asks it,
 hands the plan to the step's block runner (``blocks.PlanRunner`` unless the planner brings its
 own: a collector while measuring, DTR's evictions), and afterwards tells the planner what
 happened: ``observe(info, peak_bytes, sample)``. Optional: ``prepare`` (before training: static
@@ -51,6 +52,22 @@ class Decision:
     selective: tuple = ()
     """Those of ``plan`` checkpointed selectively (``blocks.SELECTIVE``: their compute-heavy ops'
     outputs kept); the rest of ``plan`` are recomputed whole."""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a policy's ``decide`` may know of the step it decides for, besides its input size."""
+
+    batch: object = None
+    """The step's batch (None when only a size was given: ``step(input_size=...)``)."""
+    attempt: int = 0
+    """Attempts of this step that ran out of memory before this one (``Planner.run``)."""
+    step_fn: object = None
+    """How ``run`` runs a batch's forward and backward (its autocast, loss scaling); None in ``step``."""
+
+
+NO_CONTEXT = StepContext()
+"""The context of a decision asked for outside a step (a size alone)."""
 
 
 @dataclass
@@ -132,14 +149,11 @@ class Planner:
         self._metering = False  # inside a step or ``run``: what exists has been counted
         self.steps = 0
         self.last: StepInfo | None = None
-        self.batch = None
-        """The batch of the step being decided (None outside ``step`` or when only a size was given)."""
         self.total_planning_ms = 0.0
         self.recompute_clock = RecomputeClock()
         self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
-        self.attempt = 0  # failed attempts of the step being run (``run``)
-        self.step_fn = None
-        """The step function of the ``run`` in progress (None in ``step``): how a batch is run."""
+        self._attempt = 0  # failed attempts of the step being run (``run``)
+        self._step_fn = None  # the step function of the ``run`` in progress (None in ``step``)
         self.retries_total = 0
         self.plan_runner = PlanRunner(self.recompute_clock)
         self.runner = self.plan_runner
@@ -163,8 +177,8 @@ class Planner:
 
     # -- the policy: what subclasses implement --------------------------------------------------
 
-    def decide(self, input_size: tuple) -> Decision:
-        """The plan for a batch of ``input_size`` (``self.batch`` is the batch when known)."""
+    def decide(self, input_size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
+        """The plan for a batch of ``input_size``; ``context`` is the step's batch and attempt."""
         raise NotImplementedError
 
     def observe(self, info: StepInfo, peak_bytes: int | None, sample) -> None:
@@ -264,11 +278,11 @@ class Planner:
         finally:
             self._metering = False
 
-    def _decide(self, size: tuple) -> StepInfo:
+    def _decide(self, size: tuple, batch) -> StepInfo:
         """The policy's decision as this step's ``StepInfo``; a size that ran out of memory twice
         checkpoints every block (``recover``)."""
         start = time.perf_counter()
-        decision = self.decide(size)
+        decision = self.decide(size, StepContext(batch, self._attempt, self._step_fn))
         if self.size_key(size) in self.full_sizes:
             plan = tuple(range(self.num_blocks))
             decision = Decision(plan, "recovery", predicted_peak_bytes=self.predict_peak(size, plan))
@@ -279,7 +293,7 @@ class Planner:
                         phase=decision.phase, cache_hit=decision.cache_hit,
                         predicted_peak_bytes=decision.predicted_peak_bytes,
                         measured=decision.measure and self.measurer is not None,
-                        excluded_ms=decision.excluded_ms, retries=self.attempt)
+                        excluded_ms=decision.excluded_ms, retries=self._attempt)
 
     def step(self, batch=None, input_size=None):
         """Decide and apply the plan for this batch, as a ``with`` block around its forward and
@@ -309,11 +323,7 @@ class Planner:
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
         start = time.perf_counter()
         with self._metered(batch), self.meter.step() if self._owns_meter else contextlib.nullcontext():
-            self.batch = batch
-            try:
-                self.last = info = self._decide(size)
-            finally:
-                self.batch = None
+            self.last = info = self._decide(size, batch)
             self.total_planning_ms += info.planning_ms
             self.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
             runner = self.measurer if info.measured else self.runner
@@ -347,19 +357,19 @@ class Planner:
         if self._stepping:
             raise RuntimeError("planner.run inside a step of the same planner: one step at a time")
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
-        self.step_fn = step_fn
+        self._step_fn = step_fn
         try:
             with self._metered(batch):  # around the attempts: the guard's snapshots are counted too
                 return self._run(step_fn, batch, size)
         finally:
-            self.step_fn = None
+            self._step_fn = None
 
     def _run(self, step_fn, batch, size):
         guard = StepGuard(self.model, batch)
         last_try = self.max_retries if self.adapts else 0
         try:
             for attempt in range(last_try + 1):
-                self.attempt = attempt
+                self._attempt = attempt
                 result, failure = self._attempt_step(step_fn, batch, size, guard)
                 if failure is None:
                     guard.finish()
@@ -373,7 +383,7 @@ class Planner:
             guard.finish()
             raise
         finally:
-            self.attempt = 0
+            self._attempt = 0
         guard.finish()  # the failed attempt is undone; gradients of earlier micro-batches stay
         blocks = "every block" if len(info.plan) == self.num_blocks else f"{len(info.plan)} of {self.num_blocks} blocks"
         device = getattr(self.meter, "budget_bytes", None) or self.budget_bytes  # what the device holds
@@ -465,7 +475,7 @@ class NoCheckpointing(Planner):
     adapts = False
     oom_fix = ("let a planner checkpoint (mimose), raise the budget, or lower the batch size or sequence length",)
 
-    def decide(self, input_size):
+    def decide(self, input_size, context=NO_CONTEXT):
         return Decision(())
 
 
@@ -486,6 +496,6 @@ class FullCheckpointing(Planner):
                                  "(BatchNorm statistics) that its recompute puts back, which torch's selective "
                                  "checkpointing refuses; set planner.full.selective: false")
 
-    def decide(self, input_size):
+    def decide(self, input_size, context=NO_CONTEXT):
         every = tuple(range(self.num_blocks))
         return Decision(every, selective=every if self.selective else ())

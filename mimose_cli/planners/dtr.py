@@ -37,7 +37,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from mimose_cli.memory import storage_bytes, storage_ids
-from mimose_cli.planners.base import Decision, Planner
+from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner
 from mimose_cli.planners.blocks import BlockRunner, RngState, restored_buffers
 from mimose_cli.torch_private import tensor_version, tree_leaves, tree_map
 
@@ -120,7 +120,7 @@ class DTR(Planner):
         super().__init__(model, budget, **kwargs)
         self.runner = Rematerializer(self, cost_fn)
 
-    def decide(self, input_size):
+    def decide(self, input_size, context=NO_CONTEXT):
         return Decision(())
 
     @property

@@ -12,7 +12,7 @@ peak, plus what the optimizer's first step will allocate, fits is applied to eve
 import time
 import warnings
 
-from mimose_cli.planners.base import Decision, Planner
+from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner, StepContext
 from mimose_cli.planners.trial import probe_with_plan, to_model_device
 
 
@@ -62,7 +62,7 @@ class EveryN(Planner):
                       "checkpointing every block (every_n_layers=1)", stacklevel=3)
         return 1
 
-    def decide(self, input_size: tuple) -> Decision:
+    def decide(self, input_size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
         if self.static_plan is None:
             if self.every_n_layers is None:
                 raise RuntimeError("hf-every-n finds its stride for the largest input: call "

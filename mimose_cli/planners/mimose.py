@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mimose_cli.planners.base import Decision, Planner, StepInfo
+from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner, StepContext, StepInfo
 from mimose_cli.planners.blocks import first_runs_otherwise, left_out, selectable, stack_runs, twin_blocks
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
@@ -484,14 +484,15 @@ class Mimose(Planner):
             raise ScalingError("the collector could not measure any block (checkpointed by the model itself?)")
         return raw
 
-    def decide(self, size: tuple) -> Decision:
+    def decide(self, size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
         """Sheltered: measure. Responsive: the cached plan for this size, else a new plan from the
         estimator when the rule in docs/MIMOSE.md trusts its prediction, else measure. Before
         the first step the probes give the estimate (``prepare``, or here from this batch)."""
         if not self._probed:
-            if isinstance(self.batch, dict) and any(self.batch.get(k) is not None for k in ("input_ids", "pixel_values")):
-                batch, before = self.batch, self.counts.probe_ms
-                self._probe(lambda s: resized_batch(batch, s), size, self.step_fn)
+            batch = context.batch
+            if isinstance(batch, dict) and any(batch.get(k) is not None for k in ("input_ids", "pixel_values")):
+                before = self.counts.probe_ms
+                self._probe(lambda s: resized_batch(batch, s), size, context.step_fn)
                 self.counts.probe_in_step_ms += self.counts.probe_ms - before
             else:
                 self._probed = True
@@ -501,7 +502,7 @@ class Mimose(Planner):
         if self.sheltered:
             if not self.counts.estimate_source:
                 self.counts.estimate_source = "sheltered"
-            return self._measuring(size, "sheltered")
+            return self._measuring("sheltered", context.attempt)
         if self.limit_bytes is None:
             return Decision(())
         key = self.cache_key(size)
@@ -513,7 +514,7 @@ class Mimose(Planner):
         if not hit:
             reason = self._contradiction(key) or self.estimator.trust.reason(key)
             if reason is not None:
-                return self._untrusted(size, reason)
+                return self._untrusted(size, reason, context.attempt)
             entry = self._plan_miss(key, base)
         if hit:
             self.counts.hits += 1
@@ -521,22 +522,22 @@ class Mimose(Planner):
             self.counts.misses += 1
         return Decision(entry.plan, selective=entry.selective, cache_hit=hit, predicted_peak_bytes=int(base + entry.peak_bytes))
 
-    def _measuring(self, size: tuple, phase: str) -> Decision:
+    def _measuring(self, phase: str, attempt: int) -> Decision:
         """A step the collector measures (every block checkpointed); a retry after such a step
         ran out of memory is not measured again, only checkpointed."""
         plan = tuple(range(self.num_blocks))
-        if self.attempt:
+        if attempt:
             return Decision(plan, "recovery")
         return Decision(plan, phase, measure=True)
 
-    def _untrusted(self, size: tuple, reason: str) -> Decision:
+    def _untrusted(self, size: tuple, reason: str, attempt: int) -> Decision:
         """No trusted prediction at this size: measure it (every block checkpointed meanwhile),
         and once measuring has been tried ``3 x sheltered_steps`` times, just checkpoint every
         block. Either way the reason is in ``stats``, never a guess."""
         self.counts.untrusted_steps += 1
         if self.counts.measuring_steps < 3 * self.sheltered_steps:
             self._note(f"not trusted, measured: {reason}", size)
-            return self._measuring(size, "measuring")
+            return self._measuring("measuring", attempt)
         self._note(f"not trusted, every block checkpointed: {reason}", size)
         return Decision(tuple(range(self.num_blocks)), "untrusted")
 

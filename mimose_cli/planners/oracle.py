@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from mimose_cli.planners.base import Decision, Planner, StepInfo
+from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner, StepContext, StepInfo
 from mimose_cli.planners.blocks import selectable
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import ShuttlingCollector
@@ -211,10 +211,10 @@ class Oracle(Planner):
         # the oracle plans each step against the bytes live at its start: nothing to reserve
         self._make_batch = make_batch
 
-    def measure(self, size: tuple) -> Prediction | None:
-        """One side-effect-free collector step at ``size`` on this step's batch (or one made at
-        that size): RNG forked, buffers and gradients restored, the meter's peak reset."""
-        batch = self.batch
+    def measure(self, size: tuple, batch=None) -> Prediction | None:
+        """One side-effect-free collector step at ``size`` on ``batch`` (the step's; without one,
+        a batch made at that size): RNG forked, buffers and gradients restored, the meter's peak
+        reset."""
         if batch is None:
             if self._make_batch is None:
                 raise RuntimeError("oracle measures every input size: pass the batch to "
@@ -241,12 +241,12 @@ class Oracle(Planner):
                           "block the collector cannot attribute); checkpointing every block", stacklevel=4)
         return pred
 
-    def decide(self, size: tuple) -> Decision:
+    def decide(self, size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
         """The least-recompute plan that fits, from this size's measurements (taken now if new)."""
         start = time.perf_counter()
         hit = size in self.measured
         if not hit:
-            self.measured[size] = self.measure(size)
+            self.measured[size] = self.measure(size, context.batch)
         pred = self.measured[size]
         base = self.meter.current_bytes() if self.meter is not None else 0
         if pred is None:

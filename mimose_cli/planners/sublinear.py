@@ -22,7 +22,7 @@ from typing import Literal, get_args
 import torch
 
 from mimose_cli.memory.profiler import BlockProfiler
-from mimose_cli.planners.base import Decision, Planner
+from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner, StepContext
 from mimose_cli.planners.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import model_device, probe_with_plan, run_model, side_effect_free, to_model_device
 
@@ -198,7 +198,7 @@ class Sublinear(Planner):
                           "long may run out of memory", stacklevel=3)
         return plan
 
-    def decide(self, input_size: tuple) -> Decision:
+    def decide(self, input_size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
         if self.static_plan is None:
             raise RuntimeError("sublinear plans once for the largest input: call "
                                "planner.prepare(make_batch, max_input_size) before the first step")

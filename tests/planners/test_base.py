@@ -141,3 +141,39 @@ def test_key_value_cache_is_off_while_attached_and_restored_on_close(name):
     assert out.past_key_values is None  # no cache built during training
     planner.close()
     assert model.config.use_cache is True
+
+
+def test_the_policy_is_told_the_step_in_its_context_and_nothing_is_left_on_the_planner():
+    """``decide(size, context)``: the step's batch, the attempt (a retry after running out of
+    memory is attempt 1) and ``run``'s step function; no attribute of the planner carries them."""
+    from mimose_cli.planners import Decision, Planner
+
+    class Recording(Planner):
+        name = "recording"
+
+        def __init__(self, model, budget=None, **kwargs):
+            super().__init__(model, budget, **kwargs)
+            self.contexts = []
+
+        def decide(self, input_size, context):
+            self.contexts.append(context)
+            return Decision(())
+
+    model = Stack()
+    batch = torch.randn(2, 16)
+    failed = []
+
+    def step_fn(x):
+        if not failed:
+            failed.append(True)
+            raise torch.OutOfMemoryError("simulated")
+        model(x).backward()
+
+    with Recording(model) as planner:
+        with planner.step(batch, input_size=(2, 16)):
+            model(batch).backward()
+        planner.run(step_fn, batch, input_size=(2, 16))
+        first, *retried = planner.contexts
+        assert first.batch is batch and first.attempt == 0 and first.step_fn is None
+        assert [(c.batch is batch, c.attempt, c.step_fn is step_fn) for c in retried] == [(True, 0, True), (True, 1, True)]
+        assert not any(hasattr(planner, name) for name in ("batch", "attempt", "step_fn"))

@@ -156,8 +156,7 @@ def test_the_oracle_searches_the_same_choices_and_its_plans_fit():
         meter.track(model, data)
         oracle = Oracle(model, 10**9, meter=meter, choices="selective")
         oracle._dispatch_costs = (0.0, 0.0)  # selective recompute costs its light ops only
-        oracle.batch = data
-        pred = oracle.measure((4, 64))
+        pred = oracle.measure((4, 64), data)
         oracle.measured[(4, 64)] = pred
         base = meter.current_bytes()
         none_peak, full_peak = plan_peak(pred, ()), plan_peak(pred, tuple(range(4)))

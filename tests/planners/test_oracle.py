@@ -104,7 +104,7 @@ def _peaks(model, data, plans):
     with meter.activate():
         meter.track(model)
         for plan in plans:
-            planner.decide = lambda size, plan=plan: Decision(plan)
+            planner.decide = lambda size, context, plan=plan: Decision(plan)
             peaks.append(_step(planner, meter, data)[1])
     planner.close()
     return peaks
