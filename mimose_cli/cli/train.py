@@ -18,7 +18,8 @@ def train(
     overrides: Optional[List[str]] = typer.Argument(
         None, help="Recipe overrides key=value, e.g. training.max_steps=20 model.size=tiny."),
     budget: Optional[str] = typer.Option(None, help=f"Device memory budget. {SIZE_HELP}"),
-    planner: Optional[str] = typer.Option(None, help="mimose, none, full, sublinear, dtr, oracle or hf-every-n."),
+    planner: Optional[str] = typer.Option(
+        None, help="mimose, none, full, sublinear, dtr, oracle, hf-every-n or offload."),
     device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
     max_steps: Optional[int] = typer.Option(None, help="Stop after N steps."),
     out: Optional[Path] = typer.Option(None, help="Directory for run directories (default runs/)."),

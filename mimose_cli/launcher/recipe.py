@@ -294,7 +294,7 @@ class TrainingConfig:
 @dataclass(config=FORBID_UNKNOWN_KEYS)
 class PlannerConfig:
     name: str = "mimose"
-    """Planner: mimose, none, full, sublinear, dtr, oracle, hf-every-n."""
+    """Planner: mimose, none, full, sublinear, dtr, oracle, hf-every-n, offload."""
     safety_margin: SizeText = "auto"
     """Budget headroom kept free for fragmentation (a byte size); auto: 5 % of the budget on
     CUDA (the caching allocator's rounding and fragmentation), 0 on the simulated device."""
