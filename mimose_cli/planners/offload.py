@@ -5,7 +5,7 @@ host memory until backward (``blocks.OFFLOAD``). Off unless named: the copies' t
 import torch
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
-from mimose_cli.planners.base import Decision, Planner
+from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner
 
 
 class FullOffload(Planner):
@@ -29,7 +29,7 @@ class FullOffload(Planner):
     def _hooks(self) -> OffloadHooks:
         return OffloadHooks(self._resident, self.meter)
 
-    def decide(self, input_size, context=None):
+    def decide(self, input_size, context=NO_CONTEXT):
         # Read once a step: the parameters may have moved since the last (``model.to``).
         self._resident = resident_storages(self.model)
         return Decision(())
