@@ -16,14 +16,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from mimose_cli.files import write_text
-from mimose_cli.memory import build_meter
 from mimose_cli.planners.blocks import BlockRouter, PlanRunner, RecomputeClock, discover_blocks, selectable
 from mimose_cli.planners.inputs import infer_input_size
-from mimose_cli.planners.recovery import PlanOutOfMemoryError, StepGuard, oom_message, reached_bytes
-from mimose_cli.planners.usage import EnteredOnce, check_supported, check_trackable, claim, release, warn_if_eager
+from mimose_cli.planners.recovery import run_recovering
+from mimose_cli.planners.session import MeterSession
+from mimose_cli.planners.usage import EnteredOnce, check_supported, claim, release, warn_if_eager
 from mimose_cli.units import parse_size
 
 # Provisional until measured on a GPU (docs/MIMOSE.md): the caching allocator rounds requests to
@@ -140,20 +138,13 @@ class Planner:
         self.closed = False
         claim(model, self)
         self._stepping = False  # inside a step: a second one would nest
-        self.meter = meter
-        self._owns_meter = meter is None and self.builds_meter
-        if self._owns_meter:
-            self.meter = self._build_meter()
+        self.session = MeterSession(model, meter, self.builds_meter, self.budget_bytes)
         warn_if_eager(model, self.meter)
-        self._tracked: list = []  # what ``track`` was given: counted again at every step's start
-        self._metering = False  # inside a step or ``run``: what exists has been counted
         self.steps = 0
         self.last: StepInfo | None = None
         self.total_planning_ms = 0.0
         self.recompute_clock = RecomputeClock()
         self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
-        self._attempt = 0  # failed attempts of the step being run (``run``)
-        self._step_fn = None  # the step function of the ``run`` in progress (None in ``step``)
         self.retries_total = 0
         self.plan_runner = PlanRunner(self.recompute_clock)
         self.runner = self.plan_runner
@@ -246,43 +237,26 @@ class Planner:
         finally:
             self._applying -= 1
 
-    def _build_meter(self):
-        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        return build_meter("auto", self.budget_bytes, device)
+    @property
+    def meter(self):
+        """Where the steps' memory figures come from (``session``: the training loop's meter, one
+        this planner built, or None)."""
+        return self.session.meter
+
+    @meter.setter
+    def meter(self, meter) -> None:
+        self.session.meter = meter
 
     def track(self, *objects) -> None:
-        """Count memory that lives between the steps in every step's figures and budget: the
-        optimizer (its state appears at its first ``step()``, between planner steps), tensors
-        kept from step to step. Counted again at each step's start, so what appeared since is
-        seen; the model and the step's batch are counted without asking. Accepts what
-        ``Meter.track`` does: modules, optimizers, tensors, dicts and lists of them."""
-        check_trackable(objects)
-        self._tracked.extend(objects)
+        """Count memory that lives between the steps in every step's figures and budget
+        (``MeterSession.track``: the optimizer, tensors kept from step to step)."""
+        self.session.track(*objects)
 
-    @contextlib.contextmanager
-    def _metered(self, batch):
-        """Inside a step (or ``run``'s attempts): count what exists and, for a meter the planner
-        built, turn it on. A meter given to the planner is its owner's to turn on (the training
-        loop keeps it on for the whole run). Storages counted stay counted until freed, wherever
-        that happens (the ledger holds weak references); a storage is never counted twice."""
-        if self._metering or self.meter is None:
-            yield
-            return
-        self._metering = True
-        try:
-            with self.meter.activate() if self._owns_meter else contextlib.nullcontext():
-                existing = [self.model, batch, *self._tracked] if self._owns_meter else self._tracked
-                if existing:
-                    self.meter.track(*existing)
-                yield
-        finally:
-            self._metering = False
-
-    def _decide(self, size: tuple, batch) -> StepInfo:
+    def _decide(self, size: tuple, context: StepContext) -> StepInfo:
         """The policy's decision as this step's ``StepInfo``; a size that ran out of memory twice
         checkpoints every block (``recover``)."""
         start = time.perf_counter()
-        decision = self.decide(size, StepContext(batch, self._attempt, self._step_fn))
+        decision = self.decide(size, context)
         if self.size_key(size) in self.full_sizes:
             plan = tuple(range(self.num_blocks))
             decision = Decision(plan, "recovery", predicted_peak_bytes=self.predict_peak(size, plan))
@@ -293,13 +267,14 @@ class Planner:
                         phase=decision.phase, cache_hit=decision.cache_hit,
                         predicted_peak_bytes=decision.predicted_peak_bytes,
                         measured=decision.measure and self.measurer is not None,
-                        excluded_ms=decision.excluded_ms, retries=self._attempt)
+                        excluded_ms=decision.excluded_ms, retries=context.attempt)
 
-    def step(self, batch=None, input_size=None):
+    def step(self, batch=None, input_size=None, *, attempt: int = 0, step_fn=None):
         """Decide and apply the plan for this batch, as a ``with`` block around its forward and
-        backward; yields the ``StepInfo``."""
+        backward; yields the ``StepInfo``. ``attempt`` and ``step_fn`` are what ``run`` tells the
+        policy of its attempts (``StepContext``)."""
         self._check_open("step")
-        return EnteredOnce(self._step(batch, input_size), "planner.step(batch)")
+        return EnteredOnce(self._step(StepContext(batch, attempt, step_fn), input_size), "planner.step(batch)")
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -307,23 +282,24 @@ class Planner:
                                "build a new planner to plan again")
 
     @contextlib.contextmanager
-    def _step(self, batch, input_size):
+    def _step(self, context: StepContext, input_size):
         if self._stepping:
             raise RuntimeError("planner.step (or run) inside another step of the same planner: one step "
                                "at a time, each around one forward and backward")
         self._stepping = True
         try:
-            with self._planned_step(batch, input_size) as info:
+            with self._planned_step(context, input_size) as info:
                 yield info
         finally:
             self._stepping = False
 
     @contextlib.contextmanager
-    def _planned_step(self, batch, input_size):
+    def _planned_step(self, context: StepContext, input_size):
+        batch = context.batch
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
         start = time.perf_counter()
-        with self._metered(batch), self.meter.step() if self._owns_meter else contextlib.nullcontext():
-            self.last = info = self._decide(size, batch)
+        with self.session.counting(batch), self.session.step():
+            self.last = info = self._decide(size, context)
             self.total_planning_ms += info.planning_ms
             self.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
             runner = self.measurer if info.measured else self.runner
@@ -339,73 +315,20 @@ class Planner:
             if info.recompute_ms is None:  # a runner that recomputes itself (DTR) timed its own
                 info.recompute_ms = recompute_ms
             info.step_ms = (time.perf_counter() - start) * 1e3
-            self.observe(info, self.meter.peak_bytes() if self.meter is not None else None, sample)
+            self.observe(info, self.session.peak_bytes(), sample)
             self.steps += 1
 
     def run(self, step_fn, batch=None, input_size=None):
         """Run ``step_fn(batch)`` (forward and backward) under this planner, recovering from
-        out of memory; returns what ``step_fn`` returns, and ``self.last.retries`` says how many
-        attempts failed first.
-
-        A failed attempt is undone (``StepGuard``: its gradients dropped, RNG and buffers put
-        back, gradients accumulated before it kept) and the batch run again: first with the
-        planner's own remedy (``recover``), then with every block checkpointed; if that fails
-        too, ``PlanOutOfMemoryError`` says why with the budget, the prediction and what was
-        reached. The optimizer is never touched here.
-        """
+        out of memory (``recovery.run_recovering``: a failed attempt undone and the batch run
+        again, with ``recover``'s remedy, then every block checkpointed); returns what ``step_fn``
+        returns, and ``self.last.retries`` says how many attempts failed first."""
         self._check_open("run")
         if self._stepping:
             raise RuntimeError("planner.run inside a step of the same planner: one step at a time")
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
-        self._step_fn = step_fn
-        try:
-            with self._metered(batch):  # around the attempts: the guard's snapshots are counted too
-                return self._run(step_fn, batch, size)
-        finally:
-            self._step_fn = None
-
-    def _run(self, step_fn, batch, size):
-        guard = StepGuard(self.model, batch)
-        last_try = self.max_retries if self.adapts else 0
-        try:
-            for attempt in range(last_try + 1):
-                self._attempt = attempt
-                result, failure = self._attempt_step(step_fn, batch, size, guard)
-                if failure is None:
-                    guard.finish()
-                    return result
-                info, reached = failure
-                if attempt < last_try:
-                    self.retries_total += 1
-                    self.recover(info, attempt + 1, reached)
-        except BaseException:
-            guard.undo()  # any other error (or an interrupt): the gradients as they were before
-            guard.finish()
-            raise
-        finally:
-            self._attempt = 0
-        guard.finish()  # the failed attempt is undone; gradients of earlier micro-batches stay
-        blocks = "every block" if len(info.plan) == self.num_blocks else f"{len(info.plan)} of {self.num_blocks} blocks"
-        device = getattr(self.meter, "budget_bytes", None) or self.budget_bytes  # what the device holds
-        message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached, *self.oom_fix)
-        raise PlanOutOfMemoryError(message, device, info.predicted_peak_bytes, reached, last_try)
-
-    def _attempt_step(self, step_fn, batch, size, guard: StepGuard):
-        """One attempt: ``(step_fn's result, None)`` when it succeeded, else ``(None, (the failed
-        step's StepInfo, the bytes it reached))`` with the attempt undone."""
-        if self.meter is not None:
-            self.meter.reset_peak()  # each attempt's peak is its own (the record keeps the last)
-        try:
-            with self.step(batch, size):
-                return step_fn(batch), None
-        except torch.OutOfMemoryError as error:
-            if isinstance(error, PlanOutOfMemoryError):
-                raise
-            reached = reached_bytes(error, self.meter)
-        # Outside the except block: the error's traceback, which pins the failed step's
-        # activations, is gone before anything is allocated again.
-        guard.undo()
-        return None, (self.last, reached)
+        with self.session.counting(batch):  # around the attempts: the guard's snapshots are counted too
+            return run_recovering(self, step_fn, batch, size)
 
     def predict_peak(self, size: tuple, plan: tuple) -> int | None:
         """The step peak this planner predicts for ``plan`` at ``size`` (None: it cannot say)."""
@@ -457,7 +380,7 @@ class Planner:
         self._router.remove()
         if self._use_cache:
             self._config.use_cache, self._use_cache = self._use_cache, None
-        self._tracked = []
+        self.session.close()
         self.closed = True
         release(self.model, self)
 

@@ -1,6 +1,6 @@
 """Out-of-memory recovery: what makes a failed forward/backward safe to run again.
 
-``Planner.run(step_fn, batch)`` runs a step through ``StepGuard``: a step that runs out of
+``Planner.run(step_fn, batch)`` runs a step's attempts (``run_recovering``) through ``StepGuard``: a step that runs out of
 memory is undone (its partial gradients dropped, the RNG and the model's buffers put back) and
 retried on the same batch with a plan that needs less memory, so the retry computes exactly what
 the first attempt would have (same dropout masks, same BatchNorm statistics) and no batch is
@@ -92,3 +92,54 @@ class StepGuard:
                 else:
                     p.grad.add_(old)
         self.stash, self.buffers = [], []
+
+
+def run_recovering(planner, step_fn, batch, size: tuple):
+    """``planner.run``'s attempts: ``step_fn(batch)`` in ``planner.step``, recovering from out of
+    memory; returns what ``step_fn`` returns.
+
+    A failed attempt is undone (``StepGuard``: its gradients dropped, RNG and buffers put back,
+    gradients accumulated before it kept) and the batch run again: first with the planner's own
+    remedy (``recover``), then with every block checkpointed; if that fails too,
+    ``PlanOutOfMemoryError`` says why with the budget, the prediction and what was reached. Each
+    attempt's number reaches the policy in its ``StepContext``. The optimizer is never touched."""
+    guard = StepGuard(planner.model, batch)
+    last_try = planner.max_retries if planner.adapts else 0
+    try:
+        for attempt in range(last_try + 1):
+            result, failure = _attempt(planner, step_fn, batch, size, attempt, guard)
+            if failure is None:
+                guard.finish()
+                return result
+            info, reached = failure
+            if attempt < last_try:
+                planner.retries_total += 1
+                planner.recover(info, attempt + 1, reached)
+    except BaseException:
+        guard.undo()  # any other error (or an interrupt): the gradients as they were before
+        guard.finish()
+        raise
+    guard.finish()  # the failed attempt is undone; gradients of earlier micro-batches stay
+    n = planner.num_blocks
+    blocks = "every block" if len(info.plan) == n else f"{len(info.plan)} of {n} blocks"
+    device = getattr(planner.meter, "budget_bytes", None) or planner.budget_bytes  # what the device holds
+    message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached, *planner.oom_fix)
+    raise PlanOutOfMemoryError(message, device, info.predicted_peak_bytes, reached, last_try)
+
+
+def _attempt(planner, step_fn, batch, size: tuple, attempt: int, guard: StepGuard):
+    """One attempt: ``(step_fn's result, None)`` when it succeeded, else ``(None, (the failed
+    step's StepInfo, the bytes it reached))`` with the attempt undone."""
+    if planner.meter is not None:
+        planner.meter.reset_peak()  # each attempt's peak is its own (the record keeps the last)
+    try:
+        with planner.step(batch, size, attempt=attempt, step_fn=step_fn):
+            return step_fn(batch), None
+    except torch.OutOfMemoryError as error:
+        if isinstance(error, PlanOutOfMemoryError):
+            raise
+        reached = reached_bytes(error, planner.meter)
+    # Outside the except block: the error's traceback, which pins the failed step's activations,
+    # is gone before anything is allocated again.
+    guard.undo()
+    return None, (planner.last, reached)
