@@ -123,48 +123,55 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     least time (ties: the earlier block, whose savings last longest in backward), else the one
     that frees the most bytes per ms, then predicts the whole plan again; once it fits, the
     upgrades are taken back, last first, while the plan still fits without them."""
-    n = len(savings[0])
     save = np.nan_to_num(np.array(savings, dtype=float), nan=-1.0)
     cost = np.array(costs, dtype=float)
-    level = np.zeros(n, dtype=int)
+    # The per-upgrade bookkeeping reads Python lists, not numpy scalars (each read several times
+    # slower), as a miss applies dozens of upgrades; the float64 arithmetic is the same.
+    rows = save.tolist()
+    level = [KEEP_LEVEL] * save.shape[1]
     taken: list = []
-
-    def plan_of(levels):
-        return (tuple(int(i) for i in np.flatnonzero(levels > KEEP_LEVEL)),
-                tuple(int(i) for i in np.flatnonzero(levels == SELECTIVE_LEVEL)))
-
-    peak = predict_peak(*plan_of(level))
+    peak = predict_peak(*_plan_of(level))
     while peak > limit_bytes:
         excess = peak - limit_bytes
         moved = False
         while excess > 0:
-            upgrades = _best_upgrades(save, cost, level, excess)
+            upgrades = _best_upgrades(save, cost, np.array(level), excess)
             if not upgrades:
                 break
             for i, to in upgrades:
-                excess -= save[to, i] - max(save[level[i], i], 0.0)
-                taken.append((i, int(level[i])))
+                excess -= rows[to][i] - max(rows[level[i]][i], 0.0)
+                taken.append((i, level[i]))
                 level[i] = to
             moved = True
         if not moved:  # no upgrade frees more by the savings: the rest recomputed, as the block greedy
-            rest = np.flatnonzero(level < RECOMPUTE_LEVEL)
-            if not len(rest):
+            rest = [i for i, at in enumerate(level) if at < RECOMPUTE_LEVEL]
+            if not rest:
                 break
-            taken += [(int(i), int(level[i])) for i in rest]
-            level[rest] = RECOMPUTE_LEVEL
-        peak = predict_peak(*plan_of(level))
+            taken += [(i, level[i]) for i in rest]
+            level = [RECOMPUTE_LEVEL] * len(level)
+        peak = predict_peak(*_plan_of(level))
     if peak > limit_bytes:
-        return (*plan_of(level), peak, False)
+        return (*_plan_of(level), peak, False)
     for i, before in reversed(taken[1:]):
         if level[i] == KEEP_LEVEL:
             continue
         trial = level.copy()
         trial[i] = before
-        trial_peak = predict_peak(*plan_of(trial))
+        trial_peak = predict_peak(*_plan_of(trial))
         if trial_peak > limit_bytes:
             break  # the earlier upgrades were taken to cover more: as the block-level greedy
         level, peak = trial, trial_peak
-    return (*plan_of(level), peak, True)
+    return (*_plan_of(level), peak, True)
+
+
+def _plan_of(level: list) -> tuple:
+    """``(plan, selective)``: the blocks upgraded at all, and those checkpointed selectively."""
+    plan = [i for i, at in enumerate(level) if at > KEEP_LEVEL]
+    return tuple(plan), tuple([i for i in plan if level[i] == SELECTIVE_LEVEL])
+
+
+_TARGET_LEVELS = (SELECTIVE_LEVEL, RECOMPUTE_LEVEL)
+_TARGETS = np.array(_TARGET_LEVELS)
 
 
 def _best_upgrades(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess: float) -> list:
@@ -175,27 +182,27 @@ def _best_upgrades(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess
     blocks = np.arange(save.shape[1])
     current_save = np.maximum(save[level, blocks], 0.0)
     current_cost = np.where(level > KEEP_LEVEL, cost[level, blocks], 0.0)
-    targets = np.array([SELECTIVE_LEVEL, RECOMPUTE_LEVEL])
     # Flattened in block order, selective before recompute for a block: ties go to the first.
     gain = (save[1:] - current_save).T.ravel()
     extra = np.maximum(cost[1:] - current_cost, 1e-9).T.ravel()
-    usable = ((level[:, None] < targets) & (save[1:].T >= 0)).ravel() & (gain > 0)
+    usable = ((level[:, None] < _TARGETS) & (save[1:].T >= 0)).ravel() & (gain > 0)
     if not usable.any():
         return []
     covers = usable & (gain >= excess)
     if covers.any():
         flat = int(np.argmin(np.where(covers, extra, np.inf)))
-        return [(flat // 2, int(targets[flat % 2]))]
+        return [(flat // 2, _TARGET_LEVELS[flat % 2])]
     rate = np.where(usable, gain / extra, -np.inf)
     ranked = np.argsort(-rate, kind="stable")[: int(usable.sum())]
+    gains = gain.tolist()
     chosen, seen, total = [], set(), 0.0
     for flat in ranked.tolist():
         block = flat // 2
         if block in seen:
             continue
-        if chosen and total + gain[flat] >= excess:
+        if chosen and total + gains[flat] >= excess:
             break
         seen.add(block)
-        chosen.append((block, int(targets[flat % 2])))
-        total += gain[flat]
+        chosen.append((block, _TARGET_LEVELS[flat % 2]))
+        total += gains[flat]
     return chosen

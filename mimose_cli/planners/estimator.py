@@ -99,6 +99,11 @@ class Prediction:
         return np.maximum(self.blocks["plain_bytes"] - released - self.blocks["ckpt_bytes"], 0.0)
 
 
+_TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "selective_extra_bytes", "resident_bytes", "gap_peak_bytes",
+                        "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes")
+"""The block quantities ``peak_timeline`` reads (``_let_go`` reads ``release_bytes`` itself)."""
+
+
 def _let_go(pred: Prediction, plan_mask: np.ndarray, order) -> tuple:
     """Per block in forward order, the input bytes let go of once it returns under each plan,
     and what that takes off each block's backward: everything let go of at or after a block,
@@ -151,9 +156,10 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
     recompute's peak (the kept outputs are handed to the recompute, which would have made them).
     """
     b, s = pred.blocks, pred.step
-    order = None if pred.order is None else list(pred.order)
+    # An index array, not a list: numpy converts a list anew for every quantity it indexes.
+    order = None if pred.order is None else np.asarray(pred.order)
     if order is not None:
-        b = {q: v[order] for q, v in b.items()}
+        b = {q: b[q][order] for q in _TIMELINE_QUANTITIES}
         plan_mask = plan_mask[..., order]
         if selective_mask is not None:
             selective_mask = selective_mask[..., order]

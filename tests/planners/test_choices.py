@@ -2,13 +2,17 @@
 recomputed; the selective bytes from the probes, the scheduler over the three choices, the plan
 as the step ran it in records."""
 
+import random
+
 import numpy as np
 import pytest
 import torch
+from test_oracle import random_prediction
 from test_scaling import HELD_OUT, metered_mimose, padded
 
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked
+from mimose_cli.planners.estimator import plan_peak_bytes
 from mimose_cli.planners.trial import probe_with_plan
 from mimose_cli.runs.plots import plan_figure
 from mimose_cli.runs.records import StepRecord
@@ -51,6 +55,99 @@ def test_a_choice_a_block_cannot_take_is_never_chosen_and_nothing_fitting_says_s
     plan, selective, _, fits = choice_plan_checked(savings, costs, predict, 95.0)
     assert fits and 0 not in selective
     assert choice_plan_checked(savings, costs, predict, 50.0)[3] is False  # 20 is the most it frees
+
+
+def _reference_upgrades(save, cost, level, excess):
+    """``choices._best_upgrades`` written plainly over a list of options (block, level, extra
+    bytes, extra ms) in block order, selective first."""
+    options = []
+    for i, at in enumerate(level):
+        have_save, have_cost = max(save[at][i], 0.0), cost[at][i] if at else 0.0
+        for to in (1, 2):
+            gain = save[to][i] - have_save
+            if at < to and save[to][i] >= 0 and gain > 0:
+                options.append((i, to, gain, max(cost[to][i] - have_cost, 1e-9)))
+    covering = [option for option in options if option[2] >= excess]
+    if covering:
+        return [min(covering, key=lambda option: option[3])[:2]]
+    chosen, seen, total = [], set(), 0.0
+    for i, to, gain, _ in sorted(options, key=lambda option: -(option[2] / option[3])):
+        if i in seen:
+            continue
+        if chosen and total + gain >= excess:
+            break
+        seen.add(i)
+        chosen.append((i, to))
+        total += gain
+    return chosen
+
+
+def _reference_choice_plan(savings, costs, predict_peak, limit_bytes):
+    """The scheduler as first written (commit 6debe05, numpy arrays throughout), in plain Python
+    lists: the plans ``choice_plan_checked`` must still choose."""
+    save = [[-1.0 if np.isnan(v) else float(v) for v in row] for row in savings]
+    cost = [[float(v) for v in row] for row in costs]
+    level, taken = [0] * len(save[0]), []
+
+    def plan_of(levels):
+        return (tuple(i for i, at in enumerate(levels) if at), tuple(i for i, at in enumerate(levels) if at == 1))
+
+    peak = predict_peak(*plan_of(level))
+    while peak > limit_bytes:
+        excess, upgrades = peak - limit_bytes, []
+        while excess > 0 and (found := _reference_upgrades(save, cost, level, excess)):
+            upgrades += found
+            for i, to in found:
+                excess -= save[to][i] - max(save[level[i]][i], 0.0)
+                taken.append((i, level[i]))
+                level[i] = to
+        if not upgrades:
+            rest = [i for i, at in enumerate(level) if at < 2]
+            if not rest:
+                return (*plan_of(level), peak, False)
+            taken += [(i, level[i]) for i in rest]
+            level = [2] * len(level)
+        peak = predict_peak(*plan_of(level))
+    for i, before in reversed(taken[1:]):
+        if not level[i]:
+            continue
+        trial = level.copy()
+        trial[i] = before
+        trial_peak = predict_peak(*plan_of(trial))
+        if trial_peak > limit_bytes:
+            break
+        level, peak = trial, trial_peak
+    return (*plan_of(level), peak, True)
+
+
+def test_the_scheduler_chooses_what_it_chose_before_it_was_made_faster():
+    """On 300 made-up stacks of 1-48 blocks in a random forward order (integer bytes and ms, so
+    that ties are common), budgets from below every block recomputed to above none: the same
+    plan, peak and verdict as the plain reference, after predicting the same plans in the same
+    order. Exact equality: both run the same float64 operations in the same order."""
+    rng = random.Random(0)
+    for trial in range(300):
+        n = rng.randint(1, 48)
+        pred = random_prediction(rng, n)
+        pred.order = tuple(rng.sample(range(n), n))
+        selective = pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0)
+        selectable = np.array([rng.random() < 0.8 for _ in range(n)])
+        savings = [np.zeros(n), np.where((selective > 0) & selectable, selective, np.nan), pred.savings]
+        recompute_ms = np.array([float(rng.randint(1, 8)) for _ in range(n)])
+        costs = [np.zeros(n), recompute_ms - np.array([float(rng.randint(0, 6)) for _ in range(n)]), recompute_ms]
+        low, high = plan_peak_bytes(pred, range(n)), plan_peak_bytes(pred, ())
+        limit = float(rng.randint(int(low) - 20, int(high) + 5))
+        calls = {"fast": [], "reference": []}
+
+        def peak_of(who):
+            def predict(plan, chosen):
+                calls[who].append((plan, chosen))
+                return plan_peak_bytes(pred, plan, chosen)
+            return predict
+
+        fast = choice_plan_checked(savings, costs, peak_of("fast"), limit)
+        assert fast == _reference_choice_plan(savings, costs, peak_of("reference"), limit), trial
+        assert calls["fast"] == calls["reference"], trial
 
 
 def test_the_choice_times_say_selective_costs_the_light_ops_and_the_dispatch_modes():
