@@ -57,7 +57,8 @@ def _sample_diff(planner, batch, size, step_fn=None) -> float:
     sheltered step's, unseen by training), over every quantity the timeline is built from, in
     percent of that sample's largest value: 0 when the probes' scaling is exact."""
     planner.measurer.begin(inputs=batch)  # the batch is the step's start, as in the probes
-    probe_step(planner, batch, step_fn)
+    with planner.router.using(planner.measurer):
+        probe_step(planner, batch, step_fn)
     blocks, step, _ = planner.measurer.end()
     predicted = planner.estimator.predict(size)
     pairs = [(predicted.blocks[q][i], v.max()) for q, per in blocks.items() if q not in ("fwd_ms", "saved_bytes")
@@ -90,7 +91,7 @@ def measure(name: str, precision: str = "fp32", layers: int | None = None) -> di
         meter.track(model)
         first = make_batch(spec, _shape(spec, *FIRST, 0), 0)
         plain = build_planner("none", model, None, meter=meter)
-        with plain.applying():
+        with plain.router.using(plain.plan_runner):
             probe_step(plain, first, step_fn)  # warm-up: the first ops a process runs are slow
             start = time.perf_counter()
             for _ in range(3):

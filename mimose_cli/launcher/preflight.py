@@ -47,7 +47,7 @@ def _fmt(value) -> str:
 
 def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) -> BudgetRange:
     """Measure the step's peak on ``batch`` with every block checkpointed and with none, through
-    ``planner``'s router (its own runner and measurer set aside meanwhile), plus ``later_bytes``."""
+    ``planner``'s plan runner, plus ``later_bytes``."""
     peaks = []
     with planner.meter.unlimited():
         for plan in (tuple(range(planner.num_blocks)), ()):

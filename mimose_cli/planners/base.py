@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mimose_cli.files import write_text
-from mimose_cli.planners.blocks import BlockRouter, PlanRunner, RecomputeClock, discover_blocks, selectable
+from mimose_cli.planners.blocks import BlockRunner, PlanRunner, RecomputeClock, StepRouter, discover_blocks, selectable
 from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.recovery import run_recovering
 from mimose_cli.planners.session import MeterSession
@@ -147,13 +147,11 @@ class Planner:
         self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
         self.retries_total = 0
         self.plan_runner = PlanRunner(self.recompute_clock)
-        self.runner = self.plan_runner
-        """Runs the blocks of every step not measured."""
+        """Checkpoints the blocks of the plan in force (``runner_for``'s default)."""
         self.measurer = None
-        """Runs the blocks while it is ``active``: steps decided with ``measure=True``, and
-        a planner's own measuring passes."""
-        self._applying = 0  # steps (and probes) in progress: only they apply the plan
-        self._router = BlockRouter(self.blocks, self._route)
+        """The runner of measured steps (``Decision.measure``: Mimose's and the oracle's
+        collector), None where the planner measures nothing."""
+        self.router = StepRouter(self.blocks, owner=self)
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
         # training step never reads the cache (Hugging Face turns it off for checkpointing
         # too): off while the planner is attached, for every planner alike so that their
@@ -220,22 +218,11 @@ class Planner:
         again (probes, experiments)."""
         self.plan_runner.use(plan, selective)
 
-    def _route(self, index, forward, args, kwargs):
-        if self.measurer is not None and self.measurer.active:
-            return self.measurer.run(index, forward, args, kwargs)
-        if self._applying:
-            return self.runner.run(index, forward, args, kwargs)
-        return forward(*args, **kwargs)  # outside a step the model runs as it is: no plan, no cost
-
-    @contextlib.contextmanager
-    def applying(self):
-        """Apply the plan in force to the blocks called inside (a step does; so do the probes that
-        measure a plan outside one). Outside, blocks run unplanned."""
-        self._applying += 1
-        try:
-            yield
-        finally:
-            self._applying -= 1
+    def runner_for(self, info: StepInfo) -> BlockRunner:
+        """The runner of a step decided as ``info``: the measurer for a measured step, else the
+        plan runner (the plan's blocks checkpointed). A planner whose blocks run otherwise
+        returns its own (DTR: its evictions)."""
+        return self.measurer if info.measured else self.plan_runner
 
     @property
     def meter(self):
@@ -302,10 +289,10 @@ class Planner:
             self.last = info = self._decide(size, context)
             self.total_planning_ms += info.planning_ms
             self.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
-            runner = self.measurer if info.measured else self.runner
+            runner = self.runner_for(info)
             runner.begin(info, batch)
             try:
-                with self.applying():
+                with self.router.using(runner):
                     yield info
             except BaseException:
                 runner.abort()
@@ -377,7 +364,7 @@ class Planner:
     def close(self) -> None:
         """Restore the blocks' original forwards and the model's ``use_cache``, and forget what
         ``track`` was given. Closing again does nothing."""
-        self._router.remove()
+        self.router.remove()
         if self._use_cache:
             self._config.use_cache, self._use_cache = self._use_cache, None
         self.session.close()

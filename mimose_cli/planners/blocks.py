@@ -1,8 +1,9 @@
 """The applier: finding checkpointable blocks, and the one place that runs them differently.
 
-``BlockRouter`` replaces each block's ``forward``; every call goes to the step's ``BlockRunner``.
-``PlanRunner`` (every planner's default) checkpoints the blocks in the plan; a planner that
-measures (Mimose's collector, Sublinear's profiler) or evicts (DTR) supplies its own runner.
+``StepRouter`` (through ``BlockRouter``, which replaces each block's ``forward``) hands every call
+to the ``BlockRunner`` in force: ``PlanRunner`` (every planner's default) checkpoints the blocks
+in the plan; a planner that measures (Mimose's collector, Sublinear's profiler) or evicts (DTR)
+puts its own runner in force (``Planner.runner_for``, ``StepRouter.using``).
 """
 
 import contextlib
@@ -454,7 +455,7 @@ class BlockRunner:
 class PlanRunner(BlockRunner):
     """Checkpoints the blocks of the current plan (``use``), in training; runs the others as they
     are, and nothing under ``no_grad``. It runs only while the planner applies a plan (a step, a
-    probe: ``Planner.applying``); between steps the blocks run as they are. A ``clock`` times
+    probe: ``StepRouter.using``); between steps the blocks run as they are. A ``clock`` times
     recomputation in backward."""
 
     def __init__(self, clock: RecomputeClock | None = None):
@@ -486,11 +487,42 @@ class PlanRunner(BlockRunner):
         return run_block(self.choice(index), forward, args, kwargs, self.clock, self.offload_hooks)
 
 
+class StepRouter:
+    """Which runner runs the blocks: the one ``using`` put in force (a step's, a probe's; the
+    innermost where they nest), so that precedence is where the runner is put in force, not in a
+    rule here. Outside, every block runs as it is: no plan, no cost. It owns the one hook into the
+    model's blocks (``BlockRouter``). The blocks hold it, and it holds its ``owner`` (the planner):
+    a planner dropped without ``close()`` stays attached to the model while its hooks are in the
+    blocks, so another is refused (``usage.claim``) rather than stacked on them."""
+
+    def __init__(self, blocks: list, owner=None):
+        self.owner = owner
+        self._in_force: list = []
+        self._hooks = BlockRouter(blocks, self._route)
+
+    @contextlib.contextmanager
+    def using(self, runner: "BlockRunner"):
+        """Run the blocks called inside with ``runner``."""
+        self._in_force.append(runner)
+        try:
+            yield runner
+        finally:
+            self._in_force.pop()
+
+    def _route(self, index, forward, args, kwargs):
+        if self._in_force:
+            return self._in_force[-1].run(index, forward, args, kwargs)
+        return forward(*args, **kwargs)
+
+    def remove(self) -> None:
+        """Give the blocks their own forwards back."""
+        self._hooks.remove()
+
+
 class BlockRouter:
     """Replaces each block's ``forward`` with ``route(index, forward, args, kwargs)``.
 
-    The one hook point for every planner (``Planner._route`` hands each call to the step's
-    runner). ``remove()`` restores the original forwards.
+    The one hook point for every planner (``StepRouter`` hands each call to the runner in force). ``remove()`` restores the original forwards.
 
     In training, a Hugging Face layer gets the keyword arguments it would get under Hugging
     Face's own checkpointing (``training_kwargs``), whatever the runner: a block that appends to a

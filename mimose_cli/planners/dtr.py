@@ -118,14 +118,17 @@ class DTR(Planner):
 
     def __init__(self, model, budget=None, *, cost_fn=None, **kwargs):
         super().__init__(model, budget, **kwargs)
-        self.runner = Rematerializer(self, cost_fn)
+        self.rematerializer = Rematerializer(self, cost_fn)
 
     def decide(self, input_size, context=NO_CONTEXT):
         return Decision(())
 
+    def runner_for(self, info) -> "Rematerializer":
+        return self.rematerializer
+
     @property
     def stats(self) -> dict:
-        return {**super().stats, **self.runner.totals}
+        return {**super().stats, **self.rematerializer.totals}
 
 
 class Rematerializer(BlockRunner):

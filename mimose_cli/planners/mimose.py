@@ -467,7 +467,8 @@ class Mimose(Planner):
         try:
             self.measurer.lifetimes, self.measurer.twins = True, twins or {}
             self.measurer.begin(inputs=batch)
-            peak = probe_step(self, batch, step_fn)
+            with self.router.using(self.measurer):
+                peak = probe_step(self, batch, step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
             self.measurer.abort()
             raise _probe_failed("probe step", size, error) from error

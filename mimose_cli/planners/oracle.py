@@ -223,7 +223,8 @@ class Oracle(Planner):
         self.measurer.begin(inputs=batch)
         ran = False
         try:
-            ran = probe_step(self, batch) is not None
+            with self.router.using(self.measurer):
+                ran = probe_step(self, batch) is not None
         finally:
             sample = self.measurer.end() if ran else self.measurer.abort()  # abort keeps nothing
         if sample is not None and self.measurer.lifetimes:

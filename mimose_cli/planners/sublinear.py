@@ -154,7 +154,7 @@ class Sublinear(Planner):
 
     def __init__(self, model, budget=None, *, variant: Variant = "greedy", **kwargs):
         super().__init__(model, budget, **kwargs)
-        self.measurer = BlockProfiler(model, self.num_blocks)
+        self.profiler = BlockProfiler(model, self.num_blocks)
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r} is invalid; expected one of "
                              f"{' | '.join(VARIANTS)}")
@@ -178,8 +178,8 @@ class Sublinear(Planner):
     def _plan_at(self, make_batch, size: tuple) -> tuple:
         batch = to_model_device(self.model, make_batch(size))
         try:
-            with side_effect_free(self.model, batch), torch.enable_grad():
-                act_bytes, fwd_ms = self.measurer.measure(lambda: run_model(self.model, batch),
+            with side_effect_free(self.model, batch), torch.enable_grad(), self.router.using(self.profiler):
+                act_bytes, fwd_ms = self.profiler.measure(lambda: run_model(self.model, batch),
                                                           model_device(self.model))
         except torch.OutOfMemoryError:
             warnings.warn(f"sublinear: measuring one block at the largest input {size} ran out of "

@@ -77,19 +77,14 @@ def probe_step(planner, batch, step_fn=None):
 
 def probe_with_runner(planner, batch, runner, step_fn=None):
     """``probe_step`` (with ``step_fn``) with every block run by ``runner`` through the planner's
-    router, its own runner and measurer set aside meanwhile. Returns what ``runner.end`` returns,
-    or None when the step ran out of memory."""
-    saved = planner.runner, planner.measurer
-    planner.runner, planner.measurer = runner, None
+    router. Returns what ``runner.end`` returns, or None when the step ran out of memory."""
     runner.begin(None)
     try:
-        with planner.applying():
+        with planner.router.using(runner):
             peak = probe_step(planner, batch, step_fn)
     except BaseException:
         runner.abort()
         raise
-    finally:
-        planner.runner, planner.measurer = saved
     if peak is None:
         runner.abort()
         return None
@@ -98,15 +93,12 @@ def probe_with_runner(planner, batch, runner, step_fn=None):
 
 def probe_with_plan(planner, batch, plan, step_fn=None, selective=()):
     """``probe_step`` (with ``step_fn``) with ``plan`` checkpointed (``selective`` of it
-    selectively) through the planner's own
-    router (its runner and measurer set aside meanwhile); the plan in force, runner and measurer
-    are put back after. Returns what ``probe_step`` returns."""
-    saved = planner.runner, planner.measurer, planner.plan, planner.plan_runner.selective
-    planner.runner, planner.measurer = planner.plan_runner, None
+    selectively) by the planner's plan runner; the plan in force is put back after. Returns what
+    ``probe_step`` returns."""
+    saved = planner.plan, planner.plan_runner.selective
     planner.set_plan(plan, selective)
     try:
-        with planner.applying():
+        with planner.router.using(planner.plan_runner):
             return probe_step(planner, batch, step_fn)
     finally:
-        planner.runner, planner.measurer = saved[:2]
-        planner.set_plan(saved[2], saved[3])
+        planner.set_plan(*saved)

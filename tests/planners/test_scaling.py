@@ -74,7 +74,8 @@ def assert_estimate_is_measured(planner, make_batch, sizes, step_fn=None):
         planner.measurer.lifetimes = True  # for the selective bytes (``scaling.selective_extra``)
         try:
             planner.measurer.begin(inputs=batch)
-            probe_step(planner, batch, step_fn)
+            with planner.router.using(planner.measurer):
+                probe_step(planner, batch, step_fn)
             blocks, step, _ = raw_sample(planner.measurer.end(), planner.num_blocks)
         finally:
             planner.measurer.lifetimes = False
