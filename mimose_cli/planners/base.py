@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mimose_cli.files import write_text
+from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import BlockRunner, PlanRunner, RecomputeClock, StepRouter, discover_blocks, selectable
 from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.recovery import run_recovering
@@ -50,6 +51,9 @@ class Decision:
     selective: tuple = ()
     """Those of ``plan`` checkpointed selectively (``blocks.SELECTIVE``: their compute-heavy ops'
     outputs kept); the rest of ``plan`` are recomputed whole."""
+    offload: tuple = ()
+    """Blocks outside ``plan`` run as they are with what autograd saves inside them in host memory
+    until backward (``blocks.OFFLOAD``); the rest outside ``plan`` are kept."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class StepInfo:
     planning_ms: float = 0.0
     selective: tuple = ()
     """The blocks of ``plan`` checkpointed selectively (``Decision.selective``)."""
+    offload: tuple = ()
+    """The blocks outside ``plan`` offloaded (``Decision.offload``)."""
     phase: str = "responsive"
     cache_hit: bool | None = None
     predicted_peak_bytes: int | None = None
@@ -146,7 +152,7 @@ class Planner:
         self.recompute_clock = RecomputeClock()
         self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
         self.retries_total = 0
-        self.plan_runner = PlanRunner(self.recompute_clock)
+        self.plan_runner = PlanRunner(self.recompute_clock, self._offload_hooks)
         """Checkpoints the blocks of the plan in force (``runner_for``'s default)."""
         self.measurer = None
         """The runner of measured steps (``Decision.measure``: Mimose's and the oracle's
@@ -213,10 +219,16 @@ class Planner:
         """The plan in force (the last step's, or ``set_plan``'s)."""
         return self.plan_runner.plan
 
-    def set_plan(self, plan, selective=()) -> None:
-        """Checkpoint ``plan`` (``selective`` of it selectively) until the next step decides
-        again (probes, experiments)."""
-        self.plan_runner.use(plan, selective)
+    def set_plan(self, plan, selective=(), offload=()) -> None:
+        """Checkpoint ``plan`` (``selective`` of it selectively) and offload ``offload`` until the
+        next step decides again (probes, experiments)."""
+        self.plan_runner.use(plan, selective, offload)
+
+    def _offload_hooks(self) -> OffloadHooks:
+        """The saved-tensor hooks of one offloaded block's call: the weights' and buffers' storages
+        stay on the device (read at each call: cheap beside the copies, and right after
+        ``model.to``)."""
+        return OffloadHooks(resident_storages(self.model), self.meter)
 
     def runner_for(self, info: StepInfo) -> BlockRunner:
         """The runner of a step decided as ``info``: the measurer for a measured step, else the
@@ -250,7 +262,8 @@ class Planner:
         planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
         plan = tuple(sorted(decision.plan))
         return StepInfo(step=self.steps, input_size=size, plan=plan,
-                        selective=tuple(sorted(set(decision.selective) & set(plan))), planning_ms=planning_ms,
+                        selective=tuple(sorted(set(decision.selective) & set(plan))),
+                        offload=tuple(sorted(set(decision.offload) - set(plan))), planning_ms=planning_ms,
                         phase=decision.phase, cache_hit=decision.cache_hit,
                         predicted_peak_bytes=decision.predicted_peak_bytes,
                         measured=decision.measure and self.measurer is not None,

@@ -402,7 +402,8 @@ def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None,
 
 def run_block(choice: str, forward, args, kwargs, clock: RecomputeClock | None = None, offload_hooks=None):
     """The one place a block is run as a plan chose (``CHOICES``), in training; an ``OFFLOAD``
-    block runs under ``offload_hooks()`` (``PlanRunner.offload_hooks``)."""
+    block runs under ``offload_hooks()`` (``PlanRunner.offload_hooks``). A choice is one of
+    ``CHOICES`` whatever the planner, and each is applied here alone."""
     if choice == KEEP or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     if choice == OFFLOAD:
@@ -458,30 +459,36 @@ class PlanRunner(BlockRunner):
     probe: ``StepRouter.using``); between steps the blocks run as they are. A ``clock`` times
     recomputation in backward."""
 
-    def __init__(self, clock: RecomputeClock | None = None):
+    def __init__(self, clock: RecomputeClock | None = None, offload_hooks=None):
         self.clock = clock
         self.plan: tuple = ()
         self._plan_set: frozenset = frozenset()
         self.selective: frozenset = frozenset()
         """Blocks of the plan checkpointed selectively (``SELECTIVE``) rather than recomputed whole."""
-        self.offload_hooks = None
-        """Makes the ``memory.offload.OffloadHooks`` for one call of a block the plan leaves out,
-        which is then offloaded (``OFFLOAD``) rather than kept; None: kept (planner ``offload``)."""
+        self.offload: frozenset = frozenset()
+        """Blocks outside the plan offloaded (``OFFLOAD``) rather than kept."""
+        self.offload_hooks = offload_hooks
+        """Makes the ``memory.offload.OffloadHooks`` for one call of an offloaded block."""
 
-    def use(self, plan, selective=()) -> None:
+    def use(self, plan, selective=(), offload=()) -> None:
         self.plan = tuple(sorted(plan))
         self._plan_set = frozenset(self.plan)
         self.selective = frozenset(selective)
+        self.offload = frozenset(offload) - self._plan_set
 
     def choice(self, index: int) -> str:
         """What the plan in force does with block ``index`` (``CHOICES``)."""
         if index not in self._plan_set:
-            return KEEP if self.offload_hooks is None else OFFLOAD
+            return OFFLOAD if index in self.offload else KEEP
         return SELECTIVE if index in self.selective else RECOMPUTE
+
+    def choices(self, num_blocks: int) -> tuple:
+        """The plan in force as one choice per block."""
+        return tuple(self.choice(i) for i in range(num_blocks))
 
     def begin(self, info, inputs=None) -> None:
         super().begin(info)
-        self.use(info.plan, getattr(info, "selective", ()))
+        self.use(info.plan, info.selective, info.offload)
 
     def run(self, index, forward, args, kwargs):
         return run_block(self.choice(index), forward, args, kwargs, self.clock, self.offload_hooks)

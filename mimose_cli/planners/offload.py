@@ -4,7 +4,6 @@ host memory until backward (``blocks.OFFLOAD``). Off unless named: the copies' t
 
 import torch
 
-from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner
 
 
@@ -23,13 +22,6 @@ class FullOffload(Planner):
             raise ValueError(f"planner offload moves saved tensors between a CUDA device and host memory (simulated "
                              f"on the CPU), but the model is on {device.type}; choose another planner")
         super().__init__(model, budget, **kwargs)
-        self._resident = resident_storages(model)
-        self.plan_runner.offload_hooks = self._hooks
-
-    def _hooks(self) -> OffloadHooks:
-        return OffloadHooks(self._resident, self.meter)
 
     def decide(self, input_size, context=NO_CONTEXT):
-        # Read once a step: the parameters may have moved since the last (``model.to``).
-        self._resident = resident_storages(self.model)
-        return Decision(())
+        return Decision((), offload=tuple(range(self.num_blocks)))

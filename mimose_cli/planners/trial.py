@@ -91,12 +91,13 @@ def probe_with_runner(planner, batch, runner, step_fn=None):
     return runner.end(None)
 
 
-def probe_with_plan(planner, batch, plan, step_fn=None, selective=()):
+def probe_with_plan(planner, batch, plan, step_fn=None, selective=(), offload=()):
     """``probe_step`` (with ``step_fn``) with ``plan`` checkpointed (``selective`` of it
-    selectively) by the planner's plan runner; the plan in force is put back after. Returns what
-    ``probe_step`` returns."""
-    saved = planner.plan, planner.plan_runner.selective
-    planner.set_plan(plan, selective)
+    selectively) and ``offload`` offloaded by the planner's plan runner; the plan in force is put
+    back after. Returns what ``probe_step`` returns."""
+    runner = planner.plan_runner
+    saved = runner.plan, runner.selective, runner.offload
+    planner.set_plan(plan, selective, offload)
     try:
         with planner.router.using(planner.plan_runner):
             return probe_step(planner, batch, step_fn)

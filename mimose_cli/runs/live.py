@@ -57,8 +57,9 @@ def _shape(record: StepRecord) -> str:
 
 
 def _blocks(record: StepRecord) -> str:
-    selective = f" ({len(record.selective)} sel)" if record.selective else ""
-    return f"{len(record.plan)}/{'?' if record.num_blocks is None else record.num_blocks}{selective}"
+    parts = [f"{len(blocks)} {label}" for blocks, label in ((record.selective, "sel"), (record.offload, "off")) if blocks]
+    extra = f" ({', '.join(parts)})" if parts else ""
+    return f"{len(record.plan)}/{'?' if record.num_blocks is None else record.num_blocks}{extra}"
 
 
 def _peak(record: StepRecord, budget_bytes) -> str:

@@ -65,7 +65,10 @@ class StepRecord:
     """Indices of the blocks checkpointed (DTR: evicted)."""
     selective: list = field(default_factory=list)
     """Those of ``plan`` checkpointed selectively (their compute-heavy ops' outputs kept); the
-    others of ``plan`` were recomputed whole, the blocks not in ``plan`` kept."""
+    others of ``plan`` were recomputed whole, the blocks not in ``plan`` kept or offloaded."""
+    offload: list = field(default_factory=list)
+    """Blocks outside ``plan`` offloaded: run as they are, what they save held in host memory
+    until backward."""
     num_blocks: int | None = None
     """Blocks the planner chooses from."""
     planner_ms: float | None = None
@@ -184,7 +187,8 @@ def completed_step(info, *, step: int, micro_step: int, input_shape, num_blocks:
         step=step, micro_step=micro_step, input_shape=list(input_shape), input_size=list(info.input_size),
         loss=loss, lr=lr, iter_ms=iter_ms, peak_bytes=peak_bytes, fwd_bwd_peak_bytes=fwd_bwd_peak_bytes,
         start_bytes=start_bytes, activation_bytes=activation_bytes, plan=list(info.plan),
-        selective=list(getattr(info, "selective", ())), num_blocks=num_blocks, planner_ms=info.planning_ms,
+        selective=list(getattr(info, "selective", ())), offload=list(getattr(info, "offload", ())),
+        num_blocks=num_blocks, planner_ms=info.planning_ms,
         phase=info.phase, cache_hit=info.cache_hit,
         predicted_peak_bytes=info.predicted_peak_bytes, retries=info.retries, excluded_ms=info.excluded_ms,
         recompute_ms=info.recompute_ms, reserved_peak_bytes=reserved_peak_bytes)
@@ -200,6 +204,7 @@ def oom_step(info, error: Exception, *, step: int, micro_step: int, input_shape,
         step=step, micro_step=micro_step, input_shape=list(input_shape),
         input_size=list(info.input_size) if info else None, peak_bytes=peak_bytes,
         plan=list(info.plan) if info else [], selective=list(getattr(info, "selective", ())) if info else [],
+        offload=list(getattr(info, "offload", ())) if info else [],
         num_blocks=num_blocks, phase=info.phase if info else None, cache_hit=info.cache_hit if info else None,
         predicted_peak_bytes=getattr(error, "predicted_bytes", info.predicted_peak_bytes if info else None),
         reached_bytes=getattr(error, "reached_bytes", None),

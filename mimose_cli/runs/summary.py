@@ -52,6 +52,7 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
         "over_budget_steps": sum(1 for p in peaks if budget_bytes and p > budget_bytes),
         "mean_checkpointed_blocks": _mean([len(r.plan) for r in done]),
         "mean_selective_blocks": _mean([len(r.selective) for r in done]),
+        "mean_offloaded_blocks": _mean([len(r.offload) for r in done]),
         "num_blocks": records[0].num_blocks if records else None,
         "planning_ms_total": sum(r.planner_ms or 0.0 for r in done),
         "recompute_ms_total": _sum_known(r.recompute_ms for r in done),

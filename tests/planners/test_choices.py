@@ -218,7 +218,7 @@ def test_the_heat_map_shows_selective_blocks_and_records_keep_them():
                StepRecord(step=1, plan=[], num_blocks=3)]
     figure = plan_figure(records)
     image = figure.axes[0].images[0].get_array()
-    assert image[0, 0] == 2.0 and image[1, 0] == 1.0 and image[2, 0] == 0.0
+    assert image[0, 0] == 3.0 and image[1, 0] == 2.0 and image[2, 0] == 0.0
     labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
     assert "checkpointed selectively" in labels
 
