@@ -4,9 +4,11 @@ every layer run, and with every block measured, interleaved in one process.
 For the 60-step GPT-2 of ``short_run.py`` (6 layers) and the 12-layer tiny BERT of
 ``mimose_speed.py --presets swag``: the model from its config on the simulated device, one thread;
 ``Mimose.prepare`` (the two probe steps, their scaling and the fit) is timed ``--repeats`` times
-in each mode, the modes rotating, after one warm-up each. Modes: ``left out`` (the default: the
-layers between a stack's third and its last are not run, the third stands for them; blocks alike
-in parameters take their plain run from the first of them, docs/MIMOSE.md), ``every layer``
+in each mode, the modes rotating, after one warm-up each. Modes: ``left out`` (the default: a
+group of blocks alike takes its plain run from its first block, the next one stands for the layers
+between it and the group's last, which are not run; docs/MIMOSE.md), ``second leads`` (as before:
+the group's second block measured and standing for the rest, the third for the layers left out),
+``every layer``
 (``stack_runs`` switched off: every layer runs, blocks alike still measured once) and ``every
 block`` (``twin_blocks`` switched off too: every block gets its measuring run).
 Also one ordinary training step of the recipe's mean batch shape, for scale. Prints min and
@@ -33,15 +35,17 @@ from mimose_cli.planners.trial import loss_of, run_model
 
 from _results import write_results
 
-MODES = ("left out", "every layer", "every block")
+MODES = ("left out", "second leads", "every layer", "every block")
 
 
 def _prepare_ms(model, make, max_size, meter, mode: str) -> tuple:
     real = mimose_module.twin_blocks, mimose_module.stack_runs
-    if mode != "left out":
+    if mode == "second leads":  # as before a group's first block stood for the rest
+        mimose_module.twin_blocks = lambda blocks, first_leads=True: real[0](blocks, first_leads=False)
+    if mode in ("every layer", "every block"):
         mimose_module.stack_runs = lambda blocks, twins: ([], "switched off")
     if mode == "every block":
-        mimose_module.twin_blocks = lambda blocks: {}
+        mimose_module.twin_blocks = lambda blocks, first_leads=True: {}
     try:
         planner = Mimose(model, "100GB", meter=meter)
         start = time.perf_counter()
@@ -65,7 +69,7 @@ def measure(name: str, recipe, max_size: tuple, step_size: tuple, repeats: int) 
     with meter.activate():
         meter.track(model)
         for round_ in range(repeats + 1):
-            for mode in MODES[round_ % 3:] + MODES[:round_ % 3]:
+            for mode in MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]:
                 ms, steps, twins, skipped = _prepare_ms(model, make, max_size, meter, mode)
                 counts[mode] = {"probe_steps": steps, "probe_twins": twins, "probe_skipped": skipped}
                 if round_:  # the first round warms up
@@ -81,6 +85,7 @@ def measure(name: str, recipe, max_size: tuple, step_size: tuple, repeats: int) 
     return {"model": name, "max_size": list(max_size), "step_size": list(step_size),
             "step_ms": statistics.median(step_ms[1:]),
             "modes": {mode: {"min_ms": min(times[mode]), "median_ms": medians[mode], **counts[mode]} for mode in MODES},
+            "left_out_over_second_leads": medians["left out"] / medians["second leads"],
             "left_out_over_every_layer": medians["left out"] / medians["every layer"],
             "left_out_over_every_block": medians["left out"] / medians["every block"]}
 
@@ -101,7 +106,8 @@ def main():
             print(f"{row['model']:18} {mode:12} {m['probe_steps']:5} {m['probe_twins']:5} {m['probe_skipped']:8} "
                   f"{m['min_ms']:7.0f} "
                   f"{m['median_ms']:9.0f} {m['median_ms'] / row['step_ms']:8.2f}")
-        print(f"{row['model']:18} left out / every layer: {row['left_out_over_every_layer']:.3f}, "
+        print(f"{row['model']:18} left out / second leads: {row['left_out_over_second_leads']:.3f}, "
+              f"/ every layer: {row['left_out_over_every_layer']:.3f}, "
               f"/ every block: {row['left_out_over_every_block']:.3f} "
               f"(one step of {tuple(row['step_size'])}: {row['step_ms']:.0f} ms)")
     write_results("probe_cost", rows, repeats=args.repeats, threads=torch.get_num_threads())

@@ -1,25 +1,23 @@
-"""The one planner contract every strategy (Mimose and the baselines) implements.
+"""The planner: a policy (``planners.policy``: ``decide``, ``observe``) carried out by its parts.
 
-A planner is a policy: ``decide(input_size, context) -> Decision`` says which blocks to checkpoint
-for a batch of that size, from what the planner knows and what ``context`` (a ``StepContext``: the
-batch, the attempt, how ``run`` runs a batch) says of the step. ``Planner.step`` (never overridden) asks it,
-hands the plan to the step's block runner (``blocks.PlanRunner`` unless the planner brings its
-own: a collector while measuring, DTR's evictions), and afterwards tells the planner what
-happened: ``observe(info, peak_bytes, sample)``. Optional: ``prepare`` (before training: static
-plans), ``recover``/``predict_peak``/``size_key`` (out-of-memory retries, ``Planner.run``),
-``stats`` and ``state_dict``. docs/DESIGN.md has a whole planner in 30 lines.
+``Planner`` composes the policy with the block router (``blocks.StepRouter``: the runner in force
+runs the blocks), the meter session (``planners.session``: which meter a step counts on, what
+``track`` was given) and recovery (``planners.recovery.run_recovering``: ``run``'s attempts).
+``Planner.step`` (never overridden) counts what exists, asks the policy, puts the step's runner in
+force (``runner_for``), yields, ends the runner and tells the policy what happened. Persistence:
+``stats``, ``state_dict``, ``save``/``load``. docs/DESIGN.md has a whole planner in 30 lines.
 """
 
 import contextlib
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from mimose_cli.files import write_text
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import BlockRunner, PlanRunner, RecomputeClock, StepRouter, discover_blocks, selectable
 from mimose_cli.planners.inputs import infer_input_size
+from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
 from mimose_cli.planners.recovery import run_recovering
 from mimose_cli.planners.session import MeterSession
 from mimose_cli.planners.usage import EnteredOnce, check_supported, claim, release, warn_if_eager
@@ -31,77 +29,7 @@ from mimose_cli.units import parse_size
 CUDA_SAFETY_FRACTION = 0.05
 
 
-@dataclass
-class Decision:
-    """What a policy decides for one input size."""
-
-    plan: tuple
-    """Indices of the blocks to checkpoint (the others are kept)."""
-    phase: str = "responsive"
-    """A label for reports (Mimose: sheltered, measuring, responsive, untrusted, recovery)."""
-    cache_hit: bool | None = None
-    """Whether the plan came from a cache (None: the planner has none)."""
-    predicted_peak_bytes: int | None = None
-    """The step peak the planner expects with this plan (None: it cannot say)."""
-    measure: bool = False
-    """Run this step through the planner's ``measurer`` (its runner while measuring) and hand
-    what it measured to ``observe``."""
-    excluded_ms: float = 0.0
-    """Time deciding took that is not the step's (the oracle's measurements)."""
-    selective: tuple = ()
-    """Those of ``plan`` checkpointed selectively (``blocks.SELECTIVE``: their compute-heavy ops'
-    outputs kept); the rest of ``plan`` are recomputed whole."""
-    offload: tuple = ()
-    """Blocks outside ``plan`` run as they are with what autograd saves inside them in host memory
-    until backward (``blocks.OFFLOAD``); the rest outside ``plan`` are kept."""
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """What a policy's ``decide`` may know of the step it decides for, besides its input size."""
-
-    batch: object = None
-    """The step's batch (None when only a size was given: ``step(input_size=...)``)."""
-    attempt: int = 0
-    """Attempts of this step that ran out of memory before this one (``Planner.run``)."""
-    step_fn: object = None
-    """How ``run`` runs a batch's forward and backward (its autocast, loss scaling); None in ``step``."""
-
-
-NO_CONTEXT = StepContext()
-"""The context of a decision asked for outside a step (a size alone)."""
-
-
-@dataclass
-class StepInfo:
-    """One step as the planner ran it: its ``Decision``, and what the step reported back."""
-
-    step: int
-    input_size: tuple
-    plan: tuple
-    planning_ms: float = 0.0
-    selective: tuple = ()
-    """The blocks of ``plan`` checkpointed selectively (``Decision.selective``)."""
-    offload: tuple = ()
-    """The blocks outside ``plan`` offloaded (``Decision.offload``)."""
-    phase: str = "responsive"
-    cache_hit: bool | None = None
-    predicted_peak_bytes: int | None = None
-    measured: bool = False
-    excluded_ms: float = 0.0
-    retries: int = 0
-    """Attempts of this step that ran out of memory before this one (``Planner.run``)."""
-    recompute_ms: float | None = None
-    """Time recomputing blocks in backward (None: not measured)."""
-    evictions: int | None = None
-    """Blocks evicted (DTR; None for planners that do not evict)."""
-    recomputations: int | None = None
-    """Evicted blocks recomputed (DTR)."""
-    step_ms: float = 0.0
-    """Wall time inside ``planner.step``, planning included."""
-
-
-class Planner:
+class Planner(Policy):
     """Decides, per batch, which blocks to checkpoint (``decide``) and applies it. Usage::
 
         with Mimose(model, budget="6GB") as planner:   # close() on leaving, also on an error
@@ -113,20 +41,6 @@ class Planner:
 
     or ``planner.run(step_fn, batch)``, which also recovers from running out of memory.
     """
-
-    name = "base"
-    adapts = True
-    """Whether out-of-memory recovery may change this planner's plan (``none`` and ``full`` are
-    fixed by definition: ``none`` running out of memory is its answer, ``full`` has no more to give)."""
-    max_retries = 2
-    oom_fix: tuple = ()
-    """What to suggest when a step runs out of memory for good, if not the default (raise the
-    budget, shorter batches): never what the planner does already."""
-    builds_meter = False
-    """Without a ``meter``, build one (Mimose measures every step), on only inside ``step`` and
-    ``run``: code between the steps runs as if there were no planner."""
-    state_file: str | None = None
-    """The file in a run directory ``save`` writes, for planners whose state is worth keeping."""
 
     def __init__(self, model, budget=None, *, blocks=None, safety_margin="auto", meter=None):
         self.model = model
@@ -169,29 +83,6 @@ class Planner:
         self._use_cache = getattr(self._config, "use_cache", None)
         if self._use_cache:
             self._config.use_cache = False
-
-    # -- the policy: what subclasses implement --------------------------------------------------
-
-    def decide(self, input_size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
-        """The plan for a batch of ``input_size``; ``context`` is the step's batch and attempt."""
-        raise NotImplementedError
-
-    def observe(self, info: StepInfo, peak_bytes: int | None, sample) -> None:
-        """After each step: its ``StepInfo``, the measured peak (None without a meter) and what the
-        measurer measured (None unless the step was decided with ``measure=True``)."""
-
-    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
-        """Called once before training by the loop. ``make_batch(input_size)`` returns a
-        training batch of that size on the device; ``max_input_size`` is the largest size the
-        recipe allows; ``reserve_bytes`` is memory that is not allocated yet but will be for the
-        whole run from the first optimizer step on (the optimizer's state), which a plan made now
-        must leave room for; ``step_fn(batch)``, when given, runs a batch's forward and backward
-        as training does (autocast, loss scaling: what ``run`` is given). Static planners
-        (sublinear) plan here, Mimose takes its probe steps; the default does nothing."""
-
-    def prepared_note(self) -> str | None:
-        """One line on what ``prepare`` did, for the run's log (None: nothing worth a line)."""
-        return None
 
     # -- budget ---------------------------------------------------------------------------------
 
@@ -329,14 +220,6 @@ class Planner:
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, self.encoder_decoder)
         with self.session.counting(batch):  # around the attempts: the guard's snapshots are counted too
             return run_recovering(self, step_fn, batch, size)
-
-    def predict_peak(self, size: tuple, plan: tuple) -> int | None:
-        """The step peak this planner predicts for ``plan`` at ``size`` (None: it cannot say)."""
-        return None
-
-    def size_key(self, size: tuple) -> tuple:
-        """The key recovery remembers a size by (Mimose: its plan-cache key)."""
-        return tuple(size)
 
     def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> None:
         """Make the next attempt of a step that ran out of memory ``failures`` times (the last

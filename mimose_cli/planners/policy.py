@@ -1,0 +1,129 @@
+"""The policy contract: what a planner decides, and what it is told.
+
+A planner is a policy (``Policy``): ``decide(input_size, context) -> Decision`` says what to do with
+each block for a batch of that size, from what the planner knows and what ``context`` (a
+``StepContext``: the batch, the attempt, how ``run`` runs a batch) says of the step; after the step
+``observe(info, peak_bytes, sample)`` tells it what happened. Optional: ``prepare`` (before
+training: static plans, probes), ``predict_peak``/``size_key`` (what out-of-memory recovery asks).
+``planners.base.Planner`` carries a policy out: the router, the meter session, recovery,
+persistence. docs/DESIGN.md has a whole planner in 30 lines.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Decision:
+    """What a policy decides for one input size."""
+
+    plan: tuple
+    """Indices of the blocks to checkpoint (the others are kept, or offloaded: ``offload``)."""
+    phase: str = "responsive"
+    """A label for reports (Mimose: sheltered, measuring, responsive, untrusted, recovery)."""
+    cache_hit: bool | None = None
+    """Whether the plan came from a cache (None: the planner has none)."""
+    predicted_peak_bytes: int | None = None
+    """The step peak the planner expects with this plan (None: it cannot say)."""
+    measure: bool = False
+    """Run this step through the planner's ``measurer`` (its runner while measuring) and hand
+    what it measured to ``observe``."""
+    excluded_ms: float = 0.0
+    """Time deciding took that is not the step's (the oracle's measurements)."""
+    selective: tuple = ()
+    """Those of ``plan`` checkpointed selectively (``blocks.SELECTIVE``: their compute-heavy ops'
+    outputs kept); the rest of ``plan`` are recomputed whole."""
+    offload: tuple = ()
+    """Blocks outside ``plan`` run as they are with what autograd saves inside them in host memory
+    until backward (``blocks.OFFLOAD``); the rest outside ``plan`` are kept."""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a policy's ``decide`` may know of the step it decides for, besides its input size."""
+
+    batch: object = None
+    """The step's batch (None when only a size was given: ``step(input_size=...)``)."""
+    attempt: int = 0
+    """Attempts of this step that ran out of memory before this one (``Planner.run``)."""
+    step_fn: object = None
+    """How ``run`` runs a batch's forward and backward (its autocast, loss scaling); None in ``step``."""
+
+
+NO_CONTEXT = StepContext()
+"""The context of a decision asked for outside a step (a size alone)."""
+
+
+@dataclass
+class StepInfo:
+    """One step as the planner ran it: its ``Decision``, and what the step reported back."""
+
+    step: int
+    input_size: tuple
+    plan: tuple
+    planning_ms: float = 0.0
+    selective: tuple = ()
+    """The blocks of ``plan`` checkpointed selectively (``Decision.selective``)."""
+    offload: tuple = ()
+    """The blocks outside ``plan`` offloaded (``Decision.offload``)."""
+    phase: str = "responsive"
+    cache_hit: bool | None = None
+    predicted_peak_bytes: int | None = None
+    measured: bool = False
+    excluded_ms: float = 0.0
+    retries: int = 0
+    """Attempts of this step that ran out of memory before this one (``Planner.run``)."""
+    recompute_ms: float | None = None
+    """Time recomputing blocks in backward (None: not measured)."""
+    evictions: int | None = None
+    """Blocks evicted (DTR; None for planners that do not evict)."""
+    recomputations: int | None = None
+    """Evicted blocks recomputed (DTR)."""
+    step_ms: float = 0.0
+    """Wall time inside ``planner.step``, planning included."""
+
+
+class Policy:
+    """The methods a planner writes (``decide``, the rest optional) and the facts it states."""
+
+    name = "base"
+    adapts = True
+    """Whether out-of-memory recovery may change this planner's plan (``none`` and ``full`` are
+    fixed by definition: ``none`` running out of memory is its answer, ``full`` has no more to give)."""
+    max_retries = 2
+    oom_fix: tuple = ()
+    """What to suggest when a step runs out of memory for good, if not the default (raise the
+    budget, shorter batches): never what the planner does already."""
+    builds_meter = False
+    """Without a ``meter``, build one (Mimose measures every step), on only inside ``step`` and
+    ``run``: code between the steps runs as if there were no planner."""
+    state_file: str | None = None
+    """The file in a run directory ``save`` writes, for planners whose state is worth keeping."""
+
+    def decide(self, input_size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
+        """The plan for a batch of ``input_size``; ``context`` is the step's batch and attempt."""
+        raise NotImplementedError
+
+    def observe(self, info: StepInfo, peak_bytes: int | None, sample) -> None:
+        """After each step: its ``StepInfo``, the measured peak (None without a meter) and what the
+        measurer measured (None unless the step was decided with ``measure=True``)."""
+
+    def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
+        """Called once before training by the loop. ``make_batch(input_size)`` returns a
+        training batch of that size on the device; ``max_input_size`` is the largest size the
+        recipe allows; ``reserve_bytes`` is memory that is not allocated yet but will be for the
+        whole run from the first optimizer step on (the optimizer's state), which a plan made now
+        must leave room for; ``step_fn(batch)``, when given, runs a batch's forward and backward
+        as training does (autocast, loss scaling: what ``run`` is given). Static planners
+        (sublinear) plan here, Mimose takes its probe steps; the default does nothing."""
+
+    def prepared_note(self) -> str | None:
+        """One line on what ``prepare`` did, for the run's log (None: nothing worth a line)."""
+        return None
+
+    def predict_peak(self, size: tuple, plan: tuple) -> int | None:
+        """The step peak this planner predicts for ``plan`` at ``size`` (None: it cannot say)."""
+        return None
+
+    def size_key(self, size: tuple) -> tuple:
+        """The key recovery remembers a size by (Mimose: its plan-cache key)."""
+        return tuple(size)
