@@ -53,9 +53,10 @@ def step(model, planner, meter, batch, plan=None):
         if plan is None:
             with planner.step(batch):
                 model(**batch).loss.backward()
-        else:
+        else:  # the plan applied as a probe applies it (outside a step blocks run as they are)
             planner.set_plan(plan)
-            model(**batch).loss.backward()
+            with planner.router.using(planner.plan_runner):
+                model(**batch).loss.backward()
     return base, mem.peak_bytes
 
 

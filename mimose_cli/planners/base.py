@@ -298,6 +298,7 @@ class FullCheckpointing(Planner):
         if selective:
             held = next((name for (name, _), ok in zip(self.blocks, selectable(self.blocks)) if not ok), None)
             if held is not None:
+                self.close()  # the model is not left claimed by a planner that was never made
                 raise ValueError(f"planner.full.selective cannot checkpoint block {held} selectively: it holds buffers "
                                  "(BatchNorm statistics) that its recompute puts back, which torch's selective "
                                  "checkpointing refuses; set planner.full.selective: false")

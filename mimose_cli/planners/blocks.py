@@ -514,7 +514,8 @@ class StepRouter:
         try:
             yield runner
         finally:
-            self._in_force.pop()
+            popped = self._in_force.pop()
+            assert popped is runner, "runners put in force must leave in the reverse order"
 
     def _route(self, index, forward, args, kwargs):
         if self._in_force:

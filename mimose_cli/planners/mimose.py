@@ -162,6 +162,12 @@ def _layers(runs: list) -> str:
     return "layers " + " and ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for _, run in runs)
 
 
+def _first_twin(mismatch, twins: dict) -> bool:
+    """Whether ``mismatch`` (``scaling.Mismatch`` or None) is of the first block taken for its
+    group's leader: then the leader, not the twin, may be the one that runs otherwise."""
+    return mismatch is not None and mismatch.block == min(i for i, t in twins.items() if t == mismatch.twin)
+
+
 def _probe_failed(what: str, size: tuple, error: Exception) -> ScalingError:
     """A probe step that raised, in one line (the planner then learns from measured steps)."""
     first = str(error).splitlines()[0] if str(error) else ""
@@ -199,6 +205,7 @@ class Mimose(Planner):
         """What recomputing each block costs per choice (``choices="selective"``, from the probes)."""
         self._probed = estimate != "probes"  # the probes run once, before the first step
         self._loaded = False  # the estimator came from a saved state (no probes in this process)
+        self._mismatch = None  # the probes' last ``scaling.Mismatch`` of blocks alike (``_probes_at``)
         self.sheltered_steps = sheltered_steps
         self.granularity = granularity
         self.bucket = bucket
@@ -310,22 +317,38 @@ class Mimose(Planner):
     def _probes_at(self, sizes: list, max_size: tuple, make_batch, step_fn) -> list:
         """The plain probe step and the two measured ones at ``sizes``, scaled (``_probe_samples``)."""
         # A block like an earlier one (a layer of a stack) skips its measuring run, and the
-        # layers of a long stack between its third and its last are left out of the probes (the
-        # third stands for them): the probes cost about as much at any depth. Should the left-out
-        # layers not be describable, every layer runs; should layers alike not run alike, every
-        # block is measured.
-        twins, runs = self._probe_layout(make_batch, sizes[0], step_fn)
-        if runs:
-            try:
-                return self._left_out_probes(sizes, max_size, make_batch, step_fn, twins, runs)
-            except ValueError as err:  # a ScalingError, or a list the layers cannot be taken out of
-                self.counts.probe_skips_refused = f"with {_layers(runs)} left out, {err}"
-        for twins in ({},) if self.counts.probe_twins_refused else (twins, {}):
-            raws = self._probe_pair(make_batch, sizes, step_fn, twins)
-            refused = next(filter(None, map(twin_difference, raws)), None) if twins else None
-            if refused is None:
+        # layers of a long stack between the template and its last are left out of the probes
+        # (the template stands for them): the probes cost about as much at any depth. Should the
+        # left-out layers not be describable, every layer runs; should a group's first block not
+        # run as the others, its second stands for them; should layers alike still not run
+        # alike, every block is measured.
+        for first_leads in (True, False):
+            twins, runs = self._probe_layout(make_batch, sizes[0], step_fn, first_leads)
+            if runs:
+                try:
+                    return self._left_out_probes(sizes, max_size, make_batch, step_fn, twins, runs)
+                except ValueError as err:  # a ScalingError, or a list the layers cannot be taken out of
+                    self.counts.probe_skips_refused = f"with {_layers(runs)} left out, {err}"
+            if twins and not self.counts.probe_twins_refused:
+                raws = self._probe_pair(make_batch, sizes, step_fn, twins)
+                mismatch = next(filter(None, map(twin_difference, raws)), None)
+                if mismatch is None:
+                    return self._pair_samples(raws, sizes, max_size, twins)
+                self._refuse_twins(mismatch)
+            if not (first_leads and _first_twin(self._mismatch, twins)) or self.counts.probe_first_refused:
                 break
-            self.counts.probe_twins_refused = refused
+            # The group's first twin ran otherwise than the block standing for the group: that
+            # block may be the odd one (a stack's first layer), so the second stands for them.
+            self.counts.probe_first_refused = f"blocks alike ran otherwise ({self.counts.probe_twins_refused})"
+            self.counts.probe_twins_refused, self._mismatch = "", None
+        return self._pair_samples(self._probe_pair(make_batch, sizes, step_fn, {}), sizes, max_size, {})
+
+    def _refuse_twins(self, mismatch) -> None:
+        """Blocks alike did not run alike (``scaling.Mismatch``): say why, and keep which."""
+        self.counts.probe_twins_refused, self._mismatch = mismatch.why, mismatch
+
+    def _pair_samples(self, raws: list, sizes: list, max_size: tuple, twins: dict) -> list:
+        """The two measured probe steps (every layer run), scaled to samples at every size."""
         self.counts.probe_twins = len(raws[0].twins)
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.num_blocks)
         self._time_choices(raws, sizes, twins, [])
@@ -339,10 +362,10 @@ class Mimose(Planner):
         not). Raises ValueError where they cannot stand for every layer."""
         with left_out(self.model, self.blocks, _skipped(runs)):
             raws = self._probe_pair(make_batch, sizes, step_fn, twins)
-        refused = next(filter(None, map(twin_difference, raws)), None) or run_difference(raws[0], runs, twins)
-        if refused is not None:  # nor would they with every layer run: every block is measured
-            self.counts.probe_twins_refused = refused
-            raise ScalingError(f"blocks alike ran otherwise ({refused})")
+        mismatch = next(filter(None, map(twin_difference, raws)), None) or run_difference(raws[0], runs, twins)
+        if mismatch is not None:  # nor would they with every layer run
+            self._refuse_twins(mismatch)
+            raise ScalingError(f"blocks alike ran otherwise ({mismatch.why})")
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.num_blocks, runs)
         deeper = deeper_by_one(runs)
         with left_out(self.model, self.blocks, _skipped(deeper)):
@@ -378,23 +401,24 @@ class Mimose(Planner):
             self.counts.probe_steps += 1
         return raws
 
-    def _probe_layout(self, make_batch, size: tuple, step_fn) -> tuple:
+    def _probe_layout(self, make_batch, size: tuple, step_fn, first_leads: bool = True) -> tuple:
         """``(twins, runs)``: the blocks the probes take as an earlier block alike (``twin_blocks``)
         and the layers they leave out (``stack_runs``), after the plain probe step
-        (``_probe_releases``). A group's first block stands for the others, unless the plain
-        probe step saw its inputs need gradients otherwise than the next one's (frozen
-        embeddings): then its second does, and the plain probe step runs again without the
-        layers that leaves out."""
+        (``_probe_releases``). With ``first_leads`` a group's first block stands for the others,
+        unless the plain probe step saw its inputs need gradients otherwise than the next one's
+        (frozen embeddings): then, as without ``first_leads``, its second does, and the plain
+        probe step runs again without the layers that leaves out."""
         def layout(first_leads: bool) -> tuple:
             twins = twin_blocks(self.blocks, first_leads)
             runs, self.counts.probe_skips_refused = stack_runs(self.blocks, twins)
             return (twins, *self._probe_releases(make_batch, size, step_fn, runs))
 
-        twins, runs, input_grads = layout(True)
-        refused = first_runs_otherwise(twins, input_grads)
-        if refused is None:
-            return twins, runs
-        self.counts.probe_first_refused = refused
+        if first_leads:
+            twins, runs, input_grads = layout(True)
+            refused = first_runs_otherwise(twins, input_grads)
+            if refused is None:
+                return twins, runs
+            self.counts.probe_first_refused = refused
         return layout(False)[:2]
 
     def _probe_releases(self, make_batch, size: tuple, step_fn, runs: list) -> tuple:

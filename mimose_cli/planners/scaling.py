@@ -23,6 +23,7 @@ measured peak against the prediction), which then measures that size.
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -245,7 +246,16 @@ def _recomputed(raw: RawStep, at: dict, i: int):
     return raw.trace.ops(start, stop, at[("bwd", i)][1], recompute=True)
 
 
-def twin_difference(raw: RawStep) -> str | None:
+class Mismatch(NamedTuple):
+    """A block that did not run as the block it was taken for (``twin_difference``,
+    ``run_difference``): which, which it was taken for, and why, in words."""
+
+    block: int
+    twin: int
+    why: str
+
+
+def twin_difference(raw: RawStep) -> Mismatch | None:
     """Why a block run without a measuring run (``RawStep.twins``) is not like its twin, or None.
     Its forward must run as its twin's: the recompute of it in backward the same ops at the same
     bytes above the backward's start (what it saves, and what a tensor allocated before then
@@ -263,14 +273,15 @@ def twin_difference(raw: RawStep) -> str | None:
     for i, twin in sorted(raw.twins.items()):
         mine, theirs = _recomputed(raw, at, i), _recomputed(raw, at, twin)
         if mine is None or theirs is None or not np.array_equal(mine, theirs):
-            return f"block {i}'s forward, recomputed, runs other ops than block {twin}'s, which has the same parameters"
+            return Mismatch(i, twin, f"block {i}'s forward, recomputed, runs other ops than block {twin}'s, "
+                                     "which has the same parameters")
         mine, theirs = checkpointed(i), checkpointed(twin)
         if (mine is None) != (theirs is None) or (mine is not None and not np.array_equal(mine, theirs)):
-            return f"block {i}'s forward holds other bytes than block {twin}'s, which has the same parameters"
+            return Mismatch(i, twin, f"block {i}'s forward holds other bytes than block {twin}'s, which has the same parameters")
     return None
 
 
-def run_difference(raw: RawStep, runs, twins: dict) -> str | None:
+def run_difference(raw: RawStep, runs, twins: dict) -> Mismatch | None:
     """Why a probe that left layers out (``runs``) cannot stand for them, or None: the template
     and the layer after the left-out ones must recompute as the group's measured layer does (what
     ``twin_difference`` checks of blocks run as twins, here also under autocast, where none is)."""
@@ -281,7 +292,8 @@ def run_difference(raw: RawStep, runs, twins: dict) -> str | None:
         for i in (template, skipped[-1] + 1):
             mine = _recomputed(raw, at, i)
             if mine is None or theirs is None or not np.array_equal(mine, theirs):
-                return f"block {i}'s forward, recomputed, runs other ops than block {leader}'s, which has the same parameters"
+                return Mismatch(i, leader, f"block {i}'s forward, recomputed, runs other ops than block {leader}'s, "
+                                           "which has the same parameters")
     return None
 
 

@@ -153,11 +153,11 @@ class Sublinear(Planner):
     name = "sublinear"
 
     def __init__(self, model, budget=None, *, variant: Variant = "greedy", **kwargs):
-        super().__init__(model, budget, **kwargs)
-        self.profiler = BlockProfiler(model, self.num_blocks)
-        if variant not in VARIANTS:
+        if variant not in VARIANTS:  # before the planner claims the model
             raise ValueError(f"variant={variant!r} is invalid; expected one of "
                              f"{' | '.join(VARIANTS)}")
+        super().__init__(model, budget, **kwargs)
+        self.profiler = BlockProfiler(model, self.num_blocks)
         self.variant = variant
         self.profile: BlockProfile | None = None
         self.static_plan: tuple | None = None

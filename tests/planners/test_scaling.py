@@ -174,8 +174,9 @@ class _Indexed(torch.nn.Module):
 
 def test_blocks_alike_that_run_differently_are_each_measured():
     """Taking a layer's plain run from the layer like it is checked against its recompute in
-    backward: where they differ the probes run again with every block measured, and the estimate
-    is as exact as with blocks all different."""
+    backward: where they differ the probes run again with the second block standing for the
+    others, then, as those differ too, with every block measured, and the estimate is as exact as
+    with blocks all different."""
     model = _Stack()
     model.layers = torch.nn.ModuleList([_Indexed(k) for k in range(3)])
     with metered_mimose(model) as (planner, meter):
@@ -183,8 +184,32 @@ def test_blocks_alike_that_run_differently_are_each_measured():
         planner.prepare(make, (4, 64))
         stats = planner.stats
         assert stats["estimate_source"] == "probes"
-        assert stats["probe_steps"] == 4 and stats["probe_twins"] == 0
-        assert "runs other ops" in stats["probe_twins_refused"]
+        assert stats["probe_steps"] == 6 and stats["probe_twins"] == 0
+        assert "block 1's forward, recomputed, runs other ops than block 0's" in stats["probe_first_refused"]
+        assert "block 2's forward, recomputed, runs other ops than block 1's" in stats["probe_twins_refused"]
+        assert_estimate_is_measured(planner, make, HELD_OUT)
+
+
+class _FirstOdd(_Indexed):
+    """Alike in parameters, but the stack's first layer saves more (a branch on its number)."""
+
+    def forward(self, x):
+        extra = x.repeat(1, 1, 2) if self.position == 0 else x
+        return self.linear(x) * extra[..., :8].tanh()
+
+
+def test_a_first_layer_that_runs_otherwise_has_the_second_stand_for_the_others():
+    """Its inputs need gradients as the next layer's do, so only the probes themselves see that
+    it runs otherwise: the next layer, taken for it, is refused, and the probes run again with the
+    second layer standing for the later ones (not every block measured); the estimate is exact."""
+    model = _Stack()
+    model.layers = torch.nn.ModuleList([_FirstOdd(k) for k in range(4)])
+    with metered_mimose(model) as (planner, meter):
+        make = lambda size: {"input_ids": torch.randint(0, 16, size)}  # noqa: E731
+        planner.prepare(make, (4, 64))
+        stats = planner.stats
+        assert "block 1's forward, recomputed, runs other ops than block 0's" in stats["probe_first_refused"]
+        assert stats["probe_twins"] == 2 and not stats["probe_twins_refused"] and stats["probe_steps"] == 4
         assert_estimate_is_measured(planner, make, HELD_OUT)
 
 

@@ -62,8 +62,11 @@ def test_a_recipe_turns_selective_checkpointing_on_for_full():
 
 def test_blocks_with_batchnorm_statistics_cannot_be_checkpointed_selectively():
     """Their recompute puts the statistics back (ops its forward did not run), which torch's
-    selective checkpointing refuses mid-backward: refused up front, in one line."""
+    selective checkpointing refuses mid-backward: refused up front, in one line, the model left
+    free for the planner asked for next."""
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
                                   for _ in range(3)])
     with pytest.raises(ValueError, match="block 0 selectively: it holds buffers"):
         build_planner("full", model, None, selective=True)
+    build_planner("full", model, None).close()
+    assert all("forward" not in m.__dict__ for m in model)  # no router left in the blocks
