@@ -174,8 +174,17 @@ def _summary_value(summary, key, kind):
     if kind == "seconds":
         return "-" if value is None else f"{value:.2f} s"
     if kind == "blocks":
-        return "-" if value is None else f"{value:.2f} of {summary.get('num_blocks')}"
+        return "-" if value is None else f"{value:.2f} of {summary.get('num_blocks')}{_finer(summary)}"
     return _fmt(value, kind)
+
+
+def _finer(summary) -> str:
+    """The finer choices among the blocks a run's plans chose, where it made any: " (0.50
+    selective, 1.00 offloaded)" (the selective are among the checkpointed, the offloaded not)."""
+    parts = [f"{summary[key]:.2f} {label}" for key, label in (("mean_selective_blocks", "selective"),
+                                                             ("mean_offloaded_blocks", "offloaded"))
+             if summary.get(key)]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _planner_value(key: str, value) -> str:

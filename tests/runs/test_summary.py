@@ -22,3 +22,26 @@ def test_excluded_time_and_out_of_memory_steps_are_not_training_time():
     assert summary["train_time_s"] == 0.022 and summary["mean_iter_ms"] == 11.0
     assert (summary["steps"], summary["oom_steps"], summary["retries"], summary["retried_steps"]) == (2, 1, 2, 1)
     assert summary["peak_bytes"] == 101 and summary["over_budget_steps"] == 0
+
+
+def test_the_report_shows_the_finer_choices_a_run_made_and_only_then():
+    """Selective and offloaded blocks are counted apart from the checkpointed in the summary and
+    the per-length table; a run that made none shows neither."""
+    from rich.console import Console
+
+    from mimose_cli.runs.report import length_table
+    from mimose_cli.runs.summary import summary_tables
+
+    def rendered(records) -> str:
+        console = Console(width=200, record=True)
+        summary = summarize(records, status="completed", budget_bytes=None)
+        for table in [*summary_tables(summary), length_table(records)]:
+            console.print(table)
+        return console.export_text()
+
+    finer = _records([10.0, 20.0], input_size=[4, 16], selective=[0], offload=[1])
+    text = rendered(finer)
+    assert "1.00 of 2 (1.00 selective, 1.00 offloaded)" in text
+    assert "mean blocks sel" in text and "mean blocks off" in text
+    plain = rendered(_records([10.0], input_size=[4, 16]))
+    assert "1.00 of 2" in plain and "selective" not in plain and "mean blocks off" not in plain
