@@ -13,7 +13,7 @@ device; times are this CPU's (Python per op dominates tiny models, on which torc
 checkpointing's dispatch mode costs more than the matmuls it saves, and the scheduler's time
 model sees it). Writes benchmarks/results/finer_plans.json.
 
-    python benchmarks/finer_plans.py [--configs swag,bert-base-width] [--steps 40] [--rounds 3]
+    python benchmarks/finer_plans.py [--configs swag,bert-base-width,squad] [--steps 40] [--rounds 3]
 """
 
 import argparse
@@ -27,17 +27,20 @@ from mimose_cli.launcher.train import run_training
 
 from _results import write_results
 
-CONFIGS = {
-    "swag": ("data.max_length=96",),  # the 12-layer tiny BERT of mimose_speed.py, SWAG-like lengths up to 96
-    "bert-base-width": ("model.config_overrides={num_hidden_layers: 4, hidden_size: 768, intermediate_size: 3072, "
-                        "num_attention_heads: 12}", "data.max_length=128"),
+CONFIGS = {  # name -> (the mimose_safety.py preset, overrides)
+    "swag": ("swag", ("data.max_length=96",)),  # the 12-layer tiny BERT of mimose_speed.py, SWAG-like lengths up to 96
+    "bert-base-width": ("swag", ("model.config_overrides={num_hidden_layers: 4, hidden_size: 768, intermediate_size: 3072, "
+                                 "num_attention_heads: 12}", "data.max_length=128")),
+    # Lengths that vary widely from batch to batch (SQuAD-like question answering, up to 384 tokens).
+    "squad": ("squad", ("data.max_length=384",)),
 }
 
 
 def run(config: str, steps: int, out_dir, planner: str, budget, choices: str = "block") -> dict:
-    overrides = [*CONFIGS[config], f"planner.name={planner}", f"budget={budget or 'null'}",
+    preset, config_overrides = CONFIGS[config]
+    overrides = [*config_overrides, f"planner.name={planner}", f"budget={budget or 'null'}",
                  f"planner.mimose.choices={choices}"]
-    result = run_training(recipe_for("swag", steps, out_dir, *overrides), view="none", recipe_name=f"finer-{config}")
+    result = run_training(recipe_for(preset, steps, out_dir, *overrides), view="none", recipe_name=f"finer-{config}")
     records = [r for r in result.records if not r.oom]
     peak = max((r.peak_bytes or 0 for r in records), default=None)
     if not records:
