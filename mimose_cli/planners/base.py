@@ -9,6 +9,7 @@ force (``runner_for``), yields, ends the runner and tells the policy what happen
 """
 
 import contextlib
+import functools
 import json
 import time
 from pathlib import Path
@@ -115,11 +116,11 @@ class Planner(Policy):
         next step decides again (probes, experiments)."""
         self.plan_runner.use(plan, selective, offload)
 
-    def _offload_hooks(self) -> OffloadHooks:
-        """The saved-tensor hooks of one offloaded block's call: the weights' and buffers' storages
-        stay on the device (read at each call: cheap beside the copies, and right after
-        ``model.to``)."""
-        return OffloadHooks(resident_storages(self.model), self.meter)
+    def _offload_hooks(self):
+        """For a plan that offloads: what makes the saved-tensor hooks of one offloaded block's
+        call, the weights' and buffers' storages staying on the device (read once a plan, not once
+        a block call; right after ``model.to`` too)."""
+        return functools.partial(OffloadHooks, resident_storages(self.model), self.meter)
 
     def runner_for(self, info: StepInfo) -> BlockRunner:
         """The runner of a step decided as ``info``: the measurer for a measured step, else the

@@ -459,7 +459,7 @@ class PlanRunner(BlockRunner):
     probe: ``StepRouter.using``); between steps the blocks run as they are. A ``clock`` times
     recomputation in backward."""
 
-    def __init__(self, clock: RecomputeClock | None = None, offload_hooks=None):
+    def __init__(self, clock: RecomputeClock | None = None, offload_hooks_for_plan=None):
         self.clock = clock
         self.plan: tuple = ()
         self._plan_set: frozenset = frozenset()
@@ -467,14 +467,18 @@ class PlanRunner(BlockRunner):
         """Blocks of the plan checkpointed selectively (``SELECTIVE``) rather than recomputed whole."""
         self.offload: frozenset = frozenset()
         """Blocks outside the plan offloaded (``OFFLOAD``) rather than kept."""
-        self.offload_hooks = offload_hooks
-        """Makes the ``memory.offload.OffloadHooks`` for one call of an offloaded block."""
+        self._offload_hooks_for_plan = offload_hooks_for_plan
+        """Called once for each plan that offloads: returns what makes the
+        ``memory.offload.OffloadHooks`` of one offloaded block's call."""
+        self.offload_hooks = None
+        """What makes one offloaded block call's hooks, for the plan in force (None: none offloads)."""
 
     def use(self, plan, selective=(), offload=()) -> None:
         self.plan = tuple(sorted(plan))
         self._plan_set = frozenset(self.plan)
         self.selective = frozenset(selective)
         self.offload = frozenset(offload) - self._plan_set
+        self.offload_hooks = self._offload_hooks_for_plan() if self.offload and self._offload_hooks_for_plan else None
 
     def choice(self, index: int) -> str:
         """What the plan in force does with block ``index`` (``CHOICES``)."""
