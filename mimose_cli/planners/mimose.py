@@ -162,6 +162,15 @@ def _layers(runs: list) -> str:
     return "layers " + " and ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for _, run in runs)
 
 
+class _TwinsRefused(ScalingError):
+    """Probes that left layers out found blocks alike running otherwise (``mismatch``, a
+    ``scaling.Mismatch``)."""
+
+    def __init__(self, mismatch):
+        super().__init__(f"blocks alike ran otherwise ({mismatch.why})")
+        self.mismatch = mismatch
+
+
 def _first_twin(mismatch, twins: dict) -> bool:
     """Whether ``mismatch`` (``scaling.Mismatch`` or None) is of the first block taken for its
     group's leader: then the leader, not the twin, may be the one that runs otherwise."""
@@ -205,7 +214,6 @@ class Mimose(Planner):
         """What recomputing each block costs per choice (``choices="selective"``, from the probes)."""
         self._probed = estimate != "probes"  # the probes run once, before the first step
         self._loaded = False  # the estimator came from a saved state (no probes in this process)
-        self._mismatch = None  # the probes' last ``scaling.Mismatch`` of blocks alike (``_probes_at``)
         self.sheltered_steps = sheltered_steps
         self.granularity = granularity
         self.bucket = bucket
@@ -324,28 +332,26 @@ class Mimose(Planner):
         # alike, every block is measured.
         for first_leads in (True, False):
             twins, runs = self._probe_layout(make_batch, sizes[0], step_fn, first_leads)
+            mismatch = None  # blocks alike that did not run alike (``scaling.Mismatch``)
             if runs:
                 try:
                     return self._left_out_probes(sizes, max_size, make_batch, step_fn, twins, runs)
                 except ValueError as err:  # a ScalingError, or a list the layers cannot be taken out of
                     self.counts.probe_skips_refused = f"with {_layers(runs)} left out, {err}"
-            if twins and not self.counts.probe_twins_refused:
+                    mismatch = err.mismatch if isinstance(err, _TwinsRefused) else None
+            if twins and mismatch is None:
                 raws = self._probe_pair(make_batch, sizes, step_fn, twins)
                 mismatch = next(filter(None, map(twin_difference, raws)), None)
                 if mismatch is None:
                     return self._pair_samples(raws, sizes, max_size, twins)
-                self._refuse_twins(mismatch)
-            if not (first_leads and _first_twin(self._mismatch, twins)) or self.counts.probe_first_refused:
+                self.counts.probe_twins_refused = mismatch.why
+            if not (first_leads and _first_twin(mismatch, twins)) or self.counts.probe_first_refused:
                 break
             # The group's first twin ran otherwise than the block standing for the group: that
             # block may be the odd one (a stack's first layer), so the second stands for them.
-            self.counts.probe_first_refused = f"blocks alike ran otherwise ({self.counts.probe_twins_refused})"
-            self.counts.probe_twins_refused, self._mismatch = "", None
+            self.counts.probe_first_refused = f"blocks alike ran otherwise ({mismatch.why})"
+            self.counts.probe_twins_refused = ""
         return self._pair_samples(self._probe_pair(make_batch, sizes, step_fn, {}), sizes, max_size, {})
-
-    def _refuse_twins(self, mismatch) -> None:
-        """Blocks alike did not run alike (``scaling.Mismatch``): say why, and keep which."""
-        self.counts.probe_twins_refused, self._mismatch = mismatch.why, mismatch
 
     def _pair_samples(self, raws: list, sizes: list, max_size: tuple, twins: dict) -> list:
         """The two measured probe steps (every layer run), scaled to samples at every size."""
@@ -364,8 +370,8 @@ class Mimose(Planner):
             raws = self._probe_pair(make_batch, sizes, step_fn, twins)
         mismatch = next(filter(None, map(twin_difference, raws)), None) or run_difference(raws[0], runs, twins)
         if mismatch is not None:  # nor would they with every layer run
-            self._refuse_twins(mismatch)
-            raise ScalingError(f"blocks alike ran otherwise ({mismatch.why})")
+            self.counts.probe_twins_refused = mismatch.why
+            raise _TwinsRefused(mismatch)
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.num_blocks, runs)
         deeper = deeper_by_one(runs)
         with left_out(self.model, self.blocks, _skipped(deeper)):
