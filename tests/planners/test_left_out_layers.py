@@ -4,7 +4,7 @@ the estimate is still the one every layer's probe would give."""
 import numpy as np
 import pytest
 import torch
-from test_scaling import HELD_OUT, _bf16_step, assert_estimate_is_measured, metered_mimose, padded
+from test_scaling import HELD_OUT, _bf16_step, assert_estimate_is_measured, metered_mimose, padded, probed_stats
 
 from mimose_cli.planners.blocks import left_out, stack_runs, twin_blocks
 from mimose_cli.planners.features import Releases
@@ -209,12 +209,7 @@ def ids(size):
 
 
 def _deep_stats(model, step_fn=None) -> dict:
-    with metered_mimose(model) as (planner, meter):
-        planner.prepare(ids, (4, 64), step_fn=step_fn)
-        stats = planner.stats
-        assert stats["estimate_source"] == "probes"
-        assert_estimate_is_measured(planner, ids, HELD_OUT[:2], step_fn)
-    return stats
+    return probed_stats(model, ids, HELD_OUT[:2], step_fn)
 
 
 def test_memory_that_grows_with_the_layers_outside_them_runs_every_layer():

@@ -89,6 +89,21 @@ def assert_estimate_is_measured(planner, make_batch, sizes, step_fn=None):
             np.testing.assert_allclose(predicted.step[q], measured, rtol=1e-9, err_msg=f"{size} {q}")
 
 
+def random_ids(size):
+    return {"input_ids": torch.randint(0, 16, size)}
+
+
+def probed_stats(model, make=random_ids, sizes=HELD_OUT, step_fn=None, **options) -> dict:
+    """The stats of Mimose's probes before the first step on ``model`` (largest input 4 x 64),
+    once its estimate is checked against measured steps at ``sizes`` (``assert_estimate_is_measured``)."""
+    with metered_mimose(model, **options) as (planner, meter):
+        planner.prepare(make, (4, 64), step_fn=step_fn)
+        stats = planner.stats
+        assert stats["estimate_source"] == "probes", stats["estimate_fallback"]
+        assert_estimate_is_measured(planner, make, sizes, step_fn)
+    return stats
+
+
 def test_a_scaled_sample_is_the_sample_the_collector_measures_at_that_size():
     """What the probes' samples say at a size is what measuring a step there says, every block
     and step quantity the timeline is built from, to float rounding; the probes measured only
@@ -135,12 +150,8 @@ class _TwoStacks(torch.nn.Module):
 
 
 def test_layers_of_two_stacks_are_taken_from_a_layer_of_their_own_stack():
-    model = _TwoStacks()
-    with metered_mimose(model, blocks="[fs]*.[0-9]") as (planner, meter):
-        make = lambda size: {"input_ids": torch.randint(0, 16, size)}  # noqa: E731
-        planner.prepare(make, (4, 64))
-        assert planner.stats["probe_twins"] == 4 and planner.stats["probe_steps"] == 2  # each stack's first measured
-        assert_estimate_is_measured(planner, make, HELD_OUT)
+    stats = probed_stats(_TwoStacks(), blocks="[fs]*.[0-9]")
+    assert stats["probe_twins"] == 4 and stats["probe_steps"] == 2  # each stack's first measured
 
 
 def test_a_first_layer_whose_input_needs_no_gradient_leaves_the_others_alike():
@@ -149,13 +160,9 @@ def test_a_first_layer_whose_input_needs_no_gradient_leaves_the_others_alike():
     model = _Stack()
     model.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(4)])
     model.embed.requires_grad_(False)
-    with metered_mimose(model) as (planner, meter):
-        make = lambda size: {"input_ids": torch.randint(0, 16, size)}  # noqa: E731
-        planner.prepare(make, (4, 64))
-        stats = planner.stats
-        assert stats["probe_twins"] == 2 and stats["probe_steps"] == 2 and not stats["probe_twins_refused"]
-        assert "block 0's inputs need gradients otherwise" in stats["probe_first_refused"]
-        assert_estimate_is_measured(planner, make, HELD_OUT)
+    stats = probed_stats(model)
+    assert stats["probe_twins"] == 2 and stats["probe_steps"] == 2 and not stats["probe_twins_refused"]
+    assert "block 0's inputs need gradients otherwise" in stats["probe_first_refused"]
 
 
 class _Indexed(torch.nn.Module):
@@ -179,15 +186,10 @@ def test_blocks_alike_that_run_differently_are_each_measured():
     with blocks all different."""
     model = _Stack()
     model.layers = torch.nn.ModuleList([_Indexed(k) for k in range(3)])
-    with metered_mimose(model) as (planner, meter):
-        make = lambda size: {"input_ids": torch.randint(0, 16, size)}  # noqa: E731
-        planner.prepare(make, (4, 64))
-        stats = planner.stats
-        assert stats["estimate_source"] == "probes"
-        assert stats["probe_steps"] == 6 and stats["probe_twins"] == 0
-        assert "block 1's forward, recomputed, runs other ops than block 0's" in stats["probe_first_refused"]
-        assert "block 2's forward, recomputed, runs other ops than block 1's" in stats["probe_twins_refused"]
-        assert_estimate_is_measured(planner, make, HELD_OUT)
+    stats = probed_stats(model)
+    assert stats["probe_steps"] == 6 and stats["probe_twins"] == 0
+    assert "block 1's forward, recomputed, runs other ops than block 0's" in stats["probe_first_refused"]
+    assert "block 2's forward, recomputed, runs other ops than block 1's" in stats["probe_twins_refused"]
 
 
 class _FirstOdd(_Indexed):
@@ -204,13 +206,9 @@ def test_a_first_layer_that_runs_otherwise_has_the_second_stand_for_the_others()
     second layer standing for the later ones (not every block measured); the estimate is exact."""
     model = _Stack()
     model.layers = torch.nn.ModuleList([_FirstOdd(k) for k in range(4)])
-    with metered_mimose(model) as (planner, meter):
-        make = lambda size: {"input_ids": torch.randint(0, 16, size)}  # noqa: E731
-        planner.prepare(make, (4, 64))
-        stats = planner.stats
-        assert "block 1's forward, recomputed, runs other ops than block 0's" in stats["probe_first_refused"]
-        assert stats["probe_twins"] == 2 and not stats["probe_twins_refused"] and stats["probe_steps"] == 4
-        assert_estimate_is_measured(planner, make, HELD_OUT)
+    stats = probed_stats(model)
+    assert "block 1's forward, recomputed, runs other ops than block 0's" in stats["probe_first_refused"]
+    assert stats["probe_twins"] == 2 and not stats["probe_twins_refused"] and stats["probe_steps"] == 4
 
 
 def test_the_probes_leave_no_trace_in_training():
