@@ -452,7 +452,7 @@ class RawStep:
     """The blocks run without a measuring run, ``{block: the block like it}``."""
     heavy: np.ndarray | None = None
     """Whether each storage was first seen as a compute-heavy op's output
-    (``blocks.COMPUTE_HEAVY_OPS``): what a selective checkpoint keeps (``scaling.selective_extra``)."""
+    (``blocks.COMPUTE_HEAVY_OPS``): what a selective checkpoint keeps (``scaling.selective_bytes``)."""
     op_ms: dict = field(default_factory=dict)
     """Per block, of its measuring run: the ms inside compute-heavy ops (``heavy_ms``) and inside
     the others (``light_ms``), and how many ops it ran (``ops``, ``heavy_ops`` of them heavy);
@@ -480,7 +480,8 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
     its plain run would hold and peak at (above its entry) is its twin's."""
     twins = twins or {}
     per_block = dict(per_block)
-    extra = per_block.pop("selective_extra_bytes", None)
+    selective = {q: per_block.pop(q) for q in ("selective_extra_bytes", "selective_held_bytes") if q in per_block}
+    selective_kept = per_block.pop("selective_fwd_kept", None)
     at = {label: (index, live) for label, index, live in marks}
     blocks = {q: [None] * num_blocks for q in BLOCK_QUANTITIES}
     step = {q: None for q in STEP_QUANTITIES}
@@ -506,10 +507,14 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
             _block_forward(blocks, i, at, entry[i], after[i], trace, per_block)
         if following is not None and blocks["ckpt_bytes"][i] is not None and ("enter", following) in at:
             blocks["gap_peak_bytes"][following] = trace.ops(at[("ckpt", i)][0], *at[("enter", following)])
-    if extra is not None:  # a selective checkpoint also holds its compute-heavy ops' outputs
+    for q, values in selective.items():  # a selective checkpoint also holds its compute-heavy ops' outputs
         for i, ckpt in enumerate(blocks["ckpt_bytes"]):
-            if ckpt is not None and not np.isnan(extra[i]):
-                blocks["selective_extra_bytes"][i] = np.array([extra[i]])
+            if ckpt is not None and not np.isnan(values[i]):
+                blocks[q][i] = np.array([values[i]])
+    if selective_kept is not None:  # a selective run is the checkpointed run holding more
+        for i, peaks in enumerate(blocks["ckpt_fwd_peak_bytes"]):
+            if peaks is not None and selective_kept[i] is not None and len(selective_kept[i]) == len(peaks):
+                blocks["selective_fwd_peak_bytes"][i] = peaks + selective_kept[i]
     shape = StepShape(tuple(order), _backward_order(marks) == order[::-1])
     _block_backward(blocks, step, at, entry, marks, trace, shape, dropped)
     return blocks, step, shape

@@ -99,8 +99,10 @@ class Prediction:
         return np.maximum(self.blocks["plain_bytes"] - released - self.blocks["ckpt_bytes"], 0.0)
 
 
-_TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "selective_extra_bytes", "resident_bytes", "gap_peak_bytes",
-                        "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes")
+_TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "selective_extra_bytes", "selective_held_bytes", "resident_bytes",
+                        "gap_peak_bytes",
+                        "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes", "bwd_peak_bytes",
+                        "recompute_peak_bytes")
 """The block quantities ``peak_timeline`` reads (``_let_go`` reads ``release_bytes`` itself)."""
 
 
@@ -151,9 +153,10 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
     gradients are in the fitted values.
 
     ``selective_mask`` (within ``plan_mask``) marks the blocks checkpointed selectively: they hold
-    ``selective_extra_bytes`` more than checkpointed until their backward, their forward peaks at the checkpointed run's peak
-    plus what they keep beyond a full checkpoint (an upper bound), and their backward at the
-    recompute's peak (the kept outputs are handed to the recompute, which would have made them).
+    ``selective_extra_bytes`` more than checkpointed until their backward, their forward peaks at
+    ``selective_fwd_peak_bytes``, and their backward at the
+    recompute's peak (the kept outputs are handed to the recompute, which would have made them)
+    plus ``selective_held_bytes``, the kept outputs the recompute stops before.
     """
     b, s = pred.blocks, pred.step
     # An index array, not a list: numpy converts a list anew for every quantity it indexes.
@@ -163,9 +166,12 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
         plan_mask = plan_mask[..., order]
         if selective_mask is not None:
             selective_mask = selective_mask[..., order]
-    extra = 0.0
+    extra = cached = 0.0
+    ckpt_fwd = b["ckpt_fwd_peak_bytes"]
     if selective_mask is not None:
+        ckpt_fwd = np.where(selective_mask, b["selective_fwd_peak_bytes"], ckpt_fwd)
         extra = np.where(selective_mask & plan_mask, np.maximum(b["selective_extra_bytes"], 0.0), 0.0)
+        cached = np.where(selective_mask & plan_mask, np.maximum(b["selective_held_bytes"], 0.0), 0.0)
     # Inputs no plain block saves are let go of once the loop moves on (``Releases``), where a
     # checkpoint keeps them until its backward.
     let_go, unseen = _let_go(pred, plan_mask, order)
@@ -174,8 +180,8 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
     entry = s["pre_bytes"] + np.concatenate((0.0 * one, np.cumsum(held, axis=-1)), axis=-1)
     at = entry[..., :-1]
     fwd = at + np.maximum(b["gap_peak_bytes"],
-                          np.where(plan_mask, b["ckpt_fwd_peak_bytes"] + extra, b["fwd_peak_bytes"]))
-    own = np.maximum(b["bwd_peak_bytes"], np.where(plan_mask, b["recompute_peak_bytes"], NO_EVENT))
+                          np.where(plan_mask, ckpt_fwd, b["fwd_peak_bytes"]))
+    own = np.maximum(b["bwd_peak_bytes"], np.where(plan_mask, b["recompute_peak_bytes"], NO_EVENT)) + cached
     top = entry[..., -1:]
     # Samples run every block checkpointed, so what a block's run leaves until the forward ends
     # (autocast's cached casts) is gone in their backward; a block run plainly may keep it (its
@@ -394,9 +400,11 @@ class Estimator:
         if state["num_blocks"] != self.num_blocks:
             raise ValueError(f"the saved estimator has {state['num_blocks']} blocks, this model "
                              f"{self.num_blocks}; it was fitted for another model")
-        # A state from before finer plans lacks the selective bytes: its plans stay block-level.
-        earlier = [q for q in BLOCK_QUANTITIES if q != "selective_extra_bytes"]
-        if (list(state["block_quantities"]) not in (list(BLOCK_QUANTITIES), earlier)
+        # A state from before finer plans lacks the selective bytes (or, from before the held
+        # bytes, part of them): its plans stay block-level.
+        held = ("selective_held_bytes", "selective_fwd_peak_bytes")
+        earlier = [[q for q in BLOCK_QUANTITIES if q not in missing] for missing in (held, ("selective_extra_bytes", *held))]
+        if (list(state["block_quantities"]) not in (list(BLOCK_QUANTITIES), *earlier)
                 or list(state["features"]) != list(self.feature_set.names)):
             raise ValueError("the saved estimator was written by an incompatible mimose version")
         self.sizes = [tuple(s) for s in state["sizes"]]

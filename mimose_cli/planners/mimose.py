@@ -41,6 +41,7 @@ from mimose_cli.planners.estimator import Estimator, plan_peak_bytes
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.inputs import infer_input_size, resized_batch
 from mimose_cli.planners.scaling import (
+    SELECTIVE_QUANTITIES,
     SIDE_PAIR,
     ScaledStep,
     ScalingError,
@@ -621,7 +622,7 @@ class Mimose(Planner):
         their recompute times known."""
         layout = self.estimator.layout
         return (self.choices == "selective" and self.choice_times is not None
-                and all(("selective_extra_bytes", i) in layout for i in range(self.num_blocks)))
+                and all((q, i) in layout for q in SELECTIVE_QUANTITIES for i in range(self.num_blocks)))
 
     def size_key(self, size: tuple) -> tuple:
         return self.cache_key(size)

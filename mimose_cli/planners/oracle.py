@@ -29,7 +29,7 @@ from mimose_cli.planners.estimator import (
     peak_timeline,
     plan_peak_bytes,
 )
-from mimose_cli.planners.scaling import raw_sample
+from mimose_cli.planners.scaling import SELECTIVE_QUANTITIES, raw_sample
 from mimose_cli.planners.sublinear import BlockProfile
 from mimose_cli.planners.trial import probe_step, to_model_device
 
@@ -198,7 +198,7 @@ class Oracle(Planner):
         super().__init__(model, budget, **kwargs)
         self.choices = choices
         self.measurer = ShuttlingCollector(model, self.blocks)
-        self.measurer.lifetimes = choices == "selective"  # the selective bytes (``scaling.selective_extra``)
+        self.measurer.lifetimes = choices == "selective"  # the selective bytes (``scaling.selective_bytes``)
         self.selectable = np.array(selectable(self.blocks))
         self.choice_ms: dict = {}  # input size -> (recompute ms, selective ms) per block
         self._dispatch_costs = None
@@ -229,7 +229,7 @@ class Oracle(Planner):
             sample = self.measurer.end() if ran else self.measurer.abort()  # abort keeps nothing
         if sample is not None and self.measurer.lifetimes:
             raw, sample = sample, raw_sample(sample, self.num_blocks)
-            if any(v is None for v in sample[0]["selective_extra_bytes"]):  # unmeasured: block-level only
+            if any(v is None for q in SELECTIVE_QUANTITIES for v in sample[0][q]):  # unmeasured: block-level only
                 raw = None
             if self._dispatch_costs is None:
                 self._dispatch_costs = dispatch_costs_ms()

@@ -305,7 +305,7 @@ def deeper_by_one(runs) -> list:
 def raw_sample(raw: RawStep, num_blocks: int, runs=()):
     """The sample of one probe step at its own size, written out for every block when it left
     layers out (``Deepening``): ``(blocks, step, shape)``."""
-    per_block = {**raw.per_block, "selective_extra_bytes": selective_extra(raw, raw.nbytes)}
+    per_block = {**raw.per_block, **selective_bytes(raw, raw.nbytes)}
     if not runs:
         return build_sample(raw.marks, raw.trace, num_blocks, per_block, raw.dropped, raw.twins)
     deepening = Deepening(raw, num_blocks, runs)
@@ -318,23 +318,51 @@ def raw_sample(raw: RawStep, num_blocks: int, runs=()):
     return deepening.sample(marks, trace, per_block, raw.nbytes)
 
 
-def selective_extra(raw: RawStep, storage_bytes: np.ndarray) -> np.ndarray:
-    """Per block (NaN where unknown), the bytes a selective checkpoint holds beyond a full one:
-    the compute-heavy ops' outputs (``RawStep.heavy``) its checkpointed run made and freed
-    before it returned (those it returns are in ``ckpt_bytes`` already), at the size whose
-    storages have ``storage_bytes``. Torch's selective checkpointing keeps them (aliases of the
-    same storages) until the recompute takes them back."""
-    extra = np.full(len(raw.per_block["saved_bytes"]), np.nan)
+SELECTIVE_QUANTITIES = ("selective_extra_bytes", "selective_held_bytes", "selective_fwd_peak_bytes")
+"""What the probes measure of a block checkpointed selectively (``selective_bytes``)."""
+
+
+def selective_bytes(raw: RawStep, storage_bytes: np.ndarray) -> dict:
+    """Per block (NaN where unknown), at the size whose storages have ``storage_bytes``:
+
+    - ``selective_extra_bytes``, what a selective checkpoint holds beyond a full one: the
+      compute-heavy ops' outputs (``RawStep.heavy``) its checkpointed run made and freed before
+      it returned (those it returns are in ``ckpt_bytes`` already). Torch's selective
+      checkpointing keeps them (aliases of the same storages) until the recompute takes them back;
+    - ``selective_held_bytes``, the part of them no recompute takes back: non-reentrant
+      checkpointing stops recomputing once every saved tensor is back (early stop), so the heavy
+      ops after the block's last saving op are never rerun, and their kept outputs stay in the
+      checkpoint's cache through the block's whole backward (a ViT layer's last matmul, whose
+      output only a residual add reads). The recompute remakes the block's heavy outputs in
+      forward order, so those left are the ones past the number its recompute made;
+    - ``selective_fwd_kept``, after each op of its checkpointed run, the heavy outputs a selective
+      run would still hold that the checkpointed run had freed (None where unknown): its forward
+      runs the same ops, so its live bytes are the checkpointed run's plus these
+      (``collector.build_sample`` adds them to ``ckpt_fwd_peak_bytes``)."""
+    n = len(raw.per_block["saved_bytes"])
+    extra, held, kept = np.full(n, np.nan), np.full(n, np.nan), np.full(n, None, dtype=object)
+    result = {"selective_extra_bytes": extra, "selective_held_bytes": held, "selective_fwd_kept": kept}
     if raw.heavy is None or len(raw.heavy) != len(storage_bytes):
-        return extra
+        return result
     point = {label: p for (label, _, _), p in zip(raw.marks, raw.mark_points)}
-    for i in range(len(extra)):
+    recomputed_at = np.zeros(raw.points + 1, dtype=bool)
+    recomputed_at[raw.op_points[raw.trace.recompute]] = True
+    remade = raw.heavy & recomputed_at[np.minimum(raw.born, raw.points)]
+    for i in range(n):
         start, stop = point.get(("dropped", i), point.get(("enter", i))), point.get(("ckpt", i))
-        if start is None or stop is None:
+        backward = point.get(("bwd", i))
+        if start is None or stop is None or backward is None:
             continue
-        inside = raw.heavy & (raw.born >= start) & (raw.born < stop) & (raw.died <= stop)
+        made = np.flatnonzero(raw.heavy & (raw.born >= start) & (raw.born < stop))
+        inside = made[raw.died[made] <= stop]
         extra[i] = float(storage_bytes[inside].sum())
-    return extra
+        points = raw.op_points[(raw.op_points > start) & (raw.op_points < stop)]
+        gone = (raw.born[inside] <= points[:, None]) & (raw.died[inside] <= points[:, None])
+        kept[i] = gone.astype(float) @ storage_bytes[inside]
+        again = int((remade & (raw.born >= backward) & (raw.born < _stretch_stop(raw, point, i))).sum())
+        left = made[again:]
+        held[i] = float(storage_bytes[left[raw.died[left] <= stop]].sum())
+    return result
 
 
 def sample_difference(a, b) -> str | None:
@@ -409,7 +437,7 @@ class ScaledStep:
         for quantity, (values, term) in self.per_block.items():
             per_block[quantity] = np.where(term >= 0, values * scale[np.maximum(term, 0)], np.nan)
         storage_bytes = self.coef @ f
-        per_block["selective_extra_bytes"] = selective_extra(a, storage_bytes)
+        per_block.update(selective_bytes(a, storage_bytes))
         if self.deepening is not None:
             blocks, step, shape = self.deepening.sample(marks, trace, per_block, storage_bytes)
         else:

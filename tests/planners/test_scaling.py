@@ -71,7 +71,7 @@ def assert_estimate_is_measured(planner, make_batch, sizes, step_fn=None):
     for size in sizes:
         predicted = planner.estimator.predict(size)
         batch = make_batch(size)  # made before the probe starts counting
-        planner.measurer.lifetimes = True  # for the selective bytes (``scaling.selective_extra``)
+        planner.measurer.lifetimes = True  # for the selective bytes (``scaling.selective_bytes``)
         try:
             planner.measurer.begin(inputs=batch)
             with planner.router.using(planner.measurer):
