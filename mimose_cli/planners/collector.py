@@ -482,6 +482,7 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
     per_block = dict(per_block)
     selective = {q: per_block.pop(q) for q in ("selective_extra_bytes", "selective_held_bytes") if q in per_block}
     selective_kept = per_block.pop("selective_fwd_kept", None)
+    selective_pending = per_block.pop("selective_recompute_pending", None)
     at = {label: (index, live) for label, index, live in marks}
     blocks = {q: [None] * num_blocks for q in BLOCK_QUANTITIES}
     step = {q: None for q in STEP_QUANTITIES}
@@ -517,6 +518,10 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
                 blocks["selective_fwd_peak_bytes"][i] = peaks + selective_kept[i]
     shape = StepShape(tuple(order), _backward_order(marks) == order[::-1])
     _block_backward(blocks, step, at, entry, marks, trace, shape, dropped)
+    if selective_pending is not None:  # a selective recompute holds the kept outputs it has not reached
+        for i, peaks in enumerate(blocks["recompute_peak_bytes"]):
+            if peaks is not None and selective_pending[i] is not None and len(selective_pending[i]) == len(peaks):
+                blocks["selective_recompute_peak_bytes"][i] = peaks + selective_pending[i]
     return blocks, step, shape
 
 

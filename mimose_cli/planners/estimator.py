@@ -102,7 +102,7 @@ class Prediction:
 _TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "selective_extra_bytes", "selective_held_bytes", "resident_bytes",
                         "gap_peak_bytes",
                         "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes", "bwd_peak_bytes",
-                        "recompute_peak_bytes")
+                        "recompute_peak_bytes", "selective_recompute_peak_bytes")
 """The block quantities ``peak_timeline`` reads (``_let_go`` reads ``release_bytes`` itself)."""
 
 
@@ -154,9 +154,10 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
 
     ``selective_mask`` (within ``plan_mask``) marks the blocks checkpointed selectively: they hold
     ``selective_extra_bytes`` more than checkpointed until their backward, their forward peaks at
-    ``selective_fwd_peak_bytes``, and their backward at the
-    recompute's peak (the kept outputs are handed to the recompute, which would have made them)
-    plus ``selective_held_bytes``, the kept outputs the recompute stops before.
+    ``selective_fwd_peak_bytes``, their recompute at ``selective_recompute_peak_bytes`` (the kept
+    outputs are handed to the recompute, which would have made them, as it comes to them) and the
+    rest of their backward with ``selective_held_bytes`` more (the kept outputs the recompute
+    stopped before).
     """
     b, s = pred.blocks, pred.step
     # An index array, not a list: numpy converts a list anew for every quantity it indexes.
@@ -167,9 +168,10 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
         if selective_mask is not None:
             selective_mask = selective_mask[..., order]
     extra = cached = 0.0
-    ckpt_fwd = b["ckpt_fwd_peak_bytes"]
+    ckpt_fwd, recompute = b["ckpt_fwd_peak_bytes"], b["recompute_peak_bytes"]
     if selective_mask is not None:
         ckpt_fwd = np.where(selective_mask, b["selective_fwd_peak_bytes"], ckpt_fwd)
+        recompute = np.where(selective_mask, b["selective_recompute_peak_bytes"], recompute)
         extra = np.where(selective_mask & plan_mask, np.maximum(b["selective_extra_bytes"], 0.0), 0.0)
         cached = np.where(selective_mask & plan_mask, np.maximum(b["selective_held_bytes"], 0.0), 0.0)
     # Inputs no plain block saves are let go of once the loop moves on (``Releases``), where a
@@ -181,7 +183,7 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
     at = entry[..., :-1]
     fwd = at + np.maximum(b["gap_peak_bytes"],
                           np.where(plan_mask, ckpt_fwd, b["fwd_peak_bytes"]))
-    own = np.maximum(b["bwd_peak_bytes"], np.where(plan_mask, b["recompute_peak_bytes"], NO_EVENT)) + cached
+    own = np.maximum(b["bwd_peak_bytes"] + cached, np.where(plan_mask, recompute, NO_EVENT))
     top = entry[..., -1:]
     # Samples run every block checkpointed, so what a block's run leaves until the forward ends
     # (autocast's cached casts) is gone in their backward; a block run plainly may keep it (its
@@ -402,7 +404,7 @@ class Estimator:
                              f"{self.num_blocks}; it was fitted for another model")
         # A state from before finer plans lacks the selective bytes (or, from before the held
         # bytes, part of them): its plans stay block-level.
-        held = ("selective_held_bytes", "selective_fwd_peak_bytes")
+        held = ("selective_held_bytes", "selective_fwd_peak_bytes", "selective_recompute_peak_bytes")
         earlier = [[q for q in BLOCK_QUANTITIES if q not in missing] for missing in (held, ("selective_extra_bytes", *held))]
         if (list(state["block_quantities"]) not in (list(BLOCK_QUANTITIES), *earlier)
                 or list(state["features"]) != list(self.feature_set.names)):

@@ -13,7 +13,7 @@ TIME_FEATURES = ("BL2", "BL", "1")
 BLOCK_QUANTITIES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "selective_extra_bytes", "selective_held_bytes",
                     "resident_bytes", "gap_peak_bytes",
                     "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes", "bwd_peak_bytes",
-                    "recompute_peak_bytes", "release_bytes",
+                    "recompute_peak_bytes", "selective_recompute_peak_bytes", "release_bytes",
                     "fwd_ms")
 """Per block, all in bytes above the live bytes at the block's entry, except ``fwd_ms``:
 ``saved_bytes`` what autograd saves (the paper's layer memory); ``plain_bytes`` and
@@ -26,7 +26,8 @@ heavy ops its recompute stops before);
 cached casts of its weights), which a block run plainly may keep until its backward;
 ``gap_peak_bytes`` the peak between the previous block and this one; ``*fwd_peak_bytes`` the
 peak during its forward (run plainly, checkpointed, checkpointed selectively); ``bwd_peak_bytes`` the peak during its backward's own ops and
-``recompute_peak_bytes`` during its recompute; ``release_bytes`` the bytes of the inputs it is
+``recompute_peak_bytes`` during its recompute (``selective_recompute_peak_bytes`` checkpointed
+selectively: the kept outputs not taken back yet held too); ``release_bytes`` the bytes of the inputs it is
 called with that are let go of once it returns when it and every other block that took them run
 plainly (``Releases``)."""
 STEP_QUANTITIES = ("pre_bytes", "pre_peak_bytes", "head_peak_bytes", "head_bwd_peak_bytes", "tail_peak_bytes")

@@ -318,30 +318,39 @@ def raw_sample(raw: RawStep, num_blocks: int, runs=()):
     return deepening.sample(marks, trace, per_block, raw.nbytes)
 
 
-SELECTIVE_QUANTITIES = ("selective_extra_bytes", "selective_held_bytes", "selective_fwd_peak_bytes")
+SELECTIVE_QUANTITIES = ("selective_extra_bytes", "selective_held_bytes", "selective_fwd_peak_bytes",
+                        "selective_recompute_peak_bytes")
 """What the probes measure of a block checkpointed selectively (``selective_bytes``)."""
+_NEVER = np.iinfo(np.int64).max
 
 
 def selective_bytes(raw: RawStep, storage_bytes: np.ndarray) -> dict:
-    """Per block (NaN where unknown), at the size whose storages have ``storage_bytes``:
+    """What a block checkpointed selectively holds beyond one checkpointed whole, derived from
+    the probe's checkpointed run and its recompute, at the size whose storages have
+    ``storage_bytes``. Torch's selective checkpointing keeps the outputs of the compute-heavy ops
+    (``RawStep.heavy``: aliases of the same storages) from the forward until its recompute comes
+    to each op and takes the kept output instead of running it; the recompute remakes them in
+    forward order, so the k-th kept output is taken back where the probe's recompute made its
+    k-th heavy output. Non-reentrant checkpointing stops recomputing once every saved tensor is
+    back (early stop), so the heavy ops after a block's last saving op are never rerun and their
+    kept outputs stay cached through the block's whole backward (a pre-norm layer's last matmul,
+    whose output only the residual add reads). Per block (NaN or None where unknown):
 
-    - ``selective_extra_bytes``, what a selective checkpoint holds beyond a full one: the
-      compute-heavy ops' outputs (``RawStep.heavy``) its checkpointed run made and freed before
-      it returned (those it returns are in ``ckpt_bytes`` already). Torch's selective
-      checkpointing keeps them (aliases of the same storages) until the recompute takes them back;
-    - ``selective_held_bytes``, the part of them no recompute takes back: non-reentrant
-      checkpointing stops recomputing once every saved tensor is back (early stop), so the heavy
-      ops after the block's last saving op are never rerun, and their kept outputs stay in the
-      checkpoint's cache through the block's whole backward (a ViT layer's last matmul, whose
-      output only a residual add reads). The recompute remakes the block's heavy outputs in
-      forward order, so those left are the ones past the number its recompute made;
-    - ``selective_fwd_kept``, after each op of its checkpointed run, the heavy outputs a selective
-      run would still hold that the checkpointed run had freed (None where unknown): its forward
-      runs the same ops, so its live bytes are the checkpointed run's plus these
-      (``collector.build_sample`` adds them to ``ckpt_fwd_peak_bytes``)."""
+    - ``selective_extra_bytes``: the kept outputs the checkpointed run had freed before it
+      returned (those it returns are in ``ckpt_bytes`` already);
+    - ``selective_held_bytes``: those of them no recompute takes back;
+    - ``selective_fwd_kept``: after each op of the checkpointed run, the kept outputs it had
+      freed by then (a selective forward runs the same ops, holding these more);
+    - ``selective_recompute_pending``: after each op of the recompute, the kept outputs not
+      taken back yet (a selective recompute holds these more than a full one).
+
+    ``collector.build_sample`` adds the last two to ``ckpt_fwd_peak_bytes`` and
+    ``recompute_peak_bytes`` (``selective_fwd_peak_bytes``, ``selective_recompute_peak_bytes``)."""
     n = len(raw.per_block["saved_bytes"])
-    extra, held, kept = np.full(n, np.nan), np.full(n, np.nan), np.full(n, None, dtype=object)
-    result = {"selective_extra_bytes": extra, "selective_held_bytes": held, "selective_fwd_kept": kept}
+    extra, held = np.full(n, np.nan), np.full(n, np.nan)
+    kept, pending = np.full(n, None, dtype=object), np.full(n, None, dtype=object)
+    result = {"selective_extra_bytes": extra, "selective_held_bytes": held, "selective_fwd_kept": kept,
+              "selective_recompute_pending": pending}
     if raw.heavy is None or len(raw.heavy) != len(storage_bytes):
         return result
     point = {label: p for (label, _, _), p in zip(raw.marks, raw.mark_points)}
@@ -354,14 +363,21 @@ def selective_bytes(raw: RawStep, storage_bytes: np.ndarray) -> dict:
         if start is None or stop is None or backward is None:
             continue
         made = np.flatnonzero(raw.heavy & (raw.born >= start) & (raw.born < stop))
-        inside = made[raw.died[made] <= stop]
+        freed = raw.died[made] <= stop
+        inside = made[freed]
         extra[i] = float(storage_bytes[inside].sum())
         points = raw.op_points[(raw.op_points > start) & (raw.op_points < stop)]
         gone = (raw.born[inside] <= points[:, None]) & (raw.died[inside] <= points[:, None])
         kept[i] = gone.astype(float) @ storage_bytes[inside]
-        again = int((remade & (raw.born >= backward) & (raw.born < _stretch_stop(raw, point, i))).sum())
-        left = made[again:]
-        held[i] = float(storage_bytes[left[raw.died[left] <= stop]].sum())
+        end = _stretch_stop(raw, point, i)
+        again = np.flatnonzero(remade & (raw.born >= backward) & (raw.born < end))[:len(made)]
+        taken_at = np.full(len(made), _NEVER)
+        taken_at[:len(again)] = raw.born[again]
+        held[i] = float(storage_bytes[inside[taken_at[freed] == _NEVER]].sum())
+        in_stretch = (raw.op_points > backward) & (raw.op_points < end)
+        recompute_points = raw.op_points[in_stretch & raw.trace.recompute]
+        waiting = taken_at[freed][None, :] > recompute_points[:, None]
+        pending[i] = waiting.astype(float) @ storage_bytes[inside]
     return result
 
 
@@ -543,7 +559,7 @@ class Deepening:
         for (_, skipped), let_go in zip(self.runs, self.let_go):
             gone = float(storage_bytes[let_go].sum())
             for j, i in enumerate(skipped, start=1):
-                for q in ("bwd_peak_bytes", "recompute_peak_bytes"):
+                for q in ("bwd_peak_bytes", "recompute_peak_bytes", "selective_recompute_peak_bytes"):
                     if full[q][i] is not None:
                         full[q][i] = full[q][i] - j * gone
         if shape is None:

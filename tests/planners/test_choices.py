@@ -196,43 +196,61 @@ def _tiny_llama():
     return LlamaForCausalLM(config).train()
 
 
+def _tiny_bert_sdpa():
+    """``tiny_bert(3)`` with torch's fused attention (a heavy op) for lengths up to 256."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=256, attn_implementation="sdpa")
+    return BertForSequenceClassification(config).train()
+
+
 def _llama_batch(size):
     ids = torch.randint(0, 64, size, generator=torch.Generator().manual_seed(size[0] * 1000 + size[1]))
     return {"input_ids": ids, "labels": ids}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_every_choice_of_a_pre_norm_stack_is_predicted_never_under(precision):
-    """A pre-norm layer ends in a matmul whose output only a residual add reads (Llama's
-    ``down_proj``, ViT's output dense). Non-reentrant checkpointing stops its recompute after the
-    last op that saves a tensor, so that matmul is never rerun and a selective checkpoint's kept
-    output of it stays cached through the layer's whole backward (``selective_held_bytes``); a
-    selective layer's forward peaks where the checkpointed run's does, plus the kept outputs freed
-    by then (``selective_fwd_peak_bytes``, no longer the checkpointed peak plus all of them). Every
-    plan of keep / selective / recompute per layer, at sizes the probes did not run: measured <=
-    predicted <= measured + 2 %."""
+@pytest.mark.parametrize("stack", ["pre-norm", "post-norm"])
+def test_every_choice_of_every_block_is_predicted_never_under(stack, precision):
+    """Every plan of keep / selective / recompute per layer, at sizes the probes did not run:
+    measured <= predicted <= measured + 2 % (3 % in bf16). What a selective checkpoint holds beyond a full one
+    changes over the step, and each change is predicted: its forward holds, at each op, the kept
+    outputs the checkpointed run had freed by then (``selective_fwd_peak_bytes``); its recompute
+    holds those it has not come to yet (``selective_recompute_peak_bytes``: a post-norm BERT
+    layer's recompute peaks with them); and a pre-norm layer (Llama's) ends in a matmul whose
+    output only the residual add reads, so non-reentrant checkpointing stops recomputing before
+    it and its kept output stays cached through the layer's whole backward
+    (``selective_held_bytes``)."""
     import itertools
 
     dtype = {"fp32": None, "bf16": torch.bfloat16}[precision]
+    model, make_batch, largest, sizes = (
+        (_tiny_llama(), _llama_batch, (4, 64), ((2, 40), (4, 64), (3, 100))) if stack == "pre-norm"
+        else (_tiny_bert_sdpa(), make, (8, 128), ((4, 40), (2, 100), (8, 128))))
 
     def step_fn(batch):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             loss = planner.model(**batch).loss
         loss.backward()
 
-    with metered_mimose(_tiny_llama(), choices="selective") as (planner, meter):
-        planner.prepare(_llama_batch, (4, 64), step_fn=step_fn)
+    # Under autocast the probes' checkpointed run casts the weights afresh while the measuring
+    # run's casts are still cached: an upper bound, up to 2.5 % of these 1 MB steps.
+    over = 1.02 if dtype is None else 1.03
+    with metered_mimose(model, choices="selective") as (planner, meter):
+        planner.prepare(make_batch, largest, step_fn=step_fn)
         assert planner._selective_known()
-        held = planner.estimator.predict((4, 64)).blocks["selective_held_bytes"]
-        assert (held > 0).all()  # the case this test exists for
-        for size in ((2, 40), (4, 64), (3, 100)):
-            batch = _llama_batch(size)
+        held = planner.estimator.predict(largest).blocks["selective_held_bytes"]
+        assert (held > 0).all() if stack == "pre-norm" else (held == 0).all()  # the case each stack is here for
+        for size in sizes:
+            batch = make_batch(size)
             for levels in itertools.product((0, 1, 2), repeat=3):
                 plan = tuple(i for i, level in enumerate(levels) if level)
                 selective = tuple(i for i, level in enumerate(levels) if level == 1)
                 predicted = planner.predict_peak(size, plan, selective)
                 measured = probe_with_plan(planner, batch, plan, step_fn=step_fn, selective=selective)
-                assert measured <= predicted <= measured * 1.02, (size, levels, predicted, measured)
+                assert measured <= predicted <= measured * over, (size, levels, predicted, measured)
 
 
 def test_a_selective_blocks_forward_peak_is_predicted_as_measured():
@@ -359,7 +377,7 @@ def test_an_estimator_saved_before_finer_plans_still_loads_and_plans_block_level
     with metered_mimose(tiny_bert(4)) as (planner, meter):
         planner.prepare(make, (4, 64))
         state = planner.estimator.state_dict()
-    selective = ("selective_extra_bytes", "selective_held_bytes", "selective_fwd_peak_bytes")
+    selective = ("selective_extra_bytes", "selective_held_bytes", "selective_fwd_peak_bytes", "selective_recompute_peak_bytes")
     state["block_quantities"] = [q for q in state["block_quantities"] if q not in selective]
     state["layout"] = [row for row in state["layout"] if row[0] not in selective]
     with metered_mimose(tiny_bert(4), choices="selective") as (planner, meter):
