@@ -1,19 +1,28 @@
 """Mimose with finer plans (``planner.mimose.choices: selective``: each block kept, checkpointed
-selectively or recomputed) against block-level Mimose (``choices: block``, the paper's plans) on
-the same runs.
+selectively or recomputed) against block-level Mimose (``choices: block``, the paper's plans) and
+the oracle over the same choices (``planner.oracle.choices: selective``) on the same runs.
 
 Per configuration, ``none`` and ``full`` run once to measure the largest step peak each needs;
 the budgets are ``full + f * (none - full)`` for f in --fractions (tight, middle, roomy), but no
 lower than 1.02 x what the pre-flight says full checkpointing needs at the recipe's largest input. At each
-budget both Mimose variants run ``--rounds`` times, their order rotated; the table gives the
-medians of training time and of recompute time (the records' ``recompute_ms`` summed), the ratios
-of the medians (selective / block), mean blocks checkpointed and selectively checkpointed, the
-mean peak over the budget, out-of-memory steps and retries. Memory is the exact simulated
-device; times are this CPU's (Python per op dominates tiny models, on which torch's selective
-checkpointing's dispatch mode costs more than the matmuls it saves, and the scheduler's time
-model sees it). Writes benchmarks/results/finer_plans.json.
+budget the variants run ``--rounds`` times, their order rotated every round. Per variant the table
+gives the time (the sum over steps of the fastest round's time for that step: the rounds run the
+same batches with the same plans, and interference from other work only adds time; the median of
+the rounds' training times is in the JSON too), the median recompute time (the records'
+``recompute_ms`` summed), mean blocks checkpointed and selectively checkpointed, the mean step peak
+over the budget where the plan checkpoints something (binding), out-of-memory steps and retries;
+then selective / block and selective / oracle. Memory is the exact simulated device; times are
+this CPU's (Python per op dominates tiny models, on which torch's selective checkpointing's
+dispatch mode costs more than the matmuls it saves, and the scheduler's time model sees it).
+
+Configurations: ``swag`` (the 12-layer tiny BERT of mimose_speed.py), ``bert-base-width`` (4 layers
+of hidden 768), ``squad`` (lengths up to 384, widely varying), and the paper-figure configurations
+of paper_figure.py (``bert-qqp``, ``bert-swag``, ``roberta-mc``; their budgets there are f = 0.05,
+0.35, 0.85). Writes benchmarks/results/<--out>.json.
 
     python benchmarks/finer_plans.py [--configs swag,bert-base-width,squad] [--steps 40] [--rounds 3]
+    python benchmarks/finer_plans.py --configs bert-qqp,bert-swag,roberta-mc --fractions 0.05,0.35,0.85 \\
+        --steps 60 --rounds 3 --out finer_plans_paper
 """
 
 import argparse
@@ -22,6 +31,8 @@ import tempfile
 
 import torch
 from mimose_safety import recipe_for
+from paper_figure import CONFIGS as PAPER_CONFIGS
+from paper_figure import make_recipe
 
 from mimose_cli.launcher.train import run_training
 
@@ -34,29 +45,50 @@ CONFIGS = {  # name -> (the mimose_safety.py preset, overrides)
     # Lengths that vary widely from batch to batch (SQuAD-like question answering, up to 384 tokens).
     "squad": ("squad", ("data.max_length=384",)),
 }
+VARIANTS = {  # name -> (planner, overrides)
+    "block": ("mimose", ("planner.mimose.choices=block",)),
+    "selective": ("mimose", ("planner.mimose.choices=selective",)),
+    "oracle": ("oracle", ("planner.oracle.choices=selective",)),
+}
 
 
-def run(config: str, steps: int, out_dir, planner: str, budget, choices: str = "block") -> dict:
-    preset, config_overrides = CONFIGS[config]
-    overrides = [*config_overrides, f"planner.name={planner}", f"budget={budget or 'null'}",
-                 f"planner.mimose.choices={choices}"]
-    result = run_training(recipe_for(preset, steps, out_dir, *overrides), view="none", recipe_name=f"finer-{config}")
+def _recipe(config: str, steps: int, out_dir, overrides: list):
+    if config in CONFIGS:
+        preset, config_overrides = CONFIGS[config]
+        return recipe_for(preset, steps, out_dir, *config_overrides, *overrides)
+    return make_recipe(PAPER_CONFIGS[config], steps, out_dir, sheltered=5, overrides=overrides)
+
+
+def run(config: str, steps: int, out_dir, planner: str, budget, overrides=()) -> dict:
+    recipe = _recipe(config, steps, out_dir, [f"planner.name={planner}", f"budget={budget or 'null'}", *overrides])
+    result = run_training(recipe, view="none", recipe_name=f"finer-{config}")
     records = [r for r in result.records if not r.oom]
-    peak = max((r.peak_bytes or 0 for r in records), default=None)
     if not records:
         raise SystemExit(f"{config} {planner} at budget {budget}: every step ran out of memory: "
                          f"{result.records[0].error if result.records else result.summary}")
-    return {"train_s": result.summary["train_time_s"],
+    budget = result.summary["budget_bytes"] if budget else None
+    binding = [r.peak_bytes / budget for r in records if budget and r.plan]
+    return {"train_s": result.summary["train_time_s"], "step_ms": [r.train_ms for r in result.records],
             "recompute_ms": sum(r.recompute_ms or 0.0 for r in records),
-            "peak_bytes": peak, "mean_peak_over_budget": (statistics.mean(r.peak_bytes for r in records) / result.summary["budget_bytes"]
-                                                          if budget else None),
+            "peak_bytes": max(r.peak_bytes or 0 for r in records),
+            "mean_peak_over_budget": (statistics.mean(r.peak_bytes for r in records) / budget if budget else None),
+            "binding_peak_over_budget": statistics.mean(binding) if binding else None,
             "checkpointed": result.summary["mean_checkpointed_blocks"],
             "selective": result.summary.get("mean_selective_blocks"),
             "oom_steps": sum(r.oom for r in result.records), "retries": sum(r.retries for r in result.records),
             "preflight_full_bytes": (result.summary.get("preflight") or {}).get("full_bytes")}
 
 
-def evaluate(config: str, steps: int, rounds: int, fractions: list) -> list:
+def step_min_s(runs: list) -> float | None:
+    """Σ over steps of the fastest round's time for that step (s); None when the rounds ran
+    different numbers of steps."""
+    per_round = [r["step_ms"] for r in runs]
+    if len({len(times) for times in per_round}) != 1:
+        return None
+    return sum(min(step) for step in zip(*per_round)) / 1e3
+
+
+def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: list) -> list:
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
         none_peak = run(config, steps, out_dir, "none", None)["peak_bytes"]
@@ -65,47 +97,67 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list) -> list:
         for fraction in fractions:
             # The pre-flight refuses a budget below full checkpointing's need at the largest input.
             budget = max(int(full_peak + fraction * (none_peak - full_peak)), int(1.02 * floor))
-            runs = {"block": [], "selective": []}
+            runs = {v: [] for v in variants}
             for round_ in range(rounds):
-                for choices in (("block", "selective") if round_ % 2 == 0 else ("selective", "block")):
-                    runs[choices].append(run(config, steps, out_dir, "mimose", budget, choices))
-            median = {c: {q: statistics.median(r[q] for r in rs) for q in ("train_s", "recompute_ms")}
-                      for c, rs in runs.items()}
-            rows.append({"config": config, "fraction": fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
-                         "full_peak_bytes": full_peak, "runs": runs, "median": median,
-                         "train_ratio": median["selective"]["train_s"] / median["block"]["train_s"],
-                         "recompute_ratio": (median["selective"]["recompute_ms"] / median["block"]["recompute_ms"]
-                                             if median["block"]["recompute_ms"] else None)})
-            print_row(rows[-1])
+                order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
+                for variant in order:
+                    planner, overrides = VARIANTS[variant]
+                    runs[variant].append(run(config, steps, out_dir, planner, budget, overrides))
+            median = {v: {"train_s": statistics.median(r["train_s"] for r in rs), "time_s": step_min_s(rs),
+                          "recompute_ms": statistics.median(r["recompute_ms"] for r in rs)}
+                      for v, rs in runs.items()}
+            row = {"config": config, "fraction": fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
+                   "full_peak_bytes": full_peak, "runs": runs, "median": median}
+            for other in ("block", "oracle"):
+                if "selective" in median and other in median:
+                    a, b = median["selective"], median[other]
+                    row[f"time_vs_{other}"] = a["time_s"] / b["time_s"] if a["time_s"] and b["time_s"] else None
+                    row[f"train_vs_{other}"] = a["train_s"] / b["train_s"]
+                    row[f"recompute_vs_{other}"] = a["recompute_ms"] / b["recompute_ms"] if b["recompute_ms"] else None
+            rows.append(row)
+            print_row(row)
     return rows
 
 
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def print_row(row: dict) -> None:
-    for choices in ("block", "selective"):
-        last = row["runs"][choices][-1]
-        m = row["median"][choices]
-        print(f"{row['config']:16} {row['fraction']:5.2f} {choices:9} {m['train_s']:8.1f} {m['recompute_ms']:11.0f} "
-              f"{last['checkpointed']:6.2f} {last['selective'] or 0:6.2f} {last['mean_peak_over_budget']:6.3f} "
-              f"{sum(r['oom_steps'] for r in row['runs'][choices]):4} {sum(r['retries'] for r in row['runs'][choices]):4}",
-              flush=True)
-    recompute = "n/a" if row["recompute_ratio"] is None else f"{row['recompute_ratio']:.3f}"
-    print(f"{'':16} {'':5} selective/block: time {row['train_ratio']:.3f}, recompute {recompute}", flush=True)
+    for variant, runs in row["runs"].items():
+        last, m = runs[-1], row["median"][variant]
+        print(f"{row['config']:16} {row['fraction']:5.2f} {variant:9} {_fmt(m['time_s'], '8.1f')} {m['train_s']:8.1f} "
+              f"{m['recompute_ms']:11.0f} {last['checkpointed']:6.2f} {last['selective'] or 0:6.2f} "
+              f"{_fmt(last['binding_peak_over_budget'], '6.3f')} "
+              f"{sum(r['oom_steps'] for r in runs):4} {sum(r['retries'] for r in runs):4}", flush=True)
+    for other in ("block", "oracle"):
+        if f"time_vs_{other}" in row:
+            print(f"{'':16} {'':5} selective/{other}: time {_fmt(row[f'time_vs_{other}'], '.3f')} "
+                  f"(medians {row[f'train_vs_{other}']:.3f}), recompute {_fmt(row[f'recompute_vs_{other}'], '.3f')}",
+                  flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="swag,bert-base-width")
+    parser.add_argument("--configs", default="swag,bert-base-width",
+                        help="comma-separated, from " + ",".join([*CONFIGS, *PAPER_CONFIGS]))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fractions", default="0.1,0.5,0.9")
+    parser.add_argument("--variants", default="block,selective,oracle", help="comma-separated, from " + ",".join(VARIANTS))
+    parser.add_argument("--out", default="finer_plans", help="the JSON's name in benchmarks/results")
     args = parser.parse_args()
+    configs, variants = args.configs.split(","), args.variants.split(",")
+    unknown = [c for c in configs if c not in CONFIGS and c not in PAPER_CONFIGS] + [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown configuration or variant {unknown[0]!r}")
     torch.set_num_threads(1)
-    print(f"{'config':16} {'f':>5} {'choices':9} {'train s':>8} {'recompute ms':>11} {'ckpt':>6} {'sel':>6} "
+    print(f"{'config':16} {'f':>5} {'variant':9} {'time s':>8} {'median':>8} {'recompute ms':>11} {'ckpt':>6} {'sel':>6} "
           f"{'peak/b':>6} {'oom':>4} {'retr':>4}")
     rows = []
-    for config in args.configs.split(","):
-        rows += evaluate(config, args.steps, args.rounds, [float(f) for f in args.fractions.split(",")])
-    write_results("finer_plans", rows, steps=args.steps, rounds=args.rounds, threads=1)
+    for config in configs:
+        rows += evaluate(config, args.steps, args.rounds, [float(f) for f in args.fractions.split(",")], variants)
+    write_results(args.out, rows, steps=args.steps, rounds=args.rounds, threads=1, variants=variants)
 
 
 if __name__ == "__main__":

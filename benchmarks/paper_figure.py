@@ -53,12 +53,13 @@ CONFIGS = {
 }
 
 
-def make_recipe(config: dict, steps: int, out_dir: Path, sheltered: int):
+def make_recipe(config: dict, steps: int, out_dir: Path, sheltered: int, overrides=()):
+    """The recipe of one configuration (``overrides``: ``key=value`` as on the command line)."""
     data = json.loads(json.dumps(config))
     data["training"].update(max_steps=steps, lr=1e-3, warmup_steps=2)
     data["planner"] = {"name": "mimose", "mimose": {"sheltered_steps": sheltered}}
     data.update(device="cpu", seed=0, out_dir=str(out_dir))
-    return recipe_from_dict(data, "<paper_figure>")
+    return recipe_from_dict(data, "<paper_figure>", overrides=overrides)
 
 
 def budgets_for(recipe) -> list:

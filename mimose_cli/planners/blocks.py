@@ -372,10 +372,28 @@ kernels (their recompute costs most per byte); pointwise ops, norms, softmax and
 recomputed."""
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
+def _selective_contexts(keep: int | None = None):
+    """Torch's selective checkpoint contexts for one checkpointed call: the compute-heavy ops'
+    outputs kept, the rest recomputed; with ``keep``, only the first ``keep`` output tensors of
+    heavy ops (in forward order) are kept. Non-reentrant checkpointing stops recomputing once the
+    last saved tensor is packed again — for a matmul, its input, before it runs — so a block's
+    last matmul (a pre-norm layer's, whose output only the residual add reads) is never rerun and
+    an output kept for it would only be held until the block's backward is over: the probes count
+    the heavy outputs the recompute does take back (``scaling.selective_keeps``), and those are
+    kept."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    return CheckpointPolicy.MUST_SAVE if op in COMPUTE_HEAVY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    seen = 0
+
+    def policy(ctx, op, *args, **kwargs):
+        nonlocal seen
+        if op not in COMPUTE_HEAVY_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        out = ctx.op_output
+        seen += 1 if isinstance(out, torch.Tensor) else sum(isinstance(t, torch.Tensor) for t in tree_leaves(out))
+        return CheckpointPolicy.MUST_SAVE if keep is None or seen <= keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def selectable(blocks: list) -> list:
@@ -384,33 +402,35 @@ def selectable(blocks: list) -> list:
     return [next(block.buffers(), None) is None for _, block in blocks]
 
 
-def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None, choice: str = RECOMPUTE):
+def run_checkpointed(forward, args, kwargs, clock: RecomputeClock | None = None, choice: str = RECOMPUTE,
+                     keep: int | None = None):
     """Run ``forward`` under non-reentrant checkpointing with RNG state preserved: all of it
     recomputed in backward, or (``choice`` ``SELECTIVE``) all but the compute-heavy ops' outputs,
-    which are kept; a ``clock`` times the recomputation."""
+    which are kept (the first ``keep`` of them: ``_selective_contexts``); a ``clock`` times the
+    recomputation."""
     if clock is not None:
         forward = clock.timed(forward)
     extra = {}
     if choice == SELECTIVE:
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+        extra["context_fn"] = functools.partial(_selective_contexts, keep)
     elif choice != RECOMPUTE:
         raise ValueError(f"choice={choice!r} cannot be checkpointed; expected {SELECTIVE!r} or {RECOMPUTE!r}")
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
-def run_block(choice: str, forward, args, kwargs, clock: RecomputeClock | None = None, offload_hooks=None):
+def run_block(choice: str, forward, args, kwargs, clock: RecomputeClock | None = None, offload_hooks=None,
+              keep: int | None = None):
     """The one place a block is run as a plan chose (``CHOICES``), in training; an ``OFFLOAD``
-    block runs under ``offload_hooks()`` (``PlanRunner.offload_hooks``). A choice is one of
-    ``CHOICES`` whatever the planner, and each is applied here alone."""
+    block runs under ``offload_hooks()`` (``PlanRunner.offload_hooks``), a ``SELECTIVE`` one keeps
+    the first ``keep`` heavy outputs (all when None). A choice is one of ``CHOICES`` whatever the
+    planner, and each is applied here alone."""
     if choice == KEEP or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     if choice == OFFLOAD:
         assert offload_hooks is not None, "an OFFLOAD block needs the hooks that move its saved tensors"
         with offload_hooks():
             return forward(*args, **kwargs)
-    return run_checkpointed(forward, args, kwargs, clock, choice)
+    return run_checkpointed(forward, args, kwargs, clock, choice, keep)
 
 
 # The keyword arguments Hugging Face's GradientCheckpointingLayer clears when it checkpoints
@@ -472,6 +492,10 @@ class PlanRunner(BlockRunner):
         ``memory.offload.OffloadHooks`` of one offloaded block's call."""
         self.offload_hooks = None
         """What makes one offloaded block call's hooks, for the plan in force (None: none offloads)."""
+        self.selective_keep: dict = {}
+        """Per block, how many compute-heavy outputs a selective checkpoint of it keeps: those its
+        recompute takes back, as the probes counted them (``scaling.selective_keeps``); a block not
+        in it keeps them all."""
 
     def use(self, plan, selective=(), offload=()) -> None:
         self.plan = tuple(sorted(plan))
@@ -495,7 +519,8 @@ class PlanRunner(BlockRunner):
         self.use(info.plan, info.selective, info.offload)
 
     def run(self, index, forward, args, kwargs):
-        return run_block(self.choice(index), forward, args, kwargs, self.clock, self.offload_hooks)
+        return run_block(self.choice(index), forward, args, kwargs, self.clock, self.offload_hooks,
+                         self.selective_keep.get(index))
 
 
 class StepRouter:

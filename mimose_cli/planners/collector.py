@@ -480,9 +480,12 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
     its plain run would hold and peak at (above its entry) is its twin's."""
     twins = twins or {}
     per_block = dict(per_block)
-    selective = {q: per_block.pop(q) for q in ("selective_extra_bytes", "selective_held_bytes") if q in per_block}
-    selective_kept = per_block.pop("selective_fwd_kept", None)
-    selective_pending = per_block.pop("selective_recompute_pending", None)
+    extra = per_block.pop("selective_extra_bytes", None)
+    # What a selective checkpoint holds beyond a full one after each op (``scaling.selective_bytes``).
+    selective_more = {(base, q): per_block.pop(name, None) for base, q, name in (
+        ("ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes", "selective_fwd_kept"),
+        ("recompute_peak_bytes", "selective_recompute_peak_bytes", "selective_recompute_pending"),
+        ("bwd_peak_bytes", "selective_bwd_peak_bytes", "selective_bwd_pending"))}
     at = {label: (index, live) for label, index, live in marks}
     blocks = {q: [None] * num_blocks for q in BLOCK_QUANTITIES}
     step = {q: None for q in STEP_QUANTITIES}
@@ -508,20 +511,16 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
             _block_forward(blocks, i, at, entry[i], after[i], trace, per_block)
         if following is not None and blocks["ckpt_bytes"][i] is not None and ("enter", following) in at:
             blocks["gap_peak_bytes"][following] = trace.ops(at[("ckpt", i)][0], *at[("enter", following)])
-    for q, values in selective.items():  # a selective checkpoint also holds its compute-heavy ops' outputs
+    if extra is not None:  # a selective checkpoint also holds its compute-heavy ops' outputs
         for i, ckpt in enumerate(blocks["ckpt_bytes"]):
-            if ckpt is not None and not np.isnan(values[i]):
-                blocks[q][i] = np.array([values[i]])
-    if selective_kept is not None:  # a selective run is the checkpointed run holding more
-        for i, peaks in enumerate(blocks["ckpt_fwd_peak_bytes"]):
-            if peaks is not None and selective_kept[i] is not None and len(selective_kept[i]) == len(peaks):
-                blocks["selective_fwd_peak_bytes"][i] = peaks + selective_kept[i]
+            if ckpt is not None and not np.isnan(extra[i]):
+                blocks["selective_extra_bytes"][i] = np.array([extra[i]])
     shape = StepShape(tuple(order), _backward_order(marks) == order[::-1])
     _block_backward(blocks, step, at, entry, marks, trace, shape, dropped)
-    if selective_pending is not None:  # a selective recompute holds the kept outputs it has not reached
-        for i, peaks in enumerate(blocks["recompute_peak_bytes"]):
-            if peaks is not None and selective_pending[i] is not None and len(selective_pending[i]) == len(peaks):
-                blocks["selective_recompute_peak_bytes"][i] = peaks + selective_pending[i]
+    for (base, q), more in selective_more.items():  # the same ops, holding the kept outputs too
+        for i, peaks in enumerate(blocks[base] if more is not None else ()):
+            if peaks is not None and more[i] is not None and len(more[i]) == len(peaks):
+                blocks[q][i] = peaks + more[i]
     return blocks, step, shape
 
 

@@ -99,10 +99,9 @@ class Prediction:
         return np.maximum(self.blocks["plain_bytes"] - released - self.blocks["ckpt_bytes"], 0.0)
 
 
-_TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "selective_extra_bytes", "selective_held_bytes", "resident_bytes",
-                        "gap_peak_bytes",
+_TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "selective_extra_bytes", "resident_bytes", "gap_peak_bytes",
                         "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes", "bwd_peak_bytes",
-                        "recompute_peak_bytes", "selective_recompute_peak_bytes")
+                        "selective_bwd_peak_bytes", "recompute_peak_bytes", "selective_recompute_peak_bytes")
 """The block quantities ``peak_timeline`` reads (``_let_go`` reads ``release_bytes`` itself)."""
 
 
@@ -153,11 +152,10 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
     gradients are in the fitted values.
 
     ``selective_mask`` (within ``plan_mask``) marks the blocks checkpointed selectively: they hold
-    ``selective_extra_bytes`` more than checkpointed until their backward, their forward peaks at
-    ``selective_fwd_peak_bytes``, their recompute at ``selective_recompute_peak_bytes`` (the kept
-    outputs are handed to the recompute, which would have made them, as it comes to them) and the
-    rest of their backward with ``selective_held_bytes`` more (the kept outputs the recompute
-    stopped before).
+    ``selective_extra_bytes`` more than checkpointed until their backward, and their forward,
+    recompute and the rest of their backward peak at the ``selective_*_peak_bytes`` (the kept
+    outputs held until the recompute takes them back; never below the checkpointed peaks, which
+    measured training steps may have raised beyond the probes' selective ones).
     """
     b, s = pred.blocks, pred.step
     # An index array, not a list: numpy converts a list anew for every quantity it indexes.
@@ -167,13 +165,14 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
         plan_mask = plan_mask[..., order]
         if selective_mask is not None:
             selective_mask = selective_mask[..., order]
-    extra = cached = 0.0
-    ckpt_fwd, recompute = b["ckpt_fwd_peak_bytes"], b["recompute_peak_bytes"]
+    extra = 0.0
+    ckpt_fwd, own_bwd, recompute = b["ckpt_fwd_peak_bytes"], b["bwd_peak_bytes"], b["recompute_peak_bytes"]
     if selective_mask is not None:
-        ckpt_fwd = np.where(selective_mask, b["selective_fwd_peak_bytes"], ckpt_fwd)
-        recompute = np.where(selective_mask, b["selective_recompute_peak_bytes"], recompute)
+        ckpt_fwd, own_bwd, recompute = (
+            np.where(selective_mask, np.maximum(b[f"selective_{q}"], base), base)
+            for q, base in (("fwd_peak_bytes", ckpt_fwd), ("bwd_peak_bytes", own_bwd),
+                            ("recompute_peak_bytes", recompute)))
         extra = np.where(selective_mask & plan_mask, np.maximum(b["selective_extra_bytes"], 0.0), 0.0)
-        cached = np.where(selective_mask & plan_mask, np.maximum(b["selective_held_bytes"], 0.0), 0.0)
     # Inputs no plain block saves are let go of once the loop moves on (``Releases``), where a
     # checkpoint keeps them until its backward.
     let_go, unseen = _let_go(pred, plan_mask, order)
@@ -183,7 +182,7 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
     at = entry[..., :-1]
     fwd = at + np.maximum(b["gap_peak_bytes"],
                           np.where(plan_mask, ckpt_fwd, b["fwd_peak_bytes"]))
-    own = np.maximum(b["bwd_peak_bytes"] + cached, np.where(plan_mask, recompute, NO_EVENT))
+    own = np.maximum(np.where(plan_mask, own_bwd, b["bwd_peak_bytes"]), np.where(plan_mask, recompute, NO_EVENT))
     top = entry[..., -1:]
     # Samples run every block checkpointed, so what a block's run leaves until the forward ends
     # (autocast's cached casts) is gone in their backward; a block run plainly may keep it (its
@@ -402,16 +401,18 @@ class Estimator:
         if state["num_blocks"] != self.num_blocks:
             raise ValueError(f"the saved estimator has {state['num_blocks']} blocks, this model "
                              f"{self.num_blocks}; it was fitted for another model")
-        # A state from before finer plans lacks the selective bytes (or, from before the held
-        # bytes, part of them): its plans stay block-level.
-        held = ("selective_held_bytes", "selective_fwd_peak_bytes", "selective_recompute_peak_bytes")
-        earlier = [[q for q in BLOCK_QUANTITIES if q not in missing] for missing in (held, ("selective_extra_bytes", *held))]
-        if (list(state["block_quantities"]) not in (list(BLOCK_QUANTITIES), *earlier)
+        # A state from before finer plans lacks the selective quantities, or some of today's: they
+        # are left out (the plans stay block-level, ``Mimose._selective_known``).
+        def unselective(quantities):
+            return [q for q in quantities if not q.startswith("selective_")]
+
+        if (unselective(state["block_quantities"]) != unselective(BLOCK_QUANTITIES)
                 or list(state["features"]) != list(self.feature_set.names)):
             raise ValueError("the saved estimator was written by an incompatible mimose version")
         self.sizes = [tuple(s) for s in state["sizes"]]
         self.samples = []
-        self.layout = {(q, i): (offset, ops) for q, i, offset, ops in state["layout"]}
+        known = set(BLOCK_QUANTITIES) | set(STEP_QUANTITIES)
+        self.layout = {(q, i): (offset, ops) for q, i, offset, ops in state["layout"] if q in known}
         self._end = None
         self.rows = [np.array([np.nan if v is None else v for v in row], dtype=float) for row in state["rows"]]
         order = state.get("order")

@@ -10,24 +10,23 @@ import numpy as np
 
 FEATURES = ("BL2", "BL", "1", "B", "L2", "L")
 TIME_FEATURES = ("BL2", "BL", "1")
-BLOCK_QUANTITIES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "selective_extra_bytes", "selective_held_bytes",
-                    "resident_bytes", "gap_peak_bytes",
-                    "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes", "bwd_peak_bytes",
-                    "recompute_peak_bytes", "selective_recompute_peak_bytes", "release_bytes",
+BLOCK_QUANTITIES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "selective_extra_bytes", "resident_bytes",
+                    "gap_peak_bytes", "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes",
+                    "bwd_peak_bytes", "selective_bwd_peak_bytes", "recompute_peak_bytes",
+                    "selective_recompute_peak_bytes", "release_bytes",
                     "fwd_ms")
 """Per block, all in bytes above the live bytes at the block's entry, except ``fwd_ms``:
 ``saved_bytes`` what autograd saves (the paper's layer memory); ``plain_bytes`` and
 ``ckpt_bytes`` the live bytes the block adds until its backward, run plainly or checkpointed,
 ``selective_extra_bytes`` what it holds beyond ``ckpt_bytes`` checkpointed selectively (its
-compute-heavy ops' outputs; known where the probes measured it, ``scaling.selective_bytes``) and
-``selective_held_bytes`` the part of it still held through its whole backward (the outputs of
-heavy ops its recompute stops before);
+compute-heavy ops' outputs; known where the probes measured it, ``scaling.selective_bytes``);
 ``resident_bytes`` what its run leaves live beyond its outputs until the forward ends (autocast's
 cached casts of its weights), which a block run plainly may keep until its backward;
 ``gap_peak_bytes`` the peak between the previous block and this one; ``*fwd_peak_bytes`` the
-peak during its forward (run plainly, checkpointed, checkpointed selectively); ``bwd_peak_bytes`` the peak during its backward's own ops and
-``recompute_peak_bytes`` during its recompute (``selective_recompute_peak_bytes`` checkpointed
-selectively: the kept outputs not taken back yet held too); ``release_bytes`` the bytes of the inputs it is
+peak during its forward (run plainly, checkpointed, checkpointed selectively: ``selective_*``
+quantities are the peaks of a selective checkpoint, which holds its kept outputs until its
+recompute takes them back); ``bwd_peak_bytes`` the peak during its backward's own ops and
+``recompute_peak_bytes`` during its recompute; ``release_bytes`` the bytes of the inputs it is
 called with that are let go of once it returns when it and every other block that took them run
 plainly (``Releases``)."""
 STEP_QUANTITIES = ("pre_bytes", "pre_peak_bytes", "head_peak_bytes", "head_bwd_peak_bytes", "tail_peak_bytes")

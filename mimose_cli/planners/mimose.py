@@ -51,6 +51,7 @@ from mimose_cli.planners.scaling import (
     raw_sample,
     run_difference,
     sample_difference,
+    selective_keeps,
     structure_difference,
     twin_difference,
 )
@@ -396,6 +397,8 @@ class Mimose(Planner):
             stand_in.update({i: twins.get(template, template) for i in skipped})
         # The dispatch modes' costs are timed once the device's meter is back (``_probe``).
         self.choice_times = ChoiceTimes.from_probes(raws, [math.prod(size) for size in sizes], stand_in, (0.0, 0.0))
+        keeps = selective_keeps(raws[0], self.num_blocks, stand_in)
+        self.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
 
     def _probe_pair(self, make_batch, sizes: list, step_fn, twins: dict) -> list:
         """The two measured probe steps at ``sizes`` (``RawStep``s), the first once more when it
@@ -618,11 +621,12 @@ class Mimose(Planner):
 
     def _selective_known(self) -> bool:
         """Whether plans may checkpoint blocks selectively: asked for, each block's selective
-        bytes in the estimate (the probes measure them; measured training steps do not) and
-        their recompute times known."""
-        layout = self.estimator.layout
+        bytes in the estimate (the probes measure them; measured training steps do not), how many
+        heavy outputs it keeps and their recompute times known."""
+        layout, blocks = self.estimator.layout, range(self.num_blocks)
         return (self.choices == "selective" and self.choice_times is not None
-                and all((q, i) in layout for q in SELECTIVE_QUANTITIES for i in range(self.num_blocks)))
+                and all(i in self.plan_runner.selective_keep for i in blocks)
+                and all((q, i) in layout for q in SELECTIVE_QUANTITIES for i in blocks))
 
     def size_key(self, size: tuple) -> tuple:
         return self.cache_key(size)
@@ -735,6 +739,7 @@ class Mimose(Planner):
                 "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits, list(v.selective)] for k, v in self.cache.items()],
                 "choices": self.choices,
                 "choice_times": self.choice_times.state_dict() if self.choice_times is not None else None,
+                "selective_keep": [[i, k] for i, k in self.plan_runner.selective_keep.items()],
                 "recovery_margins": [[list(k), v] for k, v in self.recovery_margins.items()],
                 "counters": asdict(self.counts)}
 
@@ -751,6 +756,7 @@ class Mimose(Planner):
         self._loaded = True
         self.cache = {}
         self.choice_times = ChoiceTimes.from_state(state.get("choice_times")) if self.choices == "selective" else None
+        self.plan_runner.selective_keep = {int(i): int(k) for i, k in state.get("selective_keep", [])}
         if state.get("granularity") == self.granularity and state.get("choices", "block") == self.choices:
             self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), tuple(rest[0]) if rest else ())
                           for k, p, peak, fits, *rest in state.get("cache", [])}

@@ -29,7 +29,7 @@ from mimose_cli.planners.estimator import (
     peak_timeline,
     plan_peak_bytes,
 )
-from mimose_cli.planners.scaling import SELECTIVE_QUANTITIES, raw_sample
+from mimose_cli.planners.scaling import SELECTIVE_QUANTITIES, raw_sample, selective_keeps
 from mimose_cli.planners.sublinear import BlockProfile
 from mimose_cli.planners.trial import probe_step, to_model_device
 
@@ -235,6 +235,9 @@ class Oracle(Planner):
                 self._dispatch_costs = dispatch_costs_ms()
             units = [float(np.prod(size))] * 2
             times = None if raw is None else ChoiceTimes.from_probes([raw, raw], units, {}, self._dispatch_costs)
+            if raw is not None:  # the heavy outputs a selective checkpoint keeps, as Mimose's probes count them
+                keeps = selective_keeps(raw, self.num_blocks, {})
+                self.plan_runner.selective_keep.update({i: k for i, k in enumerate(keeps) if k is not None})
             self.choice_ms[size] = times.at(units[0]) if times is not None else None
         pred = None if sample is None else measured_prediction(size, sample, self.num_blocks)
         if pred is None:

@@ -318,66 +318,92 @@ def raw_sample(raw: RawStep, num_blocks: int, runs=()):
     return deepening.sample(marks, trace, per_block, raw.nbytes)
 
 
-SELECTIVE_QUANTITIES = ("selective_extra_bytes", "selective_held_bytes", "selective_fwd_peak_bytes",
-                        "selective_recompute_peak_bytes")
+SELECTIVE_QUANTITIES = ("selective_extra_bytes", "selective_fwd_peak_bytes", "selective_recompute_peak_bytes",
+                        "selective_bwd_peak_bytes")
 """What the probes measure of a block checkpointed selectively (``selective_bytes``)."""
-_NEVER = np.iinfo(np.int64).max
 
 
-def selective_bytes(raw: RawStep, storage_bytes: np.ndarray) -> dict:
-    """What a block checkpointed selectively holds beyond one checkpointed whole, derived from
-    the probe's checkpointed run and its recompute, at the size whose storages have
-    ``storage_bytes``. Torch's selective checkpointing keeps the outputs of the compute-heavy ops
-    (``RawStep.heavy``: aliases of the same storages) from the forward until its recompute comes
-    to each op and takes the kept output instead of running it; the recompute remakes them in
-    forward order, so the k-th kept output is taken back where the probe's recompute made its
-    k-th heavy output. Non-reentrant checkpointing stops recomputing once every saved tensor is
-    back (early stop), so the heavy ops after a block's last saving op are never rerun and their
-    kept outputs stay cached through the block's whole backward (a pre-norm layer's last matmul,
-    whose output only the residual add reads). Per block (NaN or None where unknown):
+def _kept_and_taken(raw: RawStep) -> list:
+    """Per block, where a selective checkpoint of it keeps compute-heavy outputs and where its
+    recompute takes them back, from the probe's checkpointed run and its recompute: ``(start,
+    stop, backward, end, kept, taken)`` (its forward's and its backward's points, the heavy
+    storages its forward made that the recompute makes again — in forward order, the ones kept
+    (``blocks._selective_contexts``) — and the points where it makes them), or None where unknown.
 
-    - ``selective_extra_bytes``: the kept outputs the checkpointed run had freed before it
-      returned (those it returns are in ``ckpt_bytes`` already);
-    - ``selective_held_bytes``: those of them no recompute takes back;
-    - ``selective_fwd_kept``: after each op of the checkpointed run, the kept outputs it had
-      freed by then (a selective forward runs the same ops, holding these more);
-    - ``selective_recompute_pending``: after each op of the recompute, the kept outputs not
-      taken back yet (a selective recompute holds these more than a full one).
-
-    ``collector.build_sample`` adds the last two to ``ckpt_fwd_peak_bytes`` and
-    ``recompute_peak_bytes`` (``selective_fwd_peak_bytes``, ``selective_recompute_peak_bytes``)."""
-    n = len(raw.per_block["saved_bytes"])
-    extra, held = np.full(n, np.nan), np.full(n, np.nan)
-    kept, pending = np.full(n, None, dtype=object), np.full(n, None, dtype=object)
-    result = {"selective_extra_bytes": extra, "selective_held_bytes": held, "selective_fwd_kept": kept,
-              "selective_recompute_pending": pending}
-    if raw.heavy is None or len(raw.heavy) != len(storage_bytes):
-        return result
+    Torch's selective checkpointing keeps a heavy op's outputs (aliases of the same storages) from
+    the forward until its recompute comes to that op and takes them instead of running it. The
+    recompute remakes the heavy outputs in forward order, so the k-th kept output is taken back
+    where the probe's recompute made its k-th heavy output (of the same shape; otherwise nothing
+    is derived). It stops once the last saved tensor is packed again (non-reentrant checkpointing's
+    early stop), before a block's last matmul: that output and any after it are not kept."""
+    if raw.heavy is None:
+        return [None] * len(raw.per_block["saved_bytes"])
     point = {label: p for (label, _, _), p in zip(raw.marks, raw.mark_points)}
     recomputed_at = np.zeros(raw.points + 1, dtype=bool)
     recomputed_at[raw.op_points[raw.trace.recompute]] = True
     remade = raw.heavy & recomputed_at[np.minimum(raw.born, raw.points)]
-    for i in range(n):
+    out = []
+    for i in range(len(raw.per_block["saved_bytes"])):
         start, stop = point.get(("dropped", i), point.get(("enter", i))), point.get(("ckpt", i))
         backward = point.get(("bwd", i))
         if start is None or stop is None or backward is None:
+            out.append(None)
             continue
-        made = np.flatnonzero(raw.heavy & (raw.born >= start) & (raw.born < stop))
-        freed = raw.died[made] <= stop
-        inside = made[freed]
-        extra[i] = float(storage_bytes[inside].sum())
-        points = raw.op_points[(raw.op_points > start) & (raw.op_points < stop)]
-        gone = (raw.born[inside] <= points[:, None]) & (raw.died[inside] <= points[:, None])
-        kept[i] = gone.astype(float) @ storage_bytes[inside]
         end = _stretch_stop(raw, point, i)
-        again = np.flatnonzero(remade & (raw.born >= backward) & (raw.born < end))[:len(made)]
-        taken_at = np.full(len(made), _NEVER)
-        taken_at[:len(again)] = raw.born[again]
-        held[i] = float(storage_bytes[inside[taken_at[freed] == _NEVER]].sum())
-        in_stretch = (raw.op_points > backward) & (raw.op_points < end)
-        recompute_points = raw.op_points[in_stretch & raw.trace.recompute]
-        waiting = taken_at[freed][None, :] > recompute_points[:, None]
-        pending[i] = waiting.astype(float) @ storage_bytes[inside]
+        made = np.flatnonzero(raw.heavy & (raw.born >= start) & (raw.born < stop))
+        again = np.flatnonzero(remade & (raw.born >= backward) & (raw.born < end))
+        if len(again) > len(made) or any(raw.shapes[k] != raw.shapes[m] for k, m in zip(again, made)):
+            out.append(None)  # the recompute made other heavy outputs than the forward: not paired
+            continue
+        out.append((start, stop, backward, end, made[:len(again)], raw.born[again]))
+    return out
+
+
+def selective_keeps(raw: RawStep, num_blocks: int, stand_in: dict) -> list:
+    """Per block, how many compute-heavy outputs a selective checkpoint keeps (``PlanRunner.
+    selective_keep``): those its recompute takes back (``_kept_and_taken``); a block the probe did
+    not run takes the block standing in for it. None where unknown."""
+    keeps = [None if pairing is None else len(pairing[4]) for pairing in _kept_and_taken(raw)]
+    return [keeps[i] if keeps[i] is not None or i not in stand_in else keeps[stand_in[i]] for i in range(num_blocks)]
+
+
+def selective_bytes(raw: RawStep, storage_bytes: np.ndarray) -> dict:
+    """What a block checkpointed selectively holds beyond one checkpointed whole, at the size whose
+    storages have ``storage_bytes``: its kept outputs (``_kept_and_taken``) wherever the probe had
+    let them go and the checkpoint still holds them. Per block (NaN or None where unknown):
+
+    - ``selective_extra_bytes``: those the probe let go of before the recompute takes them back,
+      held from the block's forward to its backward (one still alive in the probe, the block's
+      output, is counted twice until it dies there: an upper bound);
+    - ``selective_fwd_kept``: after each op of the checkpointed run, those it had freed;
+    - ``selective_recompute_pending`` / ``selective_bwd_pending``: after each recompute op and
+      each other op of the block's backward, those the probe no longer holds and the recompute
+      has not taken back yet.
+
+    ``collector.build_sample`` adds the last three to ``ckpt_fwd_peak_bytes``,
+    ``recompute_peak_bytes`` and ``bwd_peak_bytes`` (the ``selective_*_peak_bytes``)."""
+    n = len(raw.per_block["saved_bytes"])
+    extra = np.full(n, np.nan)
+    result = {"selective_extra_bytes": extra}
+    for name in ("selective_fwd_kept", "selective_recompute_pending", "selective_bwd_pending"):
+        result[name] = np.full(n, None, dtype=object)
+    if raw.heavy is None or len(raw.heavy) != len(storage_bytes):
+        return result
+    for i, pairing in enumerate(_kept_and_taken(raw)):
+        if pairing is None:
+            continue
+        start, stop, backward, end, made, taken_at = pairing
+        outlived = raw.died[made] < taken_at
+        kept, died, released = made[outlived], raw.died[made][outlived], taken_at[outlived]
+        extra[i] = float(storage_bytes[kept].sum())
+
+        def held_at(points, kept=kept, died=died, released=released):
+            return ((died <= points[:, None]) & (released > points[:, None])).astype(float) @ storage_bytes[kept]
+
+        result["selective_fwd_kept"][i] = held_at(raw.op_points[(raw.op_points > start) & (raw.op_points < stop)])
+        stretch = (raw.op_points > backward) & (raw.op_points < end)
+        result["selective_recompute_pending"][i] = held_at(raw.op_points[stretch & raw.trace.recompute])
+        result["selective_bwd_pending"][i] = held_at(raw.op_points[stretch & ~raw.trace.recompute])
     return result
 
 
@@ -559,7 +585,8 @@ class Deepening:
         for (_, skipped), let_go in zip(self.runs, self.let_go):
             gone = float(storage_bytes[let_go].sum())
             for j, i in enumerate(skipped, start=1):
-                for q in ("bwd_peak_bytes", "recompute_peak_bytes", "selective_recompute_peak_bytes"):
+                for q in ("bwd_peak_bytes", "recompute_peak_bytes", "selective_recompute_peak_bytes",
+                          "selective_bwd_peak_bytes"):
                     if full[q][i] is not None:
                         full[q][i] = full[q][i] - j * gone
         if shape is None:
