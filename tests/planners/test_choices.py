@@ -418,3 +418,21 @@ def test_an_estimator_saved_before_finer_plans_still_loads_and_plans_block_level
     with metered_mimose(tiny_bert(4), choices="selective") as (planner, meter):
         planner.estimator.load_state_dict(state)
         assert planner.estimator.fitted and not planner._selective_known()
+
+
+def test_a_resumed_planner_keeps_the_same_heavy_outputs_and_an_older_state_plans_block_level():
+    """What a selective checkpoint keeps per block (``PlanRunner.selective_keep``, counted by the
+    probes) travels in the planner's state: a resumed run keeps the outputs the estimate assumed;
+    a state written before it was counted plans block-level, not with bytes it would not hold."""
+    with metered_mimose(_tiny_llama(), choices="selective") as (planner, meter):
+        planner.prepare(_llama_batch, (4, 64))
+        keep, state = dict(planner.plan_runner.selective_keep), planner.state_dict()
+    assert sorted(keep) == [0, 1, 2] and len(set(keep.values())) == 1
+    with metered_mimose(_tiny_llama(), choices="selective") as (planner, meter):
+        planner.load_state_dict(state)
+        assert planner.plan_runner.selective_keep == keep and planner._selective_known()
+    del state["selective_keep"]
+    with metered_mimose(_tiny_llama(), choices="selective") as (planner, meter):
+        planner.load_state_dict(state)
+        assert not planner._selective_known()
+        assert planner.decide((4, 64)).selective == ()
