@@ -144,7 +144,8 @@ def main():
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fractions", default="0.1,0.5,0.9")
-    parser.add_argument("--variants", default="block,selective,oracle", help="comma-separated, from " + ",".join(VARIANTS))
+    parser.add_argument("--variants", default="block,selective,oracle",
+                        help="comma-separated, from " + ",".join(VARIANTS))
     parser.add_argument("--out", default="finer_plans", help="the JSON's name in benchmarks/results")
     args = parser.parse_args()
     configs, variants = args.configs.split(","), args.variants.split(",")
