@@ -72,7 +72,8 @@ def main():
         parser.error(f"unknown model {unknown[0]!r}; from {','.join(CHOOSABLE)}")
     torch.set_num_threads(1)
     rows = [measure(name) for name in args.models.split(",")]
-    print(f"{'model':11} {'none MiB':>9} {'sel. every':>10} {'sel. taken':>10} {'full MiB':>9} {'share every':>11} {'share taken':>11}")
+    print(f"{'model':11} {'none MiB':>9} {'sel. every':>10} {'sel. taken':>10} {'full MiB':>9} "
+          f"{'share every':>11} {'share taken':>11}")
     for r in rows:
         print(f"{r['model']:11} {r['none_bytes'] / 2**20:9.2f} {r['selective_every_heavy_bytes'] / 2**20:10.2f} "
               f"{r['selective_taken_back_bytes'] / 2**20:10.2f} {r['full_bytes'] / 2**20:9.2f} "
