@@ -363,13 +363,14 @@ def selective_keeps(raw: RawStep, num_blocks: int, stand_in: dict) -> list:
     """Per block, how many compute-heavy outputs a selective checkpoint keeps (``PlanRunner.
     selective_keep``): those its recompute takes back (``_kept_and_taken``); a block the probe did
     not run takes the block standing in for it. None where unknown."""
-    keeps = [None if pairing is None else len(pairing[4]) for pairing in _kept_and_taken(raw)]
-    return [keeps[i] if keeps[i] is not None or i not in stand_in else keeps[stand_in[i]] for i in range(num_blocks)]
+    own = [None if pairing is None else len(pairing[4]) for pairing in _kept_and_taken(raw)]
+    return [own[stand_in[i]] if own[i] is None and i in stand_in else own[i] for i in range(num_blocks)]
 
 
-def selective_bytes(raw: RawStep, storage_bytes: np.ndarray) -> dict:
+def selective_bytes(raw: RawStep, storage_bytes: np.ndarray, pairings: list | None = None) -> dict:
     """What a block checkpointed selectively holds beyond one checkpointed whole, at the size whose
-    storages have ``storage_bytes``: its kept outputs (``_kept_and_taken``) wherever the probe had
+    storages have ``storage_bytes``: its kept outputs (``_kept_and_taken``, or ``pairings`` when
+    already taken from ``raw``: they do not depend on the size) wherever the probe had
     let them go and the checkpoint still holds them. Per block (NaN or None where unknown):
 
     - ``selective_extra_bytes``: those the probe let go of before the recompute takes them back,
@@ -389,7 +390,7 @@ def selective_bytes(raw: RawStep, storage_bytes: np.ndarray) -> dict:
         result[name] = np.full(n, None, dtype=object)
     if raw.heavy is None or len(raw.heavy) != len(storage_bytes):
         return result
-    for i, pairing in enumerate(_kept_and_taken(raw)):
+    for i, pairing in enumerate(_kept_and_taken(raw) if pairings is None else pairings):
         if pairing is None:
             continue
         start, stop, backward, end, made, taken_at = pairing
@@ -433,6 +434,7 @@ class ScaledStep:
         self.raw = a
         self.num_blocks = num_blocks
         self.deepening = Deepening(a, num_blocks, runs) if runs else None
+        self.pairings = _kept_and_taken(a)  # what selective checkpoints keep: the same at every size
         self.size_a, self.size_b = tuple(size_a), tuple(size_b)
         fa, fb = feature_set.of(size_a), feature_set.of(size_b)
         self.fa = fa
@@ -479,7 +481,7 @@ class ScaledStep:
         for quantity, (values, term) in self.per_block.items():
             per_block[quantity] = np.where(term >= 0, values * scale[np.maximum(term, 0)], np.nan)
         storage_bytes = self.coef @ f
-        per_block.update(selective_bytes(a, storage_bytes))
+        per_block.update(selective_bytes(a, storage_bytes, self.pairings))
         if self.deepening is not None:
             blocks, step, shape = self.deepening.sample(marks, trace, per_block, storage_bytes)
         else:
