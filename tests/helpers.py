@@ -36,13 +36,14 @@ def assert_tensors_close(reference, actual, what="tensor"):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * scale + 1e-12, msg=f"{what} {index}")
 
 
-def tiny_bert(layers=3, seed=0):
-    """A BERT of ``layers`` blocks for sequence classification, hidden size 32, dropout on."""
+def tiny_bert(layers=3, seed=0, attention="eager", max_length=128):
+    """A BERT of ``layers`` blocks for sequence classification, hidden size 32, dropout on;
+    ``attention`` is transformers' ``attn_implementation`` (``sdpa``: torch's fused kernel)."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, attn_implementation="eager")
+                        intermediate_size=64, max_position_embeddings=max_length, attn_implementation=attention)
     return BertForSequenceClassification(config).train()  # dropout 0.1 stays on
 
 

@@ -196,16 +196,6 @@ def _tiny_llama():
     return LlamaForCausalLM(config).train()
 
 
-def _tiny_bert_sdpa():
-    """``tiny_bert(3)`` with torch's fused attention (a heavy op) for lengths up to 256."""
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=256, attn_implementation="sdpa")
-    return BertForSequenceClassification(config).train()
-
-
 def _llama_batch(size):
     ids = torch.randint(0, 64, size, generator=torch.Generator().manual_seed(size[0] * 1000 + size[1]))
     return {"input_ids": ids, "labels": ids}
@@ -255,7 +245,8 @@ def test_every_choice_of_every_block_is_predicted_never_under(stack, precision):
     dtype = {"fp32": None, "bf16": torch.bfloat16}[precision]
     model, make_batch, largest, sizes = {
         "pre-norm": lambda: (_tiny_llama(), _llama_batch, (4, 64), ((2, 40), (4, 64), (3, 100))),
-        "post-norm": lambda: (_tiny_bert_sdpa(), make, (8, 128), ((4, 40), (2, 100), (8, 128))),
+        "post-norm": lambda: (tiny_bert(3, attention="sdpa", max_length=256), make, (8, 128),
+                              ((4, 40), (2, 100), (8, 128))),
         "matmul-ending": lambda: (_MatmulEnding(), _ids_batch, (4, 64), ((2, 40), (4, 64), (3, 100))),
     }[stack]()
 
