@@ -32,7 +32,7 @@ import tempfile
 import torch
 from mimose_safety import recipe_for
 from paper_figure import CONFIGS as PAPER_CONFIGS
-from paper_figure import make_recipe
+from paper_figure import fastest_steps_s, make_recipe
 
 from mimose_cli.launcher.train import run_training
 
@@ -79,15 +79,6 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=()) ->
             "preflight_full_bytes": (result.summary.get("preflight") or {}).get("full_bytes")}
 
 
-def step_min_s(runs: list) -> float | None:
-    """Σ over steps of the fastest round's time for that step (s); None when the rounds ran
-    different numbers of steps."""
-    per_round = [r["step_ms"] for r in runs]
-    if len({len(times) for times in per_round}) != 1:
-        return None
-    return sum(min(step) for step in zip(*per_round)) / 1e3
-
-
 def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: list) -> list:
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
@@ -103,7 +94,8 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
                 for variant in order:
                     planner, overrides = VARIANTS[variant]
                     runs[variant].append(run(config, steps, out_dir, planner, budget, overrides))
-            median = {v: {"train_s": statistics.median(r["train_s"] for r in rs), "time_s": step_min_s(rs),
+            median = {v: {"train_s": statistics.median(r["train_s"] for r in rs),
+                          "time_s": fastest_steps_s([r["step_ms"] for r in rs]),
                           "recompute_ms": statistics.median(r["recompute_ms"] for r in rs)}
                       for v, rs in runs.items()}
             row = {"config": config, "fraction": fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,

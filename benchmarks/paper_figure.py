@@ -85,6 +85,12 @@ def step_min_time(compare_dir: Path, run: dict):
         if any(r.oom for r in records):
             return None
         per_round.append([r.train_ms for r in records])
+    return fastest_steps_s(per_round)
+
+
+def fastest_steps_s(per_round: list) -> float | None:
+    """Σ over steps of the fastest round's time for that step, in s, from each round's step times
+    in ms; None when the rounds ran different numbers of steps."""
     if len({len(times) for times in per_round}) != 1:
         return None
     return sum(min(step) for step in zip(*per_round)) / 1e3
