@@ -100,7 +100,7 @@ def measure(name: str, attn: str | None, repeats: int) -> dict:
         plain.close()
         real = Mimose(model, "10GB", meter=meter, sheltered_steps=10**6)
         row["sheltered_ms"] = _median_ms(lambda: _step(real, model, batch), repeats)
-        real_sample = real.estimator.samples[-1]
+        real_sample = real.policy.estimator.samples[-1]
         real.close()
     mode = FakeTensorMode()
     fake_model, fake_batch = _fake_copy(model, batch, mode)
@@ -108,7 +108,7 @@ def measure(name: str, attn: str | None, repeats: int) -> dict:
     try:
         with mode:
             row["fake_ms"] = _median_ms(lambda: _step(fake, fake_model, fake_batch), repeats)
-        a, b = _largest(real_sample), _largest(fake.estimator.samples[-1])
+        a, b = _largest(real_sample), _largest(fake.policy.estimator.samples[-1])
         # Relative to the step's largest peak: a quantity of a few bytes off by a few is no error.
         scale = max(a.values())
         diffs = {k: (b.get(k, 0.0) - a.get(k, 0.0)) / scale * 100 for k in set(a) | set(b)}

@@ -55,7 +55,7 @@ def step(model, planner, meter, batch, plan=None):
                 model(**batch).loss.backward()
         else:  # the plan applied as a probe applies it (outside a step blocks run as they are)
             planner.set_plan(plan)
-            with planner.router.using(planner.plan_runner):
+            with planner.parts.router.using(planner.parts.plan_runner):
                 model(**batch).loss.backward()
     return base, mem.peak_bytes
 
@@ -86,8 +86,8 @@ def evaluate(model_type: str, attn: str, seed: int) -> dict:
         for size in held:
             batch = make_batch(recipe, config, size)
             step(model, truth, meter, batch)
-            pred = planner.estimator.predict(size)
-            measured = truth.estimator.samples[-1][0]["saved_bytes"]
+            pred = planner.policy.estimator.predict(size)
+            measured = truth.policy.estimator.samples[-1][0]["saved_bytes"]
             block_errors += [relative(p, m[0]) for p, m in zip(pred.blocks["saved_bytes"], measured) if m is not None]
             truth.set_plan(())
             n = planner.num_blocks

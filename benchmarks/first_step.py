@@ -56,11 +56,11 @@ def _sample_diff(planner, batch, size, step_fn=None) -> float:
     """The largest difference between the estimate at ``size`` and a sample measured there (a
     sheltered step's, unseen by training), over every quantity the timeline is built from, in
     percent of that sample's largest value: 0 when the probes' scaling is exact."""
-    planner.measurer.begin(inputs=batch)  # the batch is the step's start, as in the probes
-    with planner.router.using(planner.measurer):
-        probe_step(planner, batch, step_fn)
-    blocks, step, _ = planner.measurer.end()
-    predicted = planner.estimator.predict(size)
+    planner.policy.measurer.begin(inputs=batch)  # the batch is the step's start, as in the probes
+    with planner.parts.router.using(planner.policy.measurer):
+        probe_step(planner.parts, batch, step_fn)
+    blocks, step, _ = planner.policy.measurer.end()
+    predicted = planner.policy.estimator.predict(size)
     pairs = [(predicted.blocks[q][i], v.max()) for q, per in blocks.items() if q not in ("fwd_ms", "saved_bytes")
              for i, v in enumerate(per) if v is not None and len(v)]
     pairs += [(predicted.step[q], v.max()) for q, v in step.items() if v is not None and len(v)]
@@ -91,11 +91,11 @@ def measure(name: str, precision: str = "fp32", layers: int | None = None) -> di
         meter.track(model)
         first = make_batch(spec, _shape(spec, *FIRST, 0), 0)
         plain = build_planner("none", model, None, meter=meter)
-        with plain.router.using(plain.plan_runner):
-            probe_step(plain, first, step_fn)  # warm-up: the first ops a process runs are slow
+        with plain.parts.router.using(plain.parts.plan_runner):
+            probe_step(plain.parts, first, step_fn)  # warm-up: the first ops a process runs are slow
             start = time.perf_counter()
             for _ in range(3):
-                probe_step(plain, first, step_fn)
+                probe_step(plain.parts, first, step_fn)
             plain_ms = (time.perf_counter() - start) * 1e3 / 3
         plain.close()
         planner = Mimose(model, "100GB", meter=meter)
@@ -114,12 +114,12 @@ def measure(name: str, precision: str = "fp32", layers: int | None = None) -> di
         for step, (rows, length) in enumerate(HELD_OUT, start=1):
             batch = make_batch(spec, _shape(spec, rows, length, step), step)
             from mimose_cli.planners.inputs import infer_input_size
-            size = infer_input_size(batch, planner.encoder_decoder)
+            size = infer_input_size(batch, planner.parts.encoder_decoder)
             row.setdefault("sample_diff_pct", 0.0)
             row["sample_diff_pct"] = max(row["sample_diff_pct"], _sample_diff(planner, batch, size, step_fn))
             for label, plan in plans.items():
                 predicted = planner.predict_peak(size, plan)
-                measured = probe_with_plan(planner, batch, plan, step_fn)
+                measured = probe_with_plan(planner.parts, batch, plan, step_fn)
                 error = None if predicted is None else (predicted - measured) / measured * 100
                 row["cases"].append({"size": list(size), "plan": label, "predicted": predicted,
                                      "measured": measured, "error_pct": error})

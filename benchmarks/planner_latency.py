@@ -60,10 +60,10 @@ def fitted_planner(num_blocks: int, choices: str = "block"):
             # wide layers: the light ops as long as the heavy ones), so that plans mix the choices and
             # the scheduler does its full work; fixed, not the probes' noisy CPU times, so that every
             # run times the same plans.
-            times = planner.choice_times
+            times = planner.policy.choice_times
             times.mode_ms, times.meter_ms = 0.0, 0.0
             times.heavy, times.light = np.tile([0.0, 1e-3], (num_blocks, 1)), np.tile([0.0, 1e-3], (num_blocks, 1))
-            planner.meter = None
+            planner.parts.meter = None
             return planner
         planner = Mimose(model, "100GB", meter=meter, sheltered_steps=len(SHELTERED))
         for size in SHELTERED:
@@ -72,33 +72,33 @@ def fitted_planner(num_blocks: int, choices: str = "block"):
                 model(**batch).loss.backward()
             for p in model.parameters():
                 p.grad = None
-    planner.meter = None  # timings below read no meter: the start-of-step bytes count as 0
+    planner.parts.meter = None  # timings below read no meter: the start-of-step bytes count as 0
     return planner
 
 
 def measure(num_blocks: int, repeat: int, choices: str = "block") -> dict:
     planner = fitted_planner(num_blocks, choices)
     size = (16, 200)
-    pred = planner.estimator.predict(size)
+    pred = planner.policy.estimator.predict(size)
     none_peak = peak_timeline(pred, np.zeros(num_blocks, dtype=bool)).max()
-    planner.budget_bytes = int(0.6 * none_peak)  # a miss must checkpoint blocks
-    fit_us = median_us(planner.estimator.fit, max(5, repeat // 100))
-    predict_us = median_us(lambda: planner.estimator.predict(size), repeat)
+    planner.parts.budget_bytes = int(0.6 * none_peak)  # a miss must checkpoint blocks
+    fit_us = median_us(planner.policy.estimator.fit, max(5, repeat // 100))
+    predict_us = median_us(lambda: planner.policy.estimator.predict(size), repeat)
 
     def miss():
-        planner.cache.clear()
-        planner.decide(size)
+        planner.policy.cache.clear()
+        planner.policy.decide(size)
 
     miss_us = median_us(miss, repeat)
-    planner.decide(size)
-    hit_us = median_us(lambda: planner.decide(size), repeat)
-    decision = planner.decide(size)
+    planner.policy.decide(size)
+    hit_us = median_us(lambda: planner.policy.decide(size), repeat)
+    decision = planner.policy.decide(size)
     plan = decision.plan
     planner.close()
     return {"num_blocks": num_blocks, "choices": choices, "selective_blocks": len(decision.selective), "fit_us": fit_us, "predict_us": predict_us, "miss_us": miss_us,
             "hit_us": hit_us, "plan_length": len(plan),
-            "ops_fitted": int(sum(len(a) for a in planner.estimator.samples[0][0]["bwd_peak_bytes"] if a is not None)),
-            "ops_kept": int(planner.estimator.coef.shape[1])}
+            "ops_fitted": int(sum(len(a) for a in planner.policy.estimator.samples[0][0]["bwd_peak_bytes"] if a is not None)),
+            "ops_kept": int(planner.policy.estimator.coef.shape[1])}
 
 
 def main():

@@ -268,7 +268,7 @@ def run_step(planner, step_fn, batch) -> tuple:
         loss = planner.run(step_fn, batch)
         return float(loss), planner.last.retries, None
     except torch.OutOfMemoryError as error:
-        return None, planner.max_retries, one_line(error)
+        return None, planner.policy.max_retries, one_line(error)
 
 
 def optimizer_step(t: Trainer) -> str | None:

@@ -48,12 +48,12 @@ def measure(name: str) -> dict:
             planner.prepare(lambda size: make_batch(spec, Shape(lengths=(size[-1],) * size[0], padded=size[-1]), 0),
                             infer_input_size(batch), step_fn=step_fn)
             every = tuple(range(planner.num_blocks))
-            keep = dict(planner.plan_runner.selective_keep)
-            peaks = {"none": probe_with_plan(planner, batch, (), step_fn=step_fn),
-                     "full": probe_with_plan(planner, batch, every, step_fn=step_fn),
-                     "selective_taken_back": probe_with_plan(planner, batch, every, step_fn=step_fn, selective=every)}
-            planner.plan_runner.selective_keep = {}
-            peaks["selective_every_heavy"] = probe_with_plan(planner, batch, every, step_fn=step_fn, selective=every)
+            keep = dict(planner.parts.plan_runner.selective_keep)
+            peaks = {"none": probe_with_plan(planner.parts, batch, (), step_fn=step_fn),
+                     "full": probe_with_plan(planner.parts, batch, every, step_fn=step_fn),
+                     "selective_taken_back": probe_with_plan(planner.parts, batch, every, step_fn=step_fn, selective=every)}
+            planner.parts.plan_runner.selective_keep = {}
+            peaks["selective_every_heavy"] = probe_with_plan(planner.parts, batch, every, step_fn=step_fn, selective=every)
         finally:
             planner.close()
     saving = peaks["none"] - peaks["full"]

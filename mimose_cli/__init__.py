@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     **dict.fromkeys(("Mimose", "Sublinear", "DTR", "EveryN", "FullCheckpointing", "NoCheckpointing", "Oracle",
-                     "FullOffload", "Planner", "Decision", "StepInfo", "build_planner"), "mimose_cli.planners"),
+                     "FullOffload", "Planner", "Policy", "PlannerParts", "Decision", "StepContext", "StepInfo",
+                     "build_planner"), "mimose_cli.planners"),
     "fit_budget": "mimose_cli.launcher.hf_trainer",
 }
 

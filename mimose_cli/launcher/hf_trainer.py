@@ -31,6 +31,7 @@ from mimose_cli.memory import build_meter, param_bytes
 from mimose_cli.planners.base import Planner, StepInfo
 from mimose_cli.planners.inputs import infer_input_size, resized_batch
 from mimose_cli.planners.options import PLANNER_OPTIONS, OptionError, parse_options
+from mimose_cli.planners.policy import Policy
 from mimose_cli.planners.registry import PLANNERS, build_planner, library_keywords
 from mimose_cli.planners.trial import model_device
 from mimose_cli.units import format_bytes, parse_size
@@ -118,9 +119,9 @@ class TrainerBudget:
     def _prepare(self, inputs, step_fn) -> None:
         """Let a planner that plans ahead (sublinear) plan once, at ``max_input_size``, from
         this first batch resized to it."""
-        if self._prepared or type(self.planner).prepare is Planner.prepare:
+        if self._prepared or type(self.planner.policy).prepare is Policy.prepare:
             return
-        size = self.max_input_size or infer_input_size(inputs, self.planner.encoder_decoder)
+        size = self.max_input_size or infer_input_size(inputs, self.planner.parts.encoder_decoder)
         optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # accelerate's wrapper
         reserve = optimizer_state_bytes(optimizer) if optimizer is not None else 0
         self.planner.prepare(lambda s: resized_batch(inputs, s), tuple(size), reserve, step_fn=step_fn)

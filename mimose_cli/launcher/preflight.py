@@ -51,7 +51,7 @@ def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) 
     peaks = []
     with planner.meter.unlimited():
         for plan in (tuple(range(planner.num_blocks)), ()):
-            peak = probe_with_plan(planner, batch, plan)
+            peak = probe_with_plan(planner.parts, batch, plan)
             peaks.append(None if peak is None else peak + later_bytes)
     return BudgetRange(tuple(input_size), *peaks)
 

@@ -1,4 +1,5 @@
-"""The planners (the library's policy wing): Mimose and the baselines, one contract (``base``).
+"""The planners (the library's policy wing): Mimose and the baselines, each a policy (``policy``)
+carried out by one ``Planner`` (``base``).
 
 ``from mimose_cli.planners import Mimose, build_planner`` works as before; the names are read
 lazily so that ``planners.options`` (what a recipe validates) is importable without torch.
@@ -8,10 +9,13 @@ import importlib
 
 _EXPORTS = {
     "PLANNERS": "registry", "build_planner": "registry",
-    "Decision": "base", "FullCheckpointing": "base", "NoCheckpointing": "base", "Planner": "base",
-    "StepInfo": "base", "BlockRunner": "blocks", "PlanRunner": "blocks", "discover_blocks": "blocks",
-    "DTR": "dtr", "EveryN": "every_n", "FullOffload": "offload", "Mimose": "mimose", "Oracle": "oracle",
-    "Sublinear": "sublinear",
+    "Decision": "policy", "FullCheckpointing": "base", "NoCheckpointing": "base", "Planner": "base",
+    "FullCheckpointingPolicy": "base", "NoCheckpointingPolicy": "base", "Policy": "policy",
+    "PlannerParts": "parts", "StepContext": "policy", "StepInfo": "policy",
+    "BlockRunner": "blocks", "PlanRunner": "blocks", "discover_blocks": "blocks",
+    "DTR": "dtr", "DTRPolicy": "dtr", "EveryN": "every_n", "EveryNPolicy": "every_n", "FullOffload": "offload",
+    "FullOffloadPolicy": "offload", "Mimose": "mimose", "MimosePolicy": "mimose", "Oracle": "oracle",
+    "OraclePolicy": "oracle", "Sublinear": "sublinear", "SublinearPolicy": "sublinear",
     "infer_input_size": "inputs",
 }
 

@@ -3,7 +3,7 @@
 ``StepRouter`` (through ``BlockRouter``, which replaces each block's ``forward``) hands every call
 to the ``BlockRunner`` in force: ``PlanRunner`` (every planner's default) checkpoints the blocks
 in the plan; a planner that measures (Mimose's collector, Sublinear's profiler) or evicts (DTR)
-puts its own runner in force (``Planner.runner_for``, ``StepRouter.using``).
+puts its own runner in force (``Policy.runner_for``, ``StepRouter.using``).
 """
 
 import contextlib

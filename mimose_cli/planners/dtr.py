@@ -37,8 +37,10 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from mimose_cli.memory import storage_bytes, storage_ids
-from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner
+from mimose_cli.planners.base import Planner
 from mimose_cli.planners.blocks import BlockRunner, RngState, restored_buffers
+from mimose_cli.planners.parts import PlannerParts
+from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy
 from mimose_cli.torch_private import tensor_version, tree_leaves, tree_map
 
 _AUTOCAST_DEVICES = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
@@ -104,7 +106,7 @@ class _Holder:
         self.input_versions = []
 
 
-class DTR(Planner):
+class DTRPolicy(Policy):
     """Dynamic tensor rematerialization over blocks; gradients equal those of ``none``.
 
     The policy decides nothing ahead of time (``Decision(())``); its runner (``Rematerializer``)
@@ -116,9 +118,9 @@ class DTR(Planner):
     name = "dtr"
     adapts = False  # it evicts on demand already; a plan to retry with would not change its route
 
-    def __init__(self, model, budget=None, *, cost_fn=None, **kwargs):
-        super().__init__(model, budget, **kwargs)
-        self.rematerializer = Rematerializer(self, cost_fn)
+    def __init__(self, parts, *, cost_fn=None):
+        super().__init__(parts)
+        self.rematerializer = Rematerializer(parts, cost_fn)
 
     def decide(self, input_size, context=NO_CONTEXT):
         return Decision(())
@@ -126,18 +128,17 @@ class DTR(Planner):
     def runner_for(self, info) -> "Rematerializer":
         return self.rematerializer
 
-    @property
-    def stats(self) -> dict:
-        return {**super().stats, **self.rematerializer.totals}
+    def stats(self, counted: dict) -> dict:
+        return dict(self.rematerializer.totals)
 
 
 class Rematerializer(BlockRunner):
     """DTR's runner: every block's saved tensors held evictably, evicted under pressure by DTR's
-    heuristic, recomputed when backward needs them. Reads the ``planner``'s budget, meter and
+    heuristic, recomputed when backward needs them. Reads the planner's ``parts``: budget, meter and
     blocks."""
 
-    def __init__(self, planner: Planner, cost_fn=None):
-        self.planner = planner
+    def __init__(self, parts: PlannerParts, cost_fn=None):
+        self.parts = parts
         self.cost_fn = cost_fn
         self._params = set()
         self._holders: list = []
@@ -151,21 +152,21 @@ class Rematerializer(BlockRunner):
 
     @property
     def meter(self):
-        return self.planner.meter
+        return self.parts.meter
 
     @property
     def limit_bytes(self):
-        return self.planner.limit_bytes
+        return self.parts.limit_bytes
 
     def begin(self, info, inputs=None) -> None:
         super().begin(info)
-        self._params = storage_ids(list(self.planner.model.parameters()))
+        self._params = storage_ids(list(self.parts.model.parameters()))
         self._holders, self.events, self._reserve_bytes = [], [], 0
         self._step_recompute_ms = 0.0
-        self._on_demand = (self._holders_enabled() and self.meter is not None
-                           and self.meter.supports_pressure_handler)
+        self._on_demand = (self._holders_enabled() and self.parts.meter is not None
+                           and self.parts.meter.supports_pressure_handler)
         if self._on_demand:
-            self.meter.set_pressure_handler(self._relieve)
+            self.parts.meter.set_pressure_handler(self._relieve)
 
     def end(self, info):
         """The blocks evicted become the step's plan; evictions and recomputations are counted."""
@@ -183,7 +184,7 @@ class Rematerializer(BlockRunner):
         """End the step: no more pressure handler, every block's held tensors dropped."""
         super().abort()
         if self._on_demand:
-            self.meter.clear_pressure_handler()
+            self.parts.meter.clear_pressure_handler()
         for holder in self._holders:
             holder.release()
         self._holders, self._in_use, self._on_demand = [], None, False
@@ -221,7 +222,7 @@ class Rematerializer(BlockRunner):
         return out
 
     def _holders_enabled(self) -> bool:
-        return self.planner.budget_bytes is not None
+        return self.parts.budget_bytes is not None
 
     def _ahead(self, need_bytes: int) -> int:
         """Room to make ahead of time: none when the meter evicts on demand (only the margin)."""
@@ -236,13 +237,13 @@ class Rematerializer(BlockRunner):
         return holder.tensors[handle]
 
     def _tracked_bytes(self) -> int:
-        if self.meter is not None:
-            return self.meter.current_bytes()
+        if self.parts.meter is not None:
+            return self.parts.meter.current_bytes()
         return sum(h.held_bytes() for h in self._holders)
 
     def _make_room(self, need_bytes: int, protect) -> None:
         """Evict blocks by the DTR heuristic until ``need_bytes`` more fit under the limit."""
-        while self._tracked_bytes() + need_bytes > self.limit_bytes:
+        while self._tracked_bytes() + need_bytes > self.parts.limit_bytes:
             victim = self.choose_victim(protect)
             if victim is None:
                 return
@@ -254,8 +255,8 @@ class Rematerializer(BlockRunner):
         Evicting a block frees less than it holds when something else still references its
         tensors (a block's output is the next one's input), hence the meter is read again.
         """
-        target = self.meter.current_bytes() - need_bytes
-        while self.meter.current_bytes() > target:
+        target = self.parts.meter.current_bytes() - need_bytes
+        while self.parts.meter.current_bytes() > target:
             victim = self.choose_victim(protect=None)
             if victim is None:
                 return  # nothing left to evict: the meter raises out-of-memory
@@ -288,7 +289,7 @@ class Rematerializer(BlockRunner):
         _check_inputs_unchanged(holder)
         refill = _refill_hook(holder)
         start = time.perf_counter()
-        module = self.planner.blocks[holder.index][1]
+        module = self.parts.blocks[holder.index][1]
         with _replay_state(holder, module), saved_tensors_hooks(refill, _never_unpacked), torch.enable_grad():
             args, kwargs = tree_map(_detach, (holder.args, holder.kwargs))
             holder.forward(*args, **kwargs)
@@ -349,3 +350,8 @@ def _detach(value):
 
 def _never_unpacked(_):
     raise RuntimeError("dtr: a recomputation's own graph is never backwarded")
+
+
+def DTR(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+    """``Planner(model, DTRPolicy, budget, **options)`` (``cost_fn``: eviction costs of your own)."""
+    return Planner(model, DTRPolicy, budget, **options)

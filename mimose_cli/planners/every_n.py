@@ -12,7 +12,8 @@ peak, plus what the optimizer's first step will allocate, fits is applied to eve
 import time
 import warnings
 
-from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner, StepContext
+from mimose_cli.planners.base import Planner
+from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext
 from mimose_cli.planners.trial import probe_with_plan, to_model_device
 
 
@@ -21,16 +22,16 @@ def stride_plan(num_blocks: int, every_n_layers: int) -> tuple:
     return tuple(i for i in range(num_blocks) if i % every_n_layers == 0)
 
 
-class EveryN(Planner):
+class EveryNPolicy(Policy):
     """One stride for every batch: ``every_n_layers`` when given, else the largest that fits."""
 
     name = "hf-every-n"
 
-    def __init__(self, model, budget=None, *, every_n_layers: int | None = None, **kwargs):
+    def __init__(self, parts, *, every_n_layers: int | None = None):
         if every_n_layers is not None and (not isinstance(every_n_layers, int) or every_n_layers < 1):
             raise ValueError(f"every_n_layers={every_n_layers!r} is invalid; expected an integer >= 1 "
                              "(or None: the largest stride that fits)")
-        super().__init__(model, budget, **kwargs)
+        super().__init__(parts)
         self.every_n_layers = every_n_layers
         self.static_plan: tuple | None = None
         self.prepare_ms = 0.0
@@ -42,21 +43,21 @@ class EveryN(Planner):
         start = time.perf_counter()
         if self.every_n_layers is None:
             self.every_n_layers = self._largest_fitting(make_batch, tuple(max_input_size), int(reserve_bytes))
-        self.static_plan = stride_plan(self.num_blocks, self.every_n_layers)
+        self.static_plan = stride_plan(self.parts.num_blocks, self.every_n_layers)
         self.prepare_ms = (time.perf_counter() - start) * 1e3
 
     def _largest_fitting(self, make_batch, size: tuple, reserve_bytes: int) -> int:
-        if self.limit_bytes is None:
-            return max(self.num_blocks, 1)  # no budget: the sparsest stride, one block
-        if self.meter is None:
+        if self.parts.limit_bytes is None:
+            return max(self.parts.num_blocks, 1)  # no budget: the sparsest stride, one block
+        if self.parts.meter is None:
             raise ValueError("hf-every-n measures the largest batch under each stride and needs a meter: "
                              "pass meter=, or every_n_layers= to fix the stride")
-        batch = to_model_device(self.model, make_batch(size))
-        with self.meter.unlimited():
-            for stride in range(max(self.num_blocks, 1), 0, -1):
-                peak = probe_with_plan(self, batch, stride_plan(self.num_blocks, stride))
+        batch = to_model_device(self.parts.model, make_batch(size))
+        with self.parts.meter.unlimited():
+            for stride in range(max(self.parts.num_blocks, 1), 0, -1):
+                peak = probe_with_plan(self.parts, batch, stride_plan(self.parts.num_blocks, stride))
                 self.stride_peaks[stride] = peak
-                if peak is not None and peak + reserve_bytes <= self.limit_bytes:
+                if peak is not None and peak + reserve_bytes <= self.parts.limit_bytes:
                     return stride
         warnings.warn(f"hf-every-n: no stride fits the largest input {size} in the budget; "
                       "checkpointing every block (every_n_layers=1)", stacklevel=3)
@@ -68,11 +69,15 @@ class EveryN(Planner):
                 raise RuntimeError("hf-every-n finds its stride for the largest input: call "
                                    "planner.prepare(make_batch, max_input_size) before the first step, "
                                    "or pass every_n_layers=")
-            self.static_plan = stride_plan(self.num_blocks, self.every_n_layers)
+            self.static_plan = stride_plan(self.parts.num_blocks, self.every_n_layers)
         return Decision(self.static_plan)
 
-    @property
-    def stats(self) -> dict:
-        return {**super().stats, "every_n_layers": self.every_n_layers, "prepare_ms": self.prepare_ms,
+    def stats(self, counted: dict) -> dict:
+        return {"every_n_layers": self.every_n_layers, "prepare_ms": self.prepare_ms,
                 "static_plan": list(self.static_plan or ()),
                 "stride_peaks": {str(k): v for k, v in self.stride_peaks.items()}}
+
+
+def EveryN(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+    """``Planner(model, EveryNPolicy, budget, **options)`` (``every_n_layers``: None finds the largest that fits)."""
+    return Planner(model, EveryNPolicy, budget, **options)

@@ -33,13 +33,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner, StepContext, StepInfo
+from mimose_cli.planners.base import Planner
 from mimose_cli.planners.blocks import first_runs_otherwise, left_out, selectable, stack_runs, twin_blocks
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, plan_peak_bytes
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.inputs import infer_input_size, resized_batch
+from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.scaling import (
     SELECTIVE_QUANTITIES,
     SIDE_PAIR,
@@ -185,15 +186,14 @@ def _probe_failed(what: str, size: tuple, error: Exception) -> ScalingError:
     return ScalingError(f"the {what} at input size {size} failed ({type(error).__name__}: {first[:160]})")
 
 
-class Mimose(Planner):
+class MimosePolicy(Policy):
     """Input-aware checkpointing: the paper's collector, estimator, scheduler and plan cache."""
 
     name = "mimose"
     builds_meter = True
     state_file = "estimator.json"
 
-    def __init__(self, model, budget=None, *, blocks=None, safety_margin="auto", meter=None,
-                 estimate: str = "probes", sheltered_steps: int = 5, granularity: int = 1, bucket: float = 0.10,
+    def __init__(self, parts, *, estimate: str = "probes", sheltered_steps: int = 5, granularity: int = 1, bucket: float = 0.10,
                  prediction_margin: float = 0.001, choices: str = "block"):
         if estimate not in ("probes", "sheltered"):
             raise ValueError(f"estimate={estimate!r} is invalid; expected 'probes' or 'sheltered'")
@@ -207,10 +207,10 @@ class Mimose(Planner):
             raise ValueError(f"choices={choices!r} is invalid; expected one of {', '.join(map(repr, CHOICE_SETS))}")
         if not 0.0 <= prediction_margin < 1.0:
             raise ValueError(f"prediction_margin={prediction_margin!r} is invalid; expected a fraction in [0, 1)")
-        super().__init__(model, budget, blocks=blocks, safety_margin=safety_margin, meter=meter)
+        super().__init__(parts)
         self.estimate = estimate
         self.choices = choices
-        self._selectable = np.array(selectable(self.blocks))
+        self._selectable = np.array(selectable(self.parts.blocks))
         """Blocks that may be checkpointed selectively: those without buffers."""
         self.choice_times: ChoiceTimes | None = None
         """What recomputing each block costs per choice (``choices="selective"``, from the probes)."""
@@ -222,19 +222,20 @@ class Mimose(Planner):
         # Predictions are exact to ~100 bytes on the simulated device (the sheltered steps are
         # measured checkpointed, the planned ones are not): a relative margin absorbs that.
         self.prediction_margin = prediction_margin
-        self.estimator = Estimator(self.num_blocks, SEQ2SEQ if self.encoder_decoder else TOKENS)
-        self.measurer = ShuttlingCollector(model, self.blocks, self.recompute_clock)
+        self.estimator = Estimator(self.parts.num_blocks, SEQ2SEQ if self.parts.encoder_decoder else TOKENS)
+        self.measurer = ShuttlingCollector(parts.model, parts.blocks, parts.recompute_clock)
         self.cache: dict = {}
         self.recovery_margins: dict = {}  # cache key -> bytes kept free after it ran out of memory
         self.contradicted: set = set()  # cache keys whose planned step peaked above its prediction
         self.counts = MimoseCounters()
-        if self.budget_bytes is None:
-            self._warn("mimose without a budget checkpoints nothing; it only fits its estimator")
+        if self.parts.budget_bytes is None:
+            # at the line that made the planner (``Mimose(...)`` or ``build_planner``, then ``Planner``)
+            self._warn("mimose without a budget checkpoints nothing; it only fits its estimator", stacklevel=5)
 
-    def _warn(self, message: str) -> None:
+    def _warn(self, message: str, stacklevel: int = 3) -> None:
         if message not in self.counts.warnings:
             self.counts.warnings.append(message)
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, stacklevel=stacklevel)
 
     @property
     def sheltered(self) -> bool:
@@ -257,7 +258,7 @@ class Mimose(Planner):
             return (f"mimose: memory estimate loaded with the checkpoint (fitted from {c.estimate_source or 'measured steps'}"
                     "); no probe steps")
         if c.estimate_source == "probes":
-            left_out = f", {c.probe_skipped} of {self.num_blocks} layers left out" if c.probe_skipped else ""
+            left_out = f", {c.probe_skipped} of {self.parts.num_blocks} layers left out" if c.probe_skipped else ""
             return (f"mimose: memory estimate from {c.probe_steps} probe steps ({c.probe_ms / 1e3:.2f} s{left_out}, "
                     f"scaled to {c.probe_samples} sizes): the first batch is planned")
         if c.estimate_fallback:
@@ -358,7 +359,7 @@ class Mimose(Planner):
     def _pair_samples(self, raws: list, sizes: list, max_size: tuple, twins: dict) -> list:
         """The two measured probe steps (every layer run), scaled to samples at every size."""
         self.counts.probe_twins = len(raws[0].twins)
-        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.num_blocks)
+        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.parts.num_blocks)
         self._time_choices(raws, sizes, twins, [])
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
@@ -368,18 +369,18 @@ class Mimose(Planner):
         size with one layer more of each run kept: written out too, it must say the same (memory
         that grows with the layers outside them, the head stacking every layer's output, does
         not). Raises ValueError where they cannot stand for every layer."""
-        with left_out(self.model, self.blocks, _skipped(runs)):
+        with left_out(self.parts.model, self.parts.blocks, _skipped(runs)):
             raws = self._probe_pair(make_batch, sizes, step_fn, twins)
         mismatch = next(filter(None, map(twin_difference, raws)), None) or run_difference(raws[0], runs, twins)
         if mismatch is not None:  # nor would they with every layer run
             self.counts.probe_twins_refused = mismatch.why
             raise _TwinsRefused(mismatch)
-        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.num_blocks, runs)
+        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.parts.num_blocks, runs)
         deeper = deeper_by_one(runs)
-        with left_out(self.model, self.blocks, _skipped(deeper)):
+        with left_out(self.parts.model, self.parts.blocks, _skipped(deeper)):
             check = self._probe_step(make_batch, sizes[0], step_fn, twins)
         self.counts.probe_steps += 1
-        where = sample_difference(raw_sample(raws[0], self.num_blocks, runs), raw_sample(check, self.num_blocks, deeper))
+        where = sample_difference(raw_sample(raws[0], self.parts.num_blocks, runs), raw_sample(check, self.parts.num_blocks, deeper))
         if where is not None:
             raise ScalingError(f"{where} changes when one more of them runs (memory that grows with the layers)")
         self.counts.probe_twins = len(raws[0].twins)
@@ -397,8 +398,8 @@ class Mimose(Planner):
             stand_in.update({i: twins.get(template, template) for i in skipped})
         # The dispatch modes' costs are timed once the device's meter is back (``_probe``).
         self.choice_times = ChoiceTimes.from_probes(raws, [math.prod(size) for size in sizes], stand_in, (0.0, 0.0))
-        keeps = selective_keeps(raws[0], self.num_blocks, stand_in)
-        self.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
+        keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
+        self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
 
     def _probe_pair(self, make_batch, sizes: list, step_fn, twins: dict) -> list:
         """The two measured probe steps at ``sizes`` (``RawStep``s), the first once more when it
@@ -419,8 +420,8 @@ class Mimose(Planner):
         (frozen embeddings): then, as without ``first_leads``, its second does, and the plain
         probe step runs again without the layers that leaves out."""
         def layout(first_leads: bool) -> tuple:
-            twins = twin_blocks(self.blocks, first_leads)
-            runs, self.counts.probe_skips_refused = stack_runs(self.blocks, twins)
+            twins = twin_blocks(self.parts.blocks, first_leads)
+            runs, self.counts.probe_skips_refused = stack_runs(self.parts.blocks, twins)
             return (twins, *self._probe_releases(make_batch, size, step_fn, runs))
 
         if first_leads:
@@ -451,10 +452,10 @@ class Mimose(Planner):
     def _plain_probe(self, make_batch, size: tuple, step_fn, runs: list) -> tuple:
         """The plain probe step's ``Releases`` and ``InputReleases.input_grads``, with the layers
         of ``runs`` left out."""
-        runner = InputReleases(self.model, self.num_blocks)
+        runner = InputReleases(self.parts.model, self.parts.num_blocks)
         try:
-            with left_out(self.model, self.blocks, _skipped(runs)):
-                releases = probe_with_runner(self, self._probe_batch(make_batch, size), runner, step_fn)
+            with left_out(self.parts.model, self.parts.blocks, _skipped(runs)):
+                releases = probe_with_runner(self.parts, self._probe_batch(make_batch, size), runner, step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
             raise _probe_failed("plain probe step", size, error) from error
         if releases is None:
@@ -465,15 +466,15 @@ class Mimose(Planner):
         """The probes' two sizes at the smallest batch ``make_batch`` can make both of (two rows,
         or whole multiple-choice examples): the probes cost what their batches hold."""
         for batch in probe_batches(int(max_size[0])):
-            sizes = probe_sizes(max_size, vary_lengths, self.encoder_decoder, batch, image)
+            sizes = probe_sizes(max_size, vary_lengths, self.parts.encoder_decoder, batch, image)
             if all(self._makes(make_batch, size) for size in sizes):
                 return sizes
-        return probe_sizes(max_size, vary_lengths, self.encoder_decoder, image=image)
+        return probe_sizes(max_size, vary_lengths, self.parts.encoder_decoder, image=image)
 
     def _makes(self, make_batch, size: tuple) -> bool:
         """Whether ``make_batch(size)`` gives a batch of exactly that size."""
         try:
-            return infer_input_size(make_batch(size), self.encoder_decoder) == tuple(size)
+            return infer_input_size(make_batch(size), self.parts.encoder_decoder) == tuple(size)
         except Exception:  # noqa: BLE001 - a size that cannot be made is one not to probe at
             return False
 
@@ -481,8 +482,8 @@ class Mimose(Planner):
         """A probe's batch at ``size``, given padding (the last row's last position masked) when
         it has an attention mask: real batches padded to their longest row take the models'
         masked code paths, which hold more memory."""
-        batch = to_model_device(self.model, make_batch(size))
-        made = infer_input_size(batch, self.encoder_decoder)
+        batch = to_model_device(self.parts.model, make_batch(size))
+        made = infer_input_size(batch, self.parts.encoder_decoder)
         if made != tuple(size):
             raise ScalingError(f"a probe batch of input size {size} came out as {made}")
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
@@ -501,8 +502,8 @@ class Mimose(Planner):
         try:
             self.measurer.lifetimes, self.measurer.twins = True, twins or {}
             self.measurer.begin(inputs=batch)
-            with self.router.using(self.measurer):
-                peak = probe_step(self, batch, step_fn)
+            with self.parts.router.using(self.measurer):
+                peak = probe_step(self.parts, batch, step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
             self.measurer.abort()
             raise _probe_failed("probe step", size, error) from error
@@ -538,14 +539,14 @@ class Mimose(Planner):
             if not self.counts.estimate_source:
                 self.counts.estimate_source = "sheltered"
             return self._measuring("sheltered", context.attempt)
-        if self.limit_bytes is None:
+        if self.parts.limit_bytes is None:
             return Decision(())
         key = self.cache_key(size)
         base = self._start_bytes()
         entry = self.cache.get(key)
         # A cached plan holds while the bytes at the step's start still leave it room.
         hit = key not in self.contradicted and entry is not None and (
-            not entry.fits or base + entry.peak_bytes <= self.limit_bytes)
+            not entry.fits or base + entry.peak_bytes <= self.parts.limit_bytes)
         if not hit:
             reason = self._contradiction(key) or self.estimator.trust.reason(key)
             if reason is not None:
@@ -560,7 +561,7 @@ class Mimose(Planner):
     def _measuring(self, phase: str, attempt: int) -> Decision:
         """A step the collector measures (every block checkpointed); a retry after such a step
         ran out of memory is not measured again, only checkpointed."""
-        plan = tuple(range(self.num_blocks))
+        plan = tuple(range(self.parts.num_blocks))
         if attempt:
             return Decision(plan, "recovery")
         return Decision(plan, phase, measure=True)
@@ -574,7 +575,7 @@ class Mimose(Planner):
             self._note(f"not trusted, measured: {reason}", size)
             return self._measuring("measuring", attempt)
         self._note(f"not trusted, every block checkpointed: {reason}", size)
-        return Decision(tuple(range(self.num_blocks)), "untrusted")
+        return Decision(tuple(range(self.parts.num_blocks)), "untrusted")
 
     def _note(self, message: str, size: tuple) -> None:
         """Count a reason in ``stats``; warn the first time one is seen."""
@@ -587,7 +588,7 @@ class Mimose(Planner):
         """Bytes live at the step's start. Gradients already live (accumulation in a loop of the
         user's) count here and again where the fitted timeline allocates them in backward: over-,
         never under-predicted (``planner.run`` sets them aside, so there it is exact)."""
-        return self.meter.current_bytes() if self.meter is not None else 0
+        return self.parts.meter.current_bytes() if self.parts.meter is not None else 0
 
     def _plan_miss(self, key: tuple, base: int) -> tuple:
         start = time.perf_counter()
@@ -596,16 +597,16 @@ class Mimose(Planner):
         def predict_peak(plan):
             return base + self._timeline_peak(pred, plan)
 
-        limit = self.limit_bytes - self.recovery_margins.get(key, 0)
+        limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
         selective = ()
         if self._selective_known():
             recompute_ms, selective_ms = self.choice_times.at(math.prod(key))
-            savings = [np.zeros(self.num_blocks), pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0),
+            savings = [np.zeros(self.parts.num_blocks), pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0),
                        pred.savings]
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
             # checkpointing refuses them): not a choice for that block.
             savings[1] = np.where((savings[1] > 0) & self._selectable, savings[1], np.nan)
-            costs = [np.zeros(self.num_blocks), selective_ms, recompute_ms]
+            costs = [np.zeros(self.parts.num_blocks), selective_ms, recompute_ms]
             plan, selective, peak, fits = choice_plan_checked(
                 savings, costs, lambda p, sel: base + self._timeline_peak(pred, p, sel), limit)
         else:
@@ -623,9 +624,9 @@ class Mimose(Planner):
         """Whether plans may checkpoint blocks selectively: asked for, each block's selective
         bytes in the estimate (the probes measure them; measured training steps do not), how many
         heavy outputs it keeps and their recompute times known."""
-        layout, blocks = self.estimator.layout, range(self.num_blocks)
+        layout, blocks = self.estimator.layout, range(self.parts.num_blocks)
         return (self.choices == "selective" and self.choice_times is not None
-                and all(i in self.plan_runner.selective_keep for i in blocks)
+                and all(i in self.parts.plan_runner.selective_keep for i in blocks)
                 and all((q, i) in layout for q in SELECTIVE_QUANTITIES for i in blocks))
 
     def size_key(self, size: tuple) -> tuple:
@@ -645,21 +646,21 @@ class Mimose(Planner):
         peak = plan_peak_bytes(pred, plan, selective)
         return peak * (1.0 + self.prediction_margin) + self.estimator.trust.residual_bytes
 
-    def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> None:
+    def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> bool:
         """First failure of a planned step: plan that size again with a margin (the larger of
         5 % of the budget and the prediction's shortfall, and twice the margin a failure of
         this size already left); a measuring step is retried unmeasured (``_measuring``);
         a second failure, or a step with no prediction, checkpoints every block."""
         if info.phase in ("sheltered", "measuring") and failures == 1:
-            return  # the retry runs checkpointed without the measuring runs
+            return True  # the retry runs checkpointed without the measuring runs
         if failures > 1 or info.phase != "responsive" or info.predicted_peak_bytes is None:
-            super().recover(info, failures, reached_bytes)
-            return
+            return False
         key = self.cache_key(info.input_size)
         shortfall = reached_bytes - info.predicted_peak_bytes
-        margin = max(0.05 * self.limit_bytes, shortfall, 2 * self.recovery_margins.get(key, 0))
+        margin = max(0.05 * self.parts.limit_bytes, shortfall, 2 * self.recovery_margins.get(key, 0))
         self.recovery_margins[key] = int(margin)
         self.cache.pop(key, None)
+        return True
 
     def observe(self, info: StepInfo, peak_bytes, sample) -> None:
         """Learn from a measured step's sample; count a planned step's under-prediction."""
@@ -711,15 +712,14 @@ class Mimose(Planner):
         self.cache = {}
         self.counts.estimator_fit_ms += (time.perf_counter() - start) * 1e3
 
-    @property
-    def stats(self) -> dict:
+    def stats(self, counted: dict) -> dict:
         c = self.counts
         lookups = c.hits + c.misses
         iteration_ms = c.responsive_ms / c.responsive_steps if c.responsive_steps else None
         # Probes run in ``decide`` are in the planning time already.
-        overhead_ms = (self.measurer.collector_ms + c.estimator_fit_ms + self.total_planning_ms
+        overhead_ms = (self.measurer.collector_ms + c.estimator_fit_ms + counted["planning_ms_total"]
                        + c.probe_ms - c.probe_in_step_ms)
-        return {**super().stats, **asdict(c), "phase": "sheltered" if self.sheltered else "responsive",
+        return {**asdict(c), "phase": "sheltered" if self.sheltered else "responsive",
                 "collector_ms": self.measurer.collector_ms,
                 "scheduler_ms_mean": c.scheduler_ms / c.misses if c.misses else 0.0,
                 "hit_rate": c.hits / lookups if lookups else 0.0, "cached_plans": len(self.cache),
@@ -734,21 +734,18 @@ class Mimose(Planner):
                 "recovery_margins": {str(k): v for k, v in self.recovery_margins.items()}}
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "num_blocks": self.num_blocks, "granularity": self.granularity,
+        return {"num_blocks": self.parts.num_blocks, "granularity": self.granularity,
                 "estimator": self.estimator.state_dict(),
                 "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits, list(v.selective)] for k, v in self.cache.items()],
                 "choices": self.choices,
                 "choice_times": self.choice_times.state_dict() if self.choice_times is not None else None,
-                "selective_keep": [[i, k] for i, k in self.plan_runner.selective_keep.items()],
+                "selective_keep": [[i, k] for i, k in self.parts.plan_runner.selective_keep.items()],
                 "recovery_margins": [[list(k), v] for k, v in self.recovery_margins.items()],
                 "counters": asdict(self.counts)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the fitted estimator and plan cache; a fitted one skips the sheltered phase.
         Cached plans are kept only when the granularity is unchanged."""
-        if state.get("name", self.name) != self.name:
-            raise ValueError(f"this state was written by planner {state.get('name')!r}, not mimose")
-        super().load_state_dict(state)
         self.estimator.load_state_dict(state["estimator"])
         self.measurer.releases = self.estimator.releases
         self.counts = _counters_of(state)
@@ -756,8 +753,15 @@ class Mimose(Planner):
         self._loaded = True
         self.cache = {}
         self.choice_times = ChoiceTimes.from_state(state.get("choice_times")) if self.choices == "selective" else None
-        self.plan_runner.selective_keep = {int(i): int(k) for i, k in state.get("selective_keep", [])}
+        self.parts.plan_runner.selective_keep = {int(i): int(k) for i, k in state.get("selective_keep", [])}
         if state.get("granularity") == self.granularity and state.get("choices", "block") == self.choices:
             self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), tuple(rest[0]) if rest else ())
                           for k, p, peak, fits, *rest in state.get("cache", [])}
         self.recovery_margins = {tuple(k): v for k, v in state.get("recovery_margins", [])}
+
+
+def Mimose(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+    """``Planner(model, MimosePolicy, budget, **options)``: the options are ``MimosePolicy``'s
+    (``estimate``, ``sheltered_steps``, ``granularity``, ``bucket``, ``prediction_margin``,
+    ``choices``) and the planner's (``blocks``, ``safety_margin``, ``meter``)."""
+    return Planner(model, MimosePolicy, budget, **options)

@@ -4,10 +4,11 @@ host memory until backward (``blocks.OFFLOAD``). Off unless named: the copies' t
 
 import torch
 
-from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner
+from mimose_cli.planners.base import Planner
+from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy
 
 
-class FullOffload(Planner):
+class FullOffloadPolicy(Policy):
     """Offload every block: the device holds the activations between the blocks, those under
     ``OFFLOAD_MIN_BYTES`` and the parameters; the rest waits in host memory, which the meter
     counts apart (``Meter.host_bytes``). A step that still runs out of memory is retried with
@@ -16,12 +17,17 @@ class FullOffload(Planner):
     name = "offload"
     builds_meter = True  # on the CPU, only the simulated device's host count tells the copies apart
 
-    def __init__(self, model, budget=None, **kwargs):
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        if device.type not in ("cuda", "cpu"):  # checked before the planner claims the model
+    def __init__(self, parts):
+        super().__init__(parts)
+        device = next((p.device for p in parts.model.parameters()), torch.device("cpu"))
+        if device.type not in ("cuda", "cpu"):
             raise ValueError(f"planner offload moves saved tensors between a CUDA device and host memory (simulated "
                              f"on the CPU), but the model is on {device.type}; choose another planner")
-        super().__init__(model, budget, **kwargs)
 
     def decide(self, input_size, context=NO_CONTEXT):
-        return Decision((), offload=tuple(range(self.num_blocks)))
+        return Decision((), offload=tuple(range(self.parts.num_blocks)))
+
+
+def FullOffload(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+    """``Planner(model, FullOffloadPolicy, budget, **options)``."""
+    return Planner(model, FullOffloadPolicy, budget, **options)

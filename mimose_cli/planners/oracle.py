@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner, StepContext, StepInfo
+from mimose_cli.planners.base import Planner
 from mimose_cli.planners.blocks import selectable
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import ShuttlingCollector
@@ -29,6 +29,7 @@ from mimose_cli.planners.estimator import (
     peak_timeline,
     plan_peak_bytes,
 )
+from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.scaling import SELECTIVE_QUANTITIES, raw_sample, selective_keeps
 from mimose_cli.planners.sublinear import BlockProfile
 from mimose_cli.planners.trial import probe_step, to_model_device
@@ -187,19 +188,19 @@ def knapsack_plan(profile: BlockProfile, limit_bytes) -> tuple:
     return best[1] if best else tuple(range(len(act)))
 
 
-class Oracle(Planner):
+class OraclePolicy(Policy):
     """Per batch, the least-recompute plan that fits, from measurements at that input size."""
 
     name = "oracle"
 
-    def __init__(self, model, budget=None, *, choices: str = "block", **kwargs):
+    def __init__(self, parts, *, choices: str = "block"):
         if choices not in ("block", "selective"):
             raise ValueError(f"choices={choices!r} is invalid; expected 'block' or 'selective'")
-        super().__init__(model, budget, **kwargs)
+        super().__init__(parts)
         self.choices = choices
-        self.measurer = ShuttlingCollector(model, self.blocks)
+        self.measurer = ShuttlingCollector(parts.model, parts.blocks)
         self.measurer.lifetimes = choices == "selective"  # the selective bytes (``scaling.selective_bytes``)
-        self.selectable = np.array(selectable(self.blocks))
+        self.selectable = np.array(selectable(self.parts.blocks))
         self.choice_ms: dict = {}  # input size -> (recompute ms, selective ms) per block
         self._dispatch_costs = None
         self.measured: dict = {}  # input size -> Prediction, or None when it could not be measured
@@ -219,16 +220,16 @@ class Oracle(Planner):
             if self._make_batch is None:
                 raise RuntimeError("oracle measures every input size: pass the batch to "
                                    "planner.step(batch) or call planner.prepare(make_batch, ...)")
-            batch = to_model_device(self.model, self._make_batch(size))
+            batch = to_model_device(self.parts.model, self._make_batch(size))
         self.measurer.begin(inputs=batch)
         ran = False
         try:
-            with self.router.using(self.measurer):
-                ran = probe_step(self, batch) is not None
+            with self.parts.router.using(self.measurer):
+                ran = probe_step(self.parts, batch) is not None
         finally:
             sample = self.measurer.end() if ran else self.measurer.abort()  # abort keeps nothing
         if sample is not None and self.measurer.lifetimes:
-            raw, sample = sample, raw_sample(sample, self.num_blocks)
+            raw, sample = sample, raw_sample(sample, self.parts.num_blocks)
             if any(v is None for q in SELECTIVE_QUANTITIES for v in sample[0][q]):  # unmeasured: block-level only
                 raw = None
             if self._dispatch_costs is None:
@@ -236,10 +237,10 @@ class Oracle(Planner):
             units = [float(np.prod(size))] * 2
             times = None if raw is None else ChoiceTimes.from_probes([raw, raw], units, {}, self._dispatch_costs)
             if raw is not None:  # the heavy outputs a selective checkpoint keeps, as Mimose's probes count them
-                keeps = selective_keeps(raw, self.num_blocks, {})
-                self.plan_runner.selective_keep.update({i: k for i, k in enumerate(keeps) if k is not None})
+                keeps = selective_keeps(raw, self.parts.num_blocks, {})
+                self.parts.plan_runner.selective_keep.update({i: k for i, k in enumerate(keeps) if k is not None})
             self.choice_ms[size] = times.at(units[0]) if times is not None else None
-        pred = None if sample is None else measured_prediction(size, sample, self.num_blocks)
+        pred = None if sample is None else measured_prediction(size, sample, self.parts.num_blocks)
         if pred is None:
             warnings.warn(f"oracle: input size {size} could not be measured (out of memory, or a "
                           "block the collector cannot attribute); checkpointing every block", stacklevel=4)
@@ -252,11 +253,11 @@ class Oracle(Planner):
         if not hit:
             self.measured[size] = self.measure(size, context.batch)
         pred = self.measured[size]
-        base = self.meter.current_bytes() if self.meter is not None else 0
+        base = self.parts.meter.current_bytes() if self.parts.meter is not None else 0
         if pred is None:
-            plan, predicted, selective = tuple(range(self.num_blocks)), None, ()
+            plan, predicted, selective = tuple(range(self.parts.num_blocks)), None, ()
         else:
-            limit = None if self.limit_bytes is None else self.limit_bytes - self.margin_bytes - base
+            limit = None if self.parts.limit_bytes is None else self.parts.limit_bytes - self.margin_bytes - base
             plan, selective = optimal_plan(pred, limit), ()
             times = self.choice_ms.get(size)
             if times is not None and limit is not None and plan_peak(pred, ()) > limit:
@@ -273,9 +274,11 @@ class Oracle(Planner):
         if peak_bytes is not None and info.predicted_peak_bytes is not None:
             self.margin_bytes = max(self.margin_bytes, peak_bytes - info.predicted_peak_bytes)
 
-    @property
-    def stats(self) -> dict:
-        stats = super().stats
-        stats.update(measured_sizes=len(self.measured), excluded_ms_total=self.excluded_ms_total,
-                     margin_bytes=self.margin_bytes)
-        return stats
+    def stats(self, counted: dict) -> dict:
+        return {"measured_sizes": len(self.measured), "excluded_ms_total": self.excluded_ms_total,
+                "margin_bytes": self.margin_bytes}
+
+
+def Oracle(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+    """``Planner(model, OraclePolicy, budget, **options)`` (``choices``: block or selective)."""
+    return Planner(model, OraclePolicy, budget, **options)

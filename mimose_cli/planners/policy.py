@@ -1,12 +1,16 @@
 """The policy contract: what a planner decides, and what it is told.
 
-A planner is a policy (``Policy``): ``decide(input_size, context) -> Decision`` says what to do with
-each block for a batch of that size, from what the planner knows and what ``context`` (a
-``StepContext``: the batch, the attempt, how ``run`` runs a batch) says of the step; after the step
-``observe(info, peak_bytes, sample)`` tells it what happened. Optional: ``prepare`` (before
-training: static plans, probes), ``predict_peak``/``size_key`` (what out-of-memory recovery asks).
-``planners.base.Planner`` carries a policy out: the router, the meter session, recovery,
-persistence. docs/DESIGN.md has a whole planner in 30 lines.
+A planner is a policy (``Policy``) carried out by ``planners.base.Planner``. The planner builds
+the parts a policy works with (``planners.parts.PlannerParts``: the model, its blocks, the budget,
+the meter, the router, the plan runner) and constructs the policy on them, ``Policy(parts,
+**options)``. Per step, ``decide(input_size, context) -> Decision`` says what to do with each
+block for a batch of that size, from what the policy knows and what ``context`` (a
+``StepContext``: the batch, the attempt, how ``run`` runs a batch) says of the step; after the
+step ``observe(info, peak_bytes, sample)`` tells it what happened. The rest is optional, with
+defaults below: ``prepare`` (before training: static plans, probes), ``runner_for`` (a policy
+whose blocks run otherwise than by its plan: DTR), ``recover``, ``predict_peak`` and ``size_key``
+(what out-of-memory recovery asks), ``stats`` and ``state_dict``. docs/DESIGN.md has a whole
+policy in 30 lines.
 """
 
 from dataclasses import dataclass
@@ -98,6 +102,13 @@ class Policy:
     ``run``: code between the steps runs as if there were no planner."""
     state_file: str | None = None
     """The file in a run directory ``save`` writes, for planners whose state is worth keeping."""
+    measurer = None
+    """The runner of the steps decided with ``Decision(measure=True)`` (Mimose's and the oracle's
+    collector); None: the policy measures nothing."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        """The ``PlannerParts`` this policy plans for: its only way into the model and the meter."""
 
     def decide(self, input_size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
         """The plan for a batch of ``input_size``; ``context`` is the step's batch and attempt."""
@@ -120,6 +131,18 @@ class Policy:
         """One line on what ``prepare`` did, for the run's log (None: nothing worth a line)."""
         return None
 
+    def runner_for(self, info: StepInfo):
+        """The ``blocks.BlockRunner`` of a step decided as ``info``: the measurer for a measured
+        step, else the plan runner (the plan's blocks checkpointed, each as its choice says). A
+        policy whose blocks run otherwise returns its own (DTR: its evictions)."""
+        return self.measurer if info.measured else self.parts.plan_runner
+
+    def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> bool:
+        """Make the next attempt of a step that ran out of memory ``failures`` times (the last
+        trying to hold ``reached_bytes``) need less memory; False leaves it to the planner, which
+        checkpoints every block for that size from then on (Mimose first tries a margin)."""
+        return False
+
     def predict_peak(self, size: tuple, plan: tuple) -> int | None:
         """The step peak this planner predicts for ``plan`` at ``size`` (None: it cannot say)."""
         return None
@@ -127,3 +150,19 @@ class Policy:
     def size_key(self, size: tuple) -> tuple:
         """The key recovery remembers a size by (Mimose: its plan-cache key)."""
         return tuple(size)
+
+    def stats(self, counted: dict) -> dict:
+        """Figures of the policy's own for reports, besides what the planner ``counted`` (steps,
+        planning time, retries), which they may use."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """What the policy learned, as JSON-ready data (beside the planner's counters): enough for
+        a resumed run to decide as the uninterrupted one would."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what ``state_dict`` gave (the planner's whole saved state)."""
+
+    def close(self) -> None:
+        """Let go of what the policy holds; the planner puts the model back after."""

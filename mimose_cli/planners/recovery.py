@@ -104,7 +104,7 @@ def run_recovering(planner, step_fn, batch, size: tuple):
     ``PlanOutOfMemoryError`` says why with the budget, the prediction and what was reached. Each
     attempt's number reaches the policy in its ``StepContext``. The optimizer is never touched."""
     guard = StepGuard(planner.model, batch)
-    last_try = planner.max_retries if planner.adapts else 0
+    last_try = planner.policy.max_retries if planner.policy.adapts else 0
     try:
         for attempt in range(last_try + 1):
             result, failure = _attempt(planner, step_fn, batch, size, attempt, guard)
@@ -123,7 +123,7 @@ def run_recovering(planner, step_fn, batch, size: tuple):
     n = planner.num_blocks
     blocks = "every block" if len(info.plan) == n else f"{len(info.plan)} of {n} blocks"
     device = getattr(planner.meter, "budget_bytes", None) or planner.budget_bytes  # what the device holds
-    message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached, *planner.oom_fix)
+    message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached, *planner.policy.oom_fix)
     raise PlanOutOfMemoryError(message, device, info.predicted_peak_bytes, reached, last_try)
 
 

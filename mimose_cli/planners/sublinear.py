@@ -22,7 +22,8 @@ from typing import Literal, get_args
 import torch
 
 from mimose_cli.memory.profiler import BlockProfiler
-from mimose_cli.planners.base import NO_CONTEXT, Decision, Planner, StepContext
+from mimose_cli.planners.base import Planner
+from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext
 from mimose_cli.planners.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import model_device, probe_with_plan, run_model, side_effect_free, to_model_device
 
@@ -69,19 +70,19 @@ def probe_plan(num_blocks: int) -> tuple:
     return tuple(range(num_blocks - 1))
 
 
-def measure_fixed_bytes(planner, batch, act_bytes) -> int:
+def measure_fixed_bytes(parts, batch, act_bytes) -> int:
     """Run one side-effect-free step with ``probe_plan`` and return its measured peak less the
     modelled activations of that plan: the part of the peak no plan changes.
 
-    Needs the planner's meter; returns 0 without one. The probe (``probe_step``) does not count
+    Needs a meter (``parts``: a planner's ``PlannerParts``); returns 0 without one. The probe (``probe_step``) does not count
     as the step's peak.
     """
-    if planner.meter is None:
+    if parts.meter is None:
         return 0
-    plan = probe_plan(planner.num_blocks)
-    peak = probe_with_plan(planner, batch, plan)
+    plan = probe_plan(parts.num_blocks)
+    peak = probe_with_plan(parts, batch, plan)
     if peak is None:  # nothing fits: make every plan but "all" look infeasible
-        return planner.limit_bytes or 0
+        return parts.limit_bytes or 0
     return peak - BlockProfile((), act_bytes, [0.0] * len(act_bytes)).peak_bytes(plan)
 
 
@@ -147,17 +148,17 @@ def greedy_at(profile: BlockProfile, limit_bytes) -> tuple:
     return plan
 
 
-class Sublinear(Planner):
+class SublinearPolicy(Policy):
     """A static plan for the largest input, applied to every batch."""
 
     name = "sublinear"
 
-    def __init__(self, model, budget=None, *, variant: Variant = "greedy", **kwargs):
-        if variant not in VARIANTS:  # before the planner claims the model
+    def __init__(self, parts, *, variant: Variant = "greedy"):
+        if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r} is invalid; expected one of "
                              f"{' | '.join(VARIANTS)}")
-        super().__init__(model, budget, **kwargs)
-        self.profiler = BlockProfiler(model, self.num_blocks)
+        super().__init__(parts)
+        self.profiler = BlockProfiler(parts.model, parts.num_blocks)
         self.variant = variant
         self.profile: BlockProfile | None = None
         self.static_plan: tuple | None = None
@@ -170,25 +171,25 @@ class Sublinear(Planner):
         start = time.perf_counter()
         self.reserve_bytes = int(reserve_bytes)
         if self.variant == "sqrt":
-            self.static_plan = sqrt_plan(self.num_blocks)
+            self.static_plan = sqrt_plan(self.parts.num_blocks)
         else:
             self.static_plan = self._plan_at(make_batch, tuple(max_input_size))
         self.prepare_ms = (time.perf_counter() - start) * 1e3
 
     def _plan_at(self, make_batch, size: tuple) -> tuple:
-        batch = to_model_device(self.model, make_batch(size))
+        batch = to_model_device(self.parts.model, make_batch(size))
         try:
-            with side_effect_free(self.model, batch), torch.enable_grad(), self.router.using(self.profiler):
-                act_bytes, fwd_ms = self.profiler.measure(lambda: run_model(self.model, batch),
-                                                          model_device(self.model))
+            with side_effect_free(self.parts.model, batch), torch.enable_grad(), self.parts.router.using(self.profiler):
+                act_bytes, fwd_ms = self.profiler.measure(lambda: run_model(self.parts.model, batch),
+                                                          model_device(self.parts.model))
         except torch.OutOfMemoryError:
             warnings.warn(f"sublinear: measuring one block at the largest input {size} ran out of "
                           "memory; checkpointing every block", stacklevel=3)
-            return tuple(range(self.num_blocks))
-        fixed = measure_fixed_bytes(self, batch, act_bytes)
+            return tuple(range(self.parts.num_blocks))
+        fixed = measure_fixed_bytes(self.parts, batch, act_bytes)
         self.profile = BlockProfile(size, act_bytes, fwd_ms, fixed)
         planner = greedy_at if self.variant == "greedy" else chen_plan
-        limit = None if self.limit_bytes is None else self.limit_bytes - self.reserve_bytes
+        limit = None if self.parts.limit_bytes is None else self.parts.limit_bytes - self.reserve_bytes
         plan = planner(self.profile, limit)
         peak = self.profile.peak_bytes(plan)
         if limit is not None and peak > limit:
@@ -204,11 +205,13 @@ class Sublinear(Planner):
                                "planner.prepare(make_batch, max_input_size) before the first step")
         return Decision(self.static_plan)
 
-    @property
-    def stats(self) -> dict:
-        stats = super().stats
-        stats.update(variant=self.variant, prepare_ms=self.prepare_ms, reserve_bytes=self.reserve_bytes,
-                     static_plan=list(self.static_plan or ()))
-        return stats
+    def stats(self, counted: dict) -> dict:
+        return {"variant": self.variant, "prepare_ms": self.prepare_ms, "reserve_bytes": self.reserve_bytes,
+                "static_plan": list(self.static_plan or ())}
 
 
+
+
+def Sublinear(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+    """``Planner(model, SublinearPolicy, budget, **options)`` (``variant``: greedy, chen, sqrt)."""
+    return Planner(model, SublinearPolicy, budget, **options)

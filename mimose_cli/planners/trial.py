@@ -46,25 +46,25 @@ def side_effect_free(model, batch):
         yield
 
 
-def probe_step(planner, batch, step_fn=None):
+def probe_step(parts, batch, step_fn=None):
     """One forward and backward on ``batch`` that the training run never sees: RNG forked,
     buffers restored, the gradients put back as they were (the probe starts from none), the
     meter's peak reset afterwards. ``step_fn(batch)`` runs them as training does (its autocast,
     its loss scaling); without it, the model's loss (``loss_of``) is backpropagated. Returns the
     probe's peak (0 without a meter), or None when it ran out of memory."""
-    meter = planner.meter
-    params = list(planner.model.parameters())
+    meter = parts.meter
+    params = list(parts.model.parameters())
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None
     if meter is not None:
         meter.reset_peak()
     try:
-        with side_effect_free(planner.model, batch), torch.enable_grad():
+        with side_effect_free(parts.model, batch), torch.enable_grad():
             if step_fn is not None:
                 step_fn(batch)
             else:
-                loss_of(run_model(planner.model, batch)).backward()
+                loss_of(run_model(parts.model, batch)).backward()
         return meter.peak_bytes() if meter is not None else 0
     except torch.OutOfMemoryError:
         return None
@@ -75,13 +75,13 @@ def probe_step(planner, batch, step_fn=None):
             meter.reset_peak()
 
 
-def probe_with_runner(planner, batch, runner, step_fn=None):
-    """``probe_step`` (with ``step_fn``) with every block run by ``runner`` through the planner's
-    router. Returns what ``runner.end`` returns, or None when the step ran out of memory."""
+def probe_with_runner(parts, batch, runner, step_fn=None):
+    """``probe_step`` (with ``step_fn``) with every block run by ``runner`` through the router of
+    ``parts`` (a planner's ``PlannerParts``). Returns what ``runner.end`` returns, or None when the step ran out of memory."""
     runner.begin(None)
     try:
-        with planner.router.using(runner):
-            peak = probe_step(planner, batch, step_fn)
+        with parts.router.using(runner):
+            peak = probe_step(parts, batch, step_fn)
     except BaseException:
         runner.abort()
         raise
@@ -91,15 +91,15 @@ def probe_with_runner(planner, batch, runner, step_fn=None):
     return runner.end(None)
 
 
-def probe_with_plan(planner, batch, plan, step_fn=None, selective=(), offload=()):
+def probe_with_plan(parts, batch, plan, step_fn=None, selective=(), offload=()):
     """``probe_step`` (with ``step_fn``) with ``plan`` checkpointed (``selective`` of it
-    selectively) and ``offload`` offloaded by the planner's plan runner; the plan in force is put
+    selectively) and ``offload`` offloaded by the plan runner of ``parts``; the plan in force is put
     back after. Returns what ``probe_step`` returns."""
-    runner = planner.plan_runner
+    runner = parts.plan_runner
     saved = runner.plan, runner.selective, runner.offload
-    planner.set_plan(plan, selective, offload)
+    parts.set_plan(plan, selective, offload)
     try:
-        with planner.router.using(planner.plan_runner):
-            return probe_step(planner, batch, step_fn)
+        with parts.router.using(parts.plan_runner):
+            return probe_step(parts, batch, step_fn)
     finally:
-        planner.set_plan(*saved)
+        parts.set_plan(*saved)

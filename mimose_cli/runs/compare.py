@@ -11,10 +11,9 @@ from pydantic import TypeAdapter
 from rich.table import Table
 from typing_extensions import Required, TypedDict
 
-from mimose_cli.runs.live import new_console
 from mimose_cli.files import read_json
+from mimose_cli.runs.live import new_console
 from mimose_cli.units import format_budget, format_bytes, format_duration
-
 
 NOISE = 0.05
 """Timings on a shared machine swing by this much run to run (docs/BENCHMARKS.md)."""

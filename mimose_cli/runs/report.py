@@ -3,16 +3,14 @@
 from collections import defaultdict
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 
+from mimose_cli.runs.compare import render_compare, timing_noise
 from mimose_cli.runs.live import new_console, step_table
 from mimose_cli.runs.rundir import CHECKPOINT, load_run
-from mimose_cli.files import read_json, read_text
-from mimose_cli.runs.compare import render_compare, timing_noise
-from mimose_cli.runs.summary import SUMMARY_FILE, summarize, summary_tables
-from mimose_cli.units import format_bytes, parse_size
+from mimose_cli.runs.summary import summary_tables
+from mimose_cli.units import format_bytes
 
 LENGTH_BUCKETS = 8
 

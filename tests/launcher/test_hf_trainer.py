@@ -225,7 +225,7 @@ def test_a_keyword_only_code_can_pass_reaches_the_planner():
         return 1.0
 
     fitted = fit_budget(_trainer(), "1GB", "dtr", cost_fn=cost)
-    assert fitted.planner.rematerializer.cost_fn is cost
+    assert fitted.planner.policy.rematerializer.cost_fn is cost
     fitted.planner.close()
 
 

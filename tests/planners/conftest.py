@@ -36,7 +36,7 @@ def sheltered():
         try:
             for size in SHELTERED_SIZES:
                 run_step(planner, meter, bert_batch(*size))
-            return Sheltered(SHELTERED_SIZES, planner.state_dict(), planner.estimator.samples, planner.stats)
+            return Sheltered(SHELTERED_SIZES, planner.state_dict(), planner.policy.estimator.samples, planner.stats)
         finally:
             planner.close()
 

@@ -146,13 +146,13 @@ def test_key_value_cache_is_off_while_attached_and_restored_on_close(name):
 def test_the_policy_is_told_the_step_in_its_context_and_nothing_is_left_on_the_planner():
     """``decide(size, context)``: the step's batch, the attempt (a retry after running out of
     memory is attempt 1) and ``run``'s step function; no attribute of the planner carries them."""
-    from mimose_cli.planners import Decision, Planner
+    from mimose_cli.planners import Decision, Planner, Policy
 
-    class Recording(Planner):
+    class Recording(Policy):
         name = "recording"
 
-        def __init__(self, model, budget=None, **kwargs):
-            super().__init__(model, budget, **kwargs)
+        def __init__(self, parts):
+            super().__init__(parts)
             self.contexts = []
 
         def decide(self, input_size, context):
@@ -169,11 +169,12 @@ def test_the_policy_is_told_the_step_in_its_context_and_nothing_is_left_on_the_p
             raise torch.OutOfMemoryError("simulated")
         model(x).backward()
 
-    with Recording(model) as planner:
+    with Planner(model, Recording) as planner:
         with planner.step(batch, input_size=(2, 16)):
             model(batch).backward()
         planner.run(step_fn, batch, input_size=(2, 16))
-        first, *retried = planner.contexts
+        first, *retried = planner.policy.contexts
         assert first.batch is batch and first.attempt == 0 and first.step_fn is None
         assert [(c.batch is batch, c.attempt, c.step_fn is step_fn) for c in retried] == [(True, 0, True), (True, 1, True)]
-        assert not any(hasattr(planner, name) for name in ("batch", "attempt", "step_fn"))
+        assert not any(hasattr(obj, name) for obj in (planner, planner.policy, planner.parts)
+                       for name in ("batch", "attempt", "step_fn"))

@@ -168,20 +168,20 @@ def test_finer_plans_fit_hold_their_predictions_and_compute_what_plain_training_
     checkpointing hands back the forward's own outputs of the ops it kept)."""
     with metered_mimose(tiny_bert(4), choices="selective") as (planner, meter):
         planner.prepare(make, (4, 64))
-        assert planner.choice_times is not None and planner._selective_known()
-        planner.choice_times.mode_ms = 0.0  # selective recompute as cheap as its light ops
+        assert planner.policy.choice_times is not None and planner.policy._selective_known()
+        planner.policy.choice_times.mode_ms = 0.0  # selective recompute as cheap as its light ops
         for p in planner.model.parameters():
             p.grad = None
         seen = 0
         for size in HELD_OUT:
             batch = make(size)
-            none_peak = probe_with_plan(planner, batch, ())
-            full_peak = probe_with_plan(planner, batch, tuple(range(4)))
-            planner.budget_bytes = int(full_peak + 0.5 * (none_peak - full_peak))
-            planner.cache = {}
-            decision = planner.decide(size)
+            none_peak = probe_with_plan(planner.parts, batch, ())
+            full_peak = probe_with_plan(planner.parts, batch, tuple(range(4)))
+            planner.parts.budget_bytes = int(full_peak + 0.5 * (none_peak - full_peak))
+            planner.policy.cache = {}
+            decision = planner.policy.decide(size)
             assert decision.predicted_peak_bytes <= planner.limit_bytes
-            measured = probe_with_plan(planner, batch, decision.plan, selective=decision.selective)
+            measured = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective)
             assert measured <= decision.predicted_peak_bytes <= measured * 1.02, (size, decision)
             seen += bool(decision.selective)
         assert seen  # the budgets were met with selective blocks
@@ -260,23 +260,23 @@ def test_every_choice_of_every_block_is_predicted_never_under(stack, precision):
     over = 1.02 if dtype is None else 1.03
     with metered_mimose(model, choices="selective") as (planner, meter):
         planner.prepare(make_batch, largest, step_fn=step_fn)
-        assert planner._selective_known()
+        assert planner.policy._selective_known()
         if stack == "post-norm":  # its recompute peaks holding the kept outputs it has not come to
-            blocks = planner.estimator.predict(largest).blocks
+            blocks = planner.policy.estimator.predict(largest).blocks
             assert (blocks["selective_recompute_peak_bytes"] > blocks["recompute_peak_bytes"]).all()
         else:  # the last matmul's output is not kept: its recompute would never take it back
             every, batch = (0, 1, 2), make_batch(largest)
-            keep, planner.plan_runner.selective_keep = planner.plan_runner.selective_keep, {}
-            all_kept = probe_with_plan(planner, batch, every, step_fn=step_fn, selective=every)
-            planner.plan_runner.selective_keep = keep
-            assert probe_with_plan(planner, batch, every, step_fn=step_fn, selective=every) < all_kept
+            keep, planner.parts.plan_runner.selective_keep = planner.parts.plan_runner.selective_keep, {}
+            all_kept = probe_with_plan(planner.parts, batch, every, step_fn=step_fn, selective=every)
+            planner.parts.plan_runner.selective_keep = keep
+            assert probe_with_plan(planner.parts, batch, every, step_fn=step_fn, selective=every) < all_kept
         for size in sizes:
             batch = make_batch(size)
             for levels in itertools.product((0, 1, 2), repeat=3):
                 plan = tuple(i for i, level in enumerate(levels) if level)
                 selective = tuple(i for i, level in enumerate(levels) if level == 1)
                 predicted = planner.predict_peak(size, plan, selective)
-                measured = probe_with_plan(planner, batch, plan, step_fn=step_fn, selective=selective)
+                measured = probe_with_plan(planner.parts, batch, plan, step_fn=step_fn, selective=selective)
                 assert measured <= predicted <= measured * over, (size, levels, predicted, measured)
 
 
@@ -301,11 +301,11 @@ def test_a_selective_blocks_forward_peak_is_predicted_as_measured():
                     peaks.append(meter.peak_bytes() - peaks[0])
             hooks = block.register_forward_pre_hook(enter), block.register_forward_hook(leave)
             try:
-                probe_with_plan(planner, make(size), (0, 1, 2, 3), selective=(1,))
+                probe_with_plan(planner.parts, make(size), (0, 1, 2, 3), selective=(1,))
             finally:
                 for hook in hooks:
                     hook.remove()
-            blocks = planner.estimator.predict(size).blocks
+            blocks = planner.policy.estimator.predict(size).blocks
             assert blocks["selective_fwd_peak_bytes"][1] == pytest.approx(peaks[1], rel=1e-9), size
             assert peaks[1] < blocks["ckpt_fwd_peak_bytes"][1] + blocks["selective_extra_bytes"][1]
 
@@ -325,10 +325,10 @@ def test_a_step_planned_with_selective_blocks_says_so_and_trains_as_plain():
         plain.close()
         planner = Mimose(model, 10**9, meter=meter, choices="selective")
         planner.prepare(lambda size: bert_batch(*size), (4, 64))
-        planner.choice_times.mode_ms = 0.0
+        planner.policy.choice_times.mode_ms = 0.0
         meter.track(data)
         # Room for the step with one block checkpointed selectively: cheaper than recomputing one.
-        planner.budget_bytes = planner.predict_peak((4, 64), (0,), (0,)) + 1024
+        planner.parts.budget_bytes = planner.predict_peak((4, 64), (0,), (0,)) + 1024
         budget = planner.budget_bytes
         loss, peak, info = run_step(planner, meter, data)
         planner.close()
@@ -356,9 +356,9 @@ def test_a_recipe_chooses_the_choice_set_and_refuses_others():
 def test_block_level_plans_checkpoint_nothing_selectively():
     with metered_mimose(tiny_bert(4)) as (planner, meter):
         planner.prepare(make, (4, 64))
-        assert planner.choice_times is None and not planner._selective_known()
-        planner.budget_bytes = 1  # nothing fits: every block, none selectively
-        assert planner.decide((4, 40)).selective == ()
+        assert planner.policy.choice_times is None and not planner.policy._selective_known()
+        planner.parts.budget_bytes = 1  # nothing fits: every block, none selectively
+        assert planner.policy.decide((4, 40)).selective == ()
 
 
 def test_the_oracle_searches_the_same_choices_and_its_plans_fit():
@@ -375,14 +375,14 @@ def test_the_oracle_searches_the_same_choices_and_its_plans_fit():
     with meter.activate():
         meter.track(model, data)
         oracle = Oracle(model, 10**9, meter=meter, choices="selective")
-        oracle._dispatch_costs = (0.0, 0.0)  # selective recompute costs its light ops only
-        pred = oracle.measure((4, 64), data)
-        oracle.measured[(4, 64)] = pred
+        oracle.policy._dispatch_costs = (0.0, 0.0)  # selective recompute costs its light ops only
+        pred = oracle.policy.measure((4, 64), data)
+        oracle.policy.measured[(4, 64)] = pred
         base = meter.current_bytes()
         none_peak, full_peak = plan_peak(pred, ()), plan_peak(pred, tuple(range(4)))
-        oracle.budget_bytes = int(base + full_peak + 0.5 * (none_peak - full_peak))
-        decision = oracle.decide((4, 64))
-        recompute_ms, selective_ms = oracle.choice_ms[(4, 64)]
+        oracle.parts.budget_bytes = int(base + full_peak + 0.5 * (none_peak - full_peak))
+        decision = oracle.policy.decide((4, 64))
+        recompute_ms, selective_ms = oracle.policy.choice_ms[(4, 64)]
         block_level = optimal_plan(pred, oracle.limit_bytes - base)
         cost = sum(selective_ms[i] if i in decision.selective else recompute_ms[i] for i in decision.plan)
         assert decision.selective and cost <= sum(recompute_ms[i] for i in block_level) + 1e-9
@@ -403,12 +403,12 @@ def test_blocks_whose_savings_read_zero_are_still_taken_when_the_plan_needs_them
 def test_an_estimator_saved_before_finer_plans_still_loads_and_plans_block_level():
     with metered_mimose(tiny_bert(4)) as (planner, meter):
         planner.prepare(make, (4, 64))
-        state = planner.estimator.state_dict()
+        state = planner.policy.estimator.state_dict()
     state["block_quantities"] = [q for q in state["block_quantities"] if not q.startswith("selective_")]
     state["layout"] = [row for row in state["layout"] if not row[0].startswith("selective_")]
     with metered_mimose(tiny_bert(4), choices="selective") as (planner, meter):
-        planner.estimator.load_state_dict(state)
-        assert planner.estimator.fitted and not planner._selective_known()
+        planner.policy.estimator.load_state_dict(state)
+        assert planner.policy.estimator.fitted and not planner.policy._selective_known()
 
 
 def test_a_resumed_planner_keeps_the_same_heavy_outputs_and_an_older_state_plans_block_level():
@@ -417,13 +417,13 @@ def test_a_resumed_planner_keeps_the_same_heavy_outputs_and_an_older_state_plans
     a state written before it was counted plans block-level, not with bytes it would not hold."""
     with metered_mimose(_tiny_llama(), choices="selective") as (planner, meter):
         planner.prepare(_llama_batch, (4, 64))
-        keep, state = dict(planner.plan_runner.selective_keep), planner.state_dict()
+        keep, state = dict(planner.parts.plan_runner.selective_keep), planner.state_dict()
     assert sorted(keep) == [0, 1, 2] and len(set(keep.values())) == 1
     with metered_mimose(_tiny_llama(), choices="selective") as (planner, meter):
         planner.load_state_dict(state)
-        assert planner.plan_runner.selective_keep == keep and planner._selective_known()
+        assert planner.parts.plan_runner.selective_keep == keep and planner.policy._selective_known()
     del state["selective_keep"]
     with metered_mimose(_tiny_llama(), choices="selective") as (planner, meter):
         planner.load_state_dict(state)
-        assert not planner._selective_known()
-        assert planner.decide((4, 64)).selective == ()
+        assert not planner.policy._selective_known()
+        assert planner.policy.decide((4, 64)).selective == ()

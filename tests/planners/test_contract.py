@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mimose_cli.memory import build_meter
-from mimose_cli.planners import PLANNERS, Planner, build_planner
+from mimose_cli.planners import PLANNERS, Planner, Policy, build_planner
 
 DESIGN = Path(__file__).resolve().parents[2] / "docs" / "DESIGN.md"
 
@@ -83,10 +83,17 @@ def test_the_example_planner_learns_to_fit_through_the_contract(example_planner)
 
 
 @pytest.mark.parametrize("name", sorted(PLANNERS))
-def test_no_planner_overrides_the_step(name):
+def test_every_planner_is_a_policy_that_the_one_planner_carries_out(name):
+    """A planner's code is a policy: it inherits the contract's defaults, never the step, the
+    recovery or the persistence, which the one ``Planner`` holds."""
     cls = PLANNERS[name]
-    assert cls.step is Planner.step and cls.run is Planner.run
-    assert cls.decide is not Planner.decide
+    assert issubclass(cls, Policy) and not issubclass(cls, Planner)
+    assert cls.decide is not Policy.decide
+    assert not any(hasattr(cls, method) for method in ("step", "run", "track", "save", "load"))
+    model = _model()
+    with build_planner(name, model, None, blocks="*") as planner:
+        assert type(planner) is Planner and isinstance(planner.policy, cls) and planner.name == name
+        assert planner.policy.parts is planner.parts
 
 
 def test_every_planner_is_importable_from_the_package_without_importing_torch_first():
@@ -95,11 +102,13 @@ def test_every_planner_is_importable_from_the_package_without_importing_torch_fi
 
     code = ("import sys, mimose_cli; assert 'torch' not in sys.modules; "
             "from mimose_cli import Mimose, Sublinear, DTR, EveryN, FullCheckpointing, NoCheckpointing, Oracle, "
-            "FullOffload, Decision; "
-            "from mimose_cli.planners import PLANNERS; "
-            "assert {c.name for c in (Mimose, Sublinear, DTR, EveryN, FullCheckpointing, NoCheckpointing, Oracle, "
-            "FullOffload)} "
-            "== set(PLANNERS)")
+            "FullOffload, Decision, Planner, Policy; "
+            "from mimose_cli.planners import PLANNERS, MimosePolicy, SublinearPolicy, DTRPolicy, EveryNPolicy, "
+            "FullCheckpointingPolicy, NoCheckpointingPolicy, OraclePolicy, FullOffloadPolicy; "
+            "assert {c.name for c in (MimosePolicy, SublinearPolicy, DTRPolicy, EveryNPolicy, FullCheckpointingPolicy, "
+            "NoCheckpointingPolicy, OraclePolicy, FullOffloadPolicy)} == set(PLANNERS); "
+            "assert all(callable(f) for f in (Mimose, Sublinear, DTR, EveryN, FullCheckpointing, NoCheckpointing, "
+            "Oracle, FullOffload))")
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
@@ -114,6 +123,6 @@ def test_the_example_planner_measures_in_a_loop_of_ones_own(example_planner):
             for p in model.parameters():
                 p.grad = None
         assert planner.meter is not None and planner.meter.peak_bytes() > 0
-        assert planner.blocks_at.get(64, 0) >= 1  # the budget binds at length 64
+        assert planner.policy.blocks_at.get(64, 0) >= 1  # the budget binds at length 64
     finally:
         planner.close()

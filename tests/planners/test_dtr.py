@@ -46,7 +46,7 @@ def test_evictions_step_by_step():
     # Backward needs them in reverse order and recomputes 3, 2, 1, 0.
     x = torch.randn(BATCH, 8)
     planner, info = dtr_step(stack((16, 32, 64, 32, 16)), 2560, x, cost_fn=lambda h: 1.0)
-    assert planner.rematerializer.events == [("evict", 0), ("evict", 1), ("evict", 2), ("evict", 3),
+    assert planner.policy.rematerializer.events == [("evict", 0), ("evict", 1), ("evict", 2), ("evict", 3),
                               ("recompute", 3), ("recompute", 2), ("recompute", 1), ("recompute", 0)]
     assert info.plan == (0, 1, 2, 3) and info.recomputations == 4
 
@@ -54,14 +54,14 @@ def test_evictions_step_by_step():
 def test_cost_outweighs_staleness():
     x = torch.randn(BATCH, 8)
     cheap, _ = dtr_step(stack((32,) * 4), 4096, x, cost_fn=lambda h: 1.0)
-    assert cheap.rematerializer.events[0] == ("evict", 0)  # equal cost and size: the stalest
+    assert cheap.policy.rematerializer.events[0] == ("evict", 0)  # equal cost and size: the stalest
     costly, _ = dtr_step(stack((32,) * 4), 4096, x, cost_fn=lambda h: 100.0 if h.index == 0 else 1.0)
-    assert costly.rematerializer.events[0] == ("evict", 1)
+    assert costly.policy.rematerializer.events[0] == ("evict", 1)
 
 
 def test_no_eviction_without_pressure():
     planner, info = dtr_step(stack((16,) * 3), 10**6, torch.randn(BATCH, 8))
-    assert planner.rematerializer.events == [] and info.plan == ()
+    assert planner.policy.rematerializer.events == [] and info.plan == ()
 
 
 def _tiny_bert():
@@ -144,7 +144,7 @@ def test_batchnorm_statistics_are_not_updated_twice():
             build_planner(name, model, None)
         with planner.step(torch.randn(BATCH, 8)):
             model(torch.randn(BATCH, 8)).sum().backward()
-        return [b.clone() for b in model.buffers()], (planner.rematerializer.events if name == "dtr" else [])
+        return [b.clone() for b in model.buffers()], (planner.policy.rematerializer.events if name == "dtr" else [])
 
     reference, _ = stats("none")
     buffers, events = stats("dtr")

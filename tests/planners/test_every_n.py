@@ -8,7 +8,7 @@ import pytest
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.every_n import EveryN, stride_plan
 from mimose_cli.planners.options import PLANNER_OPTIONS
-from mimose_cli.planners.registry import PLANNERS
+from mimose_cli.planners.registry import PLANNERS, build_planner
 from mimose_cli.planners.trial import probe_with_plan
 
 from helpers import bert_batch, tiny_bert
@@ -30,7 +30,7 @@ def _prepared(budget, **options):
         meter.track(model)
         planner = EveryN(model, budget, meter=meter, **options)
         planner.prepare(lambda size: bert_batch(*size), (8, 96))
-        peaks = {n: probe_with_plan(planner, bert_batch(8, 96), stride_plan(4, n)) for n in (1, 2, 3, 4)}
+        peaks = {n: probe_with_plan(planner.parts, bert_batch(8, 96), stride_plan(4, n)) for n in (1, 2, 3, 4)}
     planner.close()
     return planner, peaks
 
@@ -40,8 +40,8 @@ def test_prepare_picks_the_largest_stride_whose_largest_batch_fits():
     assert peaks[1] < peaks[2] < peaks[4]  # more blocks kept, more memory
     budget = peaks[2]  # stride 2 fits exactly; the sparsest stride, 4, does not
     planner, _ = _prepared(budget)
-    assert planner.every_n_layers == max(n for n, p in peaks.items() if p <= budget) >= 2
-    assert planner.decide((2, 10)).plan == stride_plan(4, planner.every_n_layers)  # every batch alike
+    assert planner.policy.every_n_layers == max(n for n, p in peaks.items() if p <= budget) >= 2
+    assert planner.policy.decide((2, 10)).plan == stride_plan(4, planner.policy.every_n_layers)  # every batch alike
     assert planner.stats["stride_peaks"]["4"] == peaks[4]
 
 
@@ -49,12 +49,12 @@ def test_no_stride_fits_checkpoints_every_block_and_says_so():
     _, peaks = _prepared(None)
     with pytest.warns(UserWarning, match="no stride fits"):
         planner, _ = _prepared(peaks[1] // 2)
-    assert planner.every_n_layers == 1 and planner.static_plan == (0, 1, 2, 3)
+    assert planner.policy.every_n_layers == 1 and planner.policy.static_plan == (0, 1, 2, 3)
 
 
 def test_a_given_stride_is_applied_without_measuring():
     planner = EveryN(tiny_bert(layers=4), "1GB", every_n_layers=3)
-    assert planner.decide((2, 10)).plan == (0, 3) and planner.stride_peaks == {}
+    assert planner.policy.decide((2, 10)).plan == (0, 3) and planner.policy.stride_peaks == {}
     with pytest.raises(ValueError, match="every_n_layers=0"):
         EveryN(tiny_bert(layers=4), "1GB", every_n_layers=0)
 
@@ -79,5 +79,5 @@ def test_a_recipe_section_reaches_the_planner():
 
     recipe = load_recipe(QUICKSTART, ["planner.name=hf-every-n", "planner.hf_every_n.every_n_layers=2"])
     assert recipe.planner.keywords == {"every_n_layers": 2}
-    planner = PLANNERS["hf-every-n"](tiny_bert(layers=4), "1GB", **recipe.planner.keywords)
-    assert planner.decide((2, 10)).plan == (0, 2)
+    planner = build_planner("hf-every-n", tiny_bert(layers=4), "1GB", **recipe.planner.keywords)
+    assert planner.policy.decide((2, 10)).plan == (0, 2)

@@ -42,7 +42,7 @@ def test_a_long_stacks_middle_layers_are_left_out_and_the_estimate_is_the_measur
             batch = make(size)  # live while the step is planned, as in training
             for plan in ((), (0, 4, 7), tuple(range(8))):
                 predicted = planner.predict_peak(size, plan)
-                measured = probe_with_plan(planner, batch, plan)
+                measured = probe_with_plan(planner.parts, batch, plan)
                 assert measured <= predicted <= measured * 1.02, (size, plan)
 
 
@@ -165,8 +165,8 @@ def test_the_plain_probe_step_with_layers_left_out_sees_what_every_layer_lets_go
         step_fn = _bf16_step(planner.model)
         runs, _ = stack_runs(planner.blocks, twin_blocks(planner.blocks))
         with without_dispatch_modes():
-            deep, _ = planner._plain_probe(make, (2, 8), step_fn, runs)
-            full, _ = planner._plain_probe(make, (2, 8), step_fn, [])
+            deep, _ = planner.policy._plain_probe(make, (2, 8), step_fn, runs)
+            full, _ = planner.policy._plain_probe(make, (2, 8), step_fn, [])
         assert runs == [(1, (2, 3, 4, 5, 6))] and full.count == 6
         assert np.array_equal(deep.consumers, full.consumers) and deep.slots == full.slots
 

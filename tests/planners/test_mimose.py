@@ -8,13 +8,15 @@ from mimose_cli.memory import build_meter
 from mimose_cli.planners import PLANNERS, build_planner
 from mimose_cli.planners.base import NoCheckpointing
 from mimose_cli.planners.collector import drop_reason
-from mimose_cli.planners.mimose import Mimose
+from mimose_cli.planners.mimose import Mimose, MimosePolicy
 
 from helpers import assert_tensors_close, bert_batch, fitted_mimose, run_step, tiny_bert
 
 
 def test_registered_and_exported():
-    assert PLANNERS["mimose"] is Mimose and mimose_cli.Mimose is Mimose
+    assert PLANNERS["mimose"] is MimosePolicy and mimose_cli.Mimose is Mimose
+    with Mimose(tiny_bert(), "1GB", granularity=8) as planner:
+        assert isinstance(planner.policy, MimosePolicy) and planner.policy.granularity == 8
 
 
 def test_sheltered_phase_fits_a_budget_none_cannot_and_matches_none():
@@ -80,10 +82,10 @@ def test_data_filter_drops_blocks_whose_child_or_parent_is_checkpointed():
         model.bert.encoder.gradient_checkpointing = True  # the parent of every block
         run_step(planner, meter, bert_batch(2, 24))
         planner.close()
-    first = planner.estimator.samples[0][0]
+    first = planner.policy.estimator.samples[0][0]
     for q in ("saved_bytes", "plain_bytes", "fwd_peak_bytes", "bwd_peak_bytes"):
         assert first[q][0] is not None and first[q][1] is None and first[q][2] is not None
-    assert len(planner.estimator.samples) == 1  # the second step measured nothing usable
+    assert len(planner.policy.estimator.samples) == 1  # the second step measured nothing usable
     assert planner.stats["sheltered_iterations"] == 1
 
 
@@ -99,7 +101,7 @@ def test_data_filter_drops_blocks_run_inside_a_user_checkpoint():
                                                      data["input_ids"], use_reentrant=False)
             loss.backward()
         planner.close()
-    assert planner.estimator.samples == [] and planner.sheltered
+    assert planner.policy.estimator.samples == [] and planner.policy.sheltered
 
 
 def test_responsive_plan_is_empty_when_everything_fits(fitted):
@@ -122,7 +124,7 @@ def test_responsive_plan_checkpoints_blocks_when_the_budget_binds(sheltered):
 
 def test_default_cache_key_is_the_exact_size(fitted):
     planner, _ = fitted
-    assert planner.granularity == 1 and planner.cache_key((4, 38)) == (4, 38)
+    assert planner.policy.granularity == 1 and planner.policy.cache_key((4, 38)) == (4, 38)
 
 
 def test_same_rounded_size_hits_the_plan_cache(sheltered):
@@ -132,7 +134,7 @@ def test_same_rounded_size_hits_the_plan_cache(sheltered):
         _, _, third = run_step(planner, meter, bert_batch(4, 41))
         stats = planner.stats
     assert (first.cache_hit, second.cache_hit, third.cache_hit) == (False, True, False)
-    assert planner.cache_key((4, 38)) == (4, 40)
+    assert planner.policy.cache_key((4, 38)) == (4, 40)
     assert stats["hits"] == 1 and stats["misses"] == 2 and stats["hit_rate"] == pytest.approx(1 / 3)
 
 
@@ -145,7 +147,7 @@ def test_save_load_round_trip_skips_the_sheltered_phase(fitted, tmp_path):
     _, _, again = run_step(loaded, meter, bert_batch(4, 50))
     loaded.close()
     assert again.phase == "responsive" and again.cache_hit and again.plan == info.plan
-    assert loaded.estimator.predict((3, 70)).step == pytest.approx(planner.estimator.predict((3, 70)).step)
+    assert loaded.policy.estimator.predict((3, 70)).step == pytest.approx(planner.policy.estimator.predict((3, 70)).step)
 
 
 def test_library_api_builds_its_own_meter_and_enforces_the_budget():
@@ -169,7 +171,7 @@ def test_build_planner_accepts_the_loops_keywords():
     meter = build_meter("simulated", None)
     planner = build_planner("mimose", model, "1GB", blocks=None, safety_margin="1MB", meter=meter,
                             sheltered_steps=3, granularity=16)
-    assert planner.limit_bytes == 10**9 - 10**6 and planner.granularity == 16
+    assert planner.limit_bytes == 10**9 - 10**6 and planner.policy.granularity == 16
     planner.close()
     with pytest.raises(ValueError, match="granularity"):
         Mimose(model, "1GB", meter=meter, granularity=0)
@@ -211,15 +213,15 @@ def test_a_state_saved_before_the_counters_dataclass_keeps_its_counters(sheltere
 
 def test_a_step_that_peaks_above_its_prediction_has_its_size_measured_again(sheltered, monkeypatch):
     with fitted_mimose(sheltered.state, "20MB") as (planner, meter):
-        honest = planner._timeline_peak
-        monkeypatch.setattr(planner, "_timeline_peak", lambda pred, plan: 0.5 * honest(pred, plan))
+        honest = planner.policy._timeline_peak
+        monkeypatch.setattr(planner.policy, "_timeline_peak", lambda pred, plan: 0.5 * honest(pred, plan))
         batch = bert_batch(3, 30)
         _, peak, info = run_step(planner, meter, batch)
         assert info.phase == "responsive" and peak > info.predicted_peak_bytes
-        monkeypatch.setattr(planner, "_timeline_peak", honest)
-        samples = len(planner.estimator.sizes)
+        monkeypatch.setattr(planner.policy, "_timeline_peak", honest)
+        samples = len(planner.policy.estimator.sizes)
         _, _, again = run_step(planner, meter, batch)  # not the cached plan: measured, and refit
-        assert again.phase == "measuring" and len(planner.estimator.sizes) == samples + 1
+        assert again.phase == "measuring" and len(planner.policy.estimator.sizes) == samples + 1
         assert any("peaked above its prediction" in r for r in planner.stats["untrusted_reasons"])
         _, peak, after = run_step(planner, meter, batch)
         assert after.phase == "responsive" and peak <= after.predicted_peak_bytes

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from mimose_cli.memory import build_meter
-from mimose_cli.planners import build_planner
+from mimose_cli.planners import PLANNERS, Planner, build_planner
 from mimose_cli.planners.blocks import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE
 
 
@@ -29,8 +29,8 @@ def _step(name, budget_bytes=None):
 
     with meter.activate():
         meter.track(model, x)
-        build = build_planner if isinstance(name, str) else (lambda planner, *args, **kwargs: planner(*args, **kwargs))
-        with build(name, model, budget_bytes, meter=meter, blocks="1.*") as planner:
+        policy = PLANNERS[name] if isinstance(name, str) else name
+        with Planner(model, policy, budget_bytes, meter=meter, blocks="1.*") as planner:
             loss = planner.run(step_fn, x)
     return model, planner, loss, meter
 
@@ -43,7 +43,7 @@ def test_offloading_every_block_meets_a_budget_keeping_cannot_and_computes_the_s
     budget = (unlimited.peak_bytes() + kept.peak_bytes()) // 2
     model, planner, loss, meter = _step("offload", budget)
     assert planner.last.retries == 0 and planner.last.plan == () and planner.last.offload == tuple(range(planner.num_blocks))
-    assert planner.plan_runner.choices(planner.num_blocks) == (OFFLOAD,) * planner.num_blocks
+    assert planner.parts.plan_runner.choices(planner.num_blocks) == (OFFLOAD,) * planner.num_blocks
     assert meter.peak_bytes() <= budget and meter.peak_host_bytes() > 0 and meter.host_bytes() == 0
     assert torch.equal(loss, kept_loss)
     for (name, a), b in zip(kept_model.named_parameters(), model.parameters()):
@@ -63,11 +63,11 @@ def test_a_plan_mixes_the_choices_block_by_block_and_the_run_records_them():
     """One plan, four choices: block 0 recomputed, 1 checkpointed selectively, 2 offloaded, 3
     kept; the step computes what keeping every block computes (the same ops in the same order,
     byte-exact copies and recomputes), and the heat map has a colour for each choice."""
-    from mimose_cli.planners.base import Decision, NoCheckpointing
+    from mimose_cli.planners.base import Decision, NoCheckpointingPolicy
     from mimose_cli.runs.plots import plan_figure
     from mimose_cli.runs.records import completed_step
 
-    class Mixed(NoCheckpointing):
+    class Mixed(NoCheckpointingPolicy):
         def decide(self, input_size, context=None):
             return Decision((0, 1), selective=(1,), offload=(2, 1))  # 1 is in the plan: not offloaded
 
@@ -78,7 +78,7 @@ def test_a_plan_mixes_the_choices_block_by_block_and_the_run_records_them():
         assert torch.equal(a.grad, b.grad), name
     info = planner.last
     assert (info.plan, info.selective, info.offload) == ((0, 1), (1,), (2,))
-    assert planner.plan_runner.choices(4) == (RECOMPUTE, SELECTIVE, OFFLOAD, KEEP)
+    assert planner.parts.plan_runner.choices(4) == (RECOMPUTE, SELECTIVE, OFFLOAD, KEEP)
     record = completed_step(info, step=0, micro_step=0, input_shape=[4, 8], loss=0.0, num_blocks=4, lr=0.0,
                             iter_ms=1.0, peak_bytes=1, fwd_bwd_peak_bytes=1, start_bytes=0, activation_bytes=0)
     assert record.offload == [2]

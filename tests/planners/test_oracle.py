@@ -104,7 +104,7 @@ def _peaks(model, data, plans):
     with meter.activate():
         meter.track(model)
         for plan in plans:
-            planner.decide = lambda size, context, plan=plan: Decision(plan)
+            planner.policy.decide = lambda size, context, plan=plan: Decision(plan)
             peaks.append(_step(planner, meter, data)[1])
     planner.close()
     return peaks
@@ -148,6 +148,6 @@ def test_oracle_without_room_checkpoints_everything_and_says_so():
         meter.track(model)
         with pytest.warns(UserWarning, match="could not be measured"), pytest.raises(torch.OutOfMemoryError):
             _step(oracle, meter, data)
-        assert oracle.last.plan == (0, 1, 2) and oracle.measured[(4, 64)] is None
+        assert oracle.last.plan == (0, 1, 2) and oracle.policy.measured[(4, 64)] is None
         assert meter.current_bytes() < budget  # the failed measurement freed what it held
     oracle.close()

@@ -58,7 +58,7 @@ def test_the_first_step_is_planned_and_held_out_sizes_are_predicted_exactly():
             batch = padded(bert_batch(*size))
             for plan in ((), (0, 2), (0, 1, 2)):
                 predicted = planner.predict_peak(size, plan)
-                measured = probe_with_plan(planner, batch, plan)
+                measured = probe_with_plan(planner.parts, batch, plan)
                 assert predicted is not None, (size, plan)
                 # Never under; over by the margin and the timeline's own upper bounds.
                 assert measured <= predicted <= measured * 1.02, (size, plan, predicted, measured)
@@ -69,16 +69,16 @@ def assert_estimate_is_measured(planner, make_batch, sizes, step_fn=None):
     measures in a step there (every block measured; ``step_fn`` as in ``trial.probe_step``), to
     float rounding."""
     for size in sizes:
-        predicted = planner.estimator.predict(size)
+        predicted = planner.policy.estimator.predict(size)
         batch = make_batch(size)  # made before the probe starts counting
-        planner.measurer.lifetimes = True  # for the selective bytes (``scaling.selective_bytes``)
+        planner.policy.measurer.lifetimes = True  # for the selective bytes (``scaling.selective_bytes``)
         try:
-            planner.measurer.begin(inputs=batch)
-            with planner.router.using(planner.measurer):
-                probe_step(planner, batch, step_fn)
-            blocks, step, _ = raw_sample(planner.measurer.end(), planner.num_blocks)
+            planner.policy.measurer.begin(inputs=batch)
+            with planner.parts.router.using(planner.policy.measurer):
+                probe_step(planner.parts, batch, step_fn)
+            blocks, step, _ = raw_sample(planner.policy.measurer.end(), planner.num_blocks)
         finally:
-            planner.measurer.lifetimes = False
+            planner.policy.measurer.lifetimes = False
         for q in BLOCK_QUANTITIES:
             if q in ("fwd_ms", "saved_bytes"):  # not scaled (times; a sum of terms)
                 continue
@@ -225,7 +225,7 @@ def test_the_probes_leave_no_trace_in_training():
         assert torch.equal(torch.get_rng_state(), rng)
         assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
         assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
-        assert planner.stats["estimate_source"] == "probes" and not planner.sheltered
+        assert planner.stats["estimate_source"] == "probes" and not planner.policy.sheltered
         assert planner.stats["overhead_ms"] >= planner.stats["probe_ms"] > 0
 
 
@@ -328,7 +328,7 @@ def test_probes_start_from_the_smallest_batch_that_can_be_made():
             if size[0] % 4:
                 raise ValueError("B_eff must be a multiple of 4")
             return padded(bert_batch(*size))
-        assert planner._probe_sizes(make, (64, 128), True) == [(4, 8), (8, 12)]
+        assert planner.policy._probe_sizes(make, (64, 128), True) == [(4, 8), (8, 12)]
 
 
 def test_probe_sizes_grow_every_feature_by_a_different_factor():
@@ -361,7 +361,7 @@ def test_under_bf16_a_checkpointed_blocks_backward_is_not_under_counted():
         for size in ((2, 256), (2, 200), (4, 200), (2, 64)):
             batch = padded(bert_batch(*size))
             predicted = planner.predict_peak(size, every)
-            errors.append(predicted / probe_with_plan(planner, batch, every, step_fn) - 1)
+            errors.append(predicted / probe_with_plan(planner.parts, batch, every, step_fn) - 1)
     assert 0 <= min(errors) and max(errors) <= 0.01, errors
 
 
@@ -386,16 +386,16 @@ def test_under_bf16_a_plain_block_lets_go_of_its_input():
         # Blocks 1 and 2 let go of their hidden state (slot 0, the previous block's output, taken
         # by them alone); block 0's is the embeddings' output, which the model holds in a local,
         # and block 3's goes after the last block's call.
-        consumers = planner.estimator.releases.consumers
+        consumers = planner.policy.estimator.releases.consumers
         assert consumers.tolist() == [[False] * 4, [False, True, False, False], [False, False, True, False],
                                       [False] * 4]
-        assert planner.estimator.releases.slots == {1: {0}, 2: {0}}
+        assert planner.policy.estimator.releases.slots == {1: {0}, 2: {0}}
         errors = []
         for size in ((3, 33), (4, 40), (6, 64), (2, 200)):
             batch = padded(bert_batch(*size))
             for plan in ((), (3,), (0, 2)):
                 predicted = planner.predict_peak(size, plan)
-                errors.append(predicted / probe_with_plan(planner, batch, plan, step_fn) - 1)
+                errors.append(predicted / probe_with_plan(planner.parts, batch, plan, step_fn) - 1)
     assert 0 <= min(errors) and max(errors) <= 0.015, errors
 
 
@@ -411,9 +411,9 @@ def test_an_input_the_model_keeps_is_not_let_go_of():
             out.loss.backward()
 
         planner.prepare(lambda size: padded(bert_batch(*size)), (4, 256), step_fn=step_fn)
-        assert planner.estimator.releases.count == 0
+        assert planner.policy.estimator.releases.count == 0
         batch = padded(bert_batch(3, 33))
-        assert planner.predict_peak((3, 33), ()) >= probe_with_plan(planner, batch, (), step_fn)
+        assert planner.predict_peak((3, 33), ()) >= probe_with_plan(planner.parts, batch, (), step_fn)
 
 
 def test_an_attention_bias_the_encoders_layers_share_is_let_go_of_with_the_encoder():
@@ -437,13 +437,13 @@ def test_an_attention_bias_the_encoders_layers_share_is_let_go_of_with_the_encod
 
     with metered_mimose(T5ForConditionalGeneration(config).train()) as (planner, meter):
         planner.prepare(t5_batch, (4, 256, 64))
-        releases = planner.estimator.releases
+        releases = planner.policy.estimator.releases
         assert releases.consumers[2].tolist() == [False, True, True, False, False] and releases.count == 1
         errors, under = [], []
         for size in ((2, 200, 66), (4, 160, 53), (3, 33, 11)):
             batch = t5_batch(size)
-            errors.append(planner.predict_peak(size, ()) / probe_with_plan(planner, batch, ()) - 1)
-            under.append(planner.predict_peak(size, (1,)) / probe_with_plan(planner, batch, (1,)) - 1)
+            errors.append(planner.predict_peak(size, ()) / probe_with_plan(planner.parts, batch, ()) - 1)
+            under.append(planner.predict_peak(size, (1,)) / probe_with_plan(planner.parts, batch, (1,)) - 1)
     assert 0 <= min(errors) and max(errors) <= 0.025, errors
     assert min(under) >= 0, under  # a layer that took the bias checkpointed: it stays
 
@@ -473,8 +473,8 @@ def test_a_cnns_image_sides_are_probed_and_trusted_at_multiples_of_32():
             batch = _images(size)  # counted in the start of the step the prediction is for
             for plan in ((), (0, 3, 5)):
                 predicted = planner.predict_peak(size, plan)
-                errors.append(predicted / probe_with_plan(planner, batch, plan) - 1)
-        assert "not a multiple of 32" in planner.estimator.trust.reason((4, 100, 100))
+                errors.append(predicted / probe_with_plan(planner.parts, batch, plan) - 1)
+        assert "not a multiple of 32" in planner.policy.estimator.trust.reason((4, 100, 100))
     assert 0 <= min(errors) and max(errors) <= 0.01, errors
 
 
@@ -499,12 +499,12 @@ def test_a_loop_of_ones_own_probes_a_cnns_sides_from_its_first_batch():
                 planner.model(**batch).loss.backward()
             planner.model.zero_grad(set_to_none=True)
             phases.append(info.phase)
-        assert planner.stats["estimate_source"] == "probes" and planner.estimator.side_multiple == 32
+        assert planner.stats["estimate_source"] == "probes" and planner.policy.estimator.side_multiple == 32
     assert phases == ["responsive"] * 3
     with metered_mimose(ResNetForImageClassification(config).train()) as (planner, meter):
         with planner.step(_images((2, 32, 32))):
             planner.model(**_images((2, 32, 32))).loss.backward()
-        assert "smaller than 96 px" in planner.stats["probe_sides_refused"] and planner.estimator.side_multiple == 1
+        assert "smaller than 96 px" in planner.stats["probe_sides_refused"] and planner.policy.estimator.side_multiple == 1
 
 
 def test_a_model_that_takes_only_its_own_image_size_is_probed_at_it():
@@ -518,9 +518,9 @@ def test_a_model_that_takes_only_its_own_image_size_is_probed_at_it():
         planner.prepare(_images, (8, 96, 96))
         stats = planner.stats
         assert stats["estimate_source"] == "probes" and "96" in stats["probe_sides_refused"]
-        assert planner.estimator.side_multiple == 1
+        assert planner.policy.estimator.side_multiple == 1
         batch = _images((6, 96, 96))
-        assert 0 <= planner.predict_peak((6, 96, 96), ()) / probe_with_plan(planner, batch, ()) - 1 <= 0.01
+        assert 0 <= planner.predict_peak((6, 96, 96), ()) / probe_with_plan(planner.parts, batch, ()) - 1 <= 0.01
 
 
 @pytest.mark.parametrize("probe_as_training", [True, False])

@@ -45,8 +45,8 @@ def prepared(budget, **options):
 def test_measures_known_block_bytes_at_the_largest_input():
     planner, sizes = prepared(10**6)
     assert sizes == [(BATCH, 8)]
-    assert planner.profile.act_bytes == [4 * BATCH * w for w in WIDTHS]  # 512, 1024, 2048, 1024, 512
-    assert planner.profile.fixed_bytes == 0  # no meter: the budget covers block activations
+    assert planner.policy.profile.act_bytes == [4 * BATCH * w for w in WIDTHS]  # 512, 1024, 2048, 1024, 512
+    assert planner.policy.profile.fixed_bytes == 0  # no meter: the budget covers block activations
 
 
 def test_greedy_plan_step_by_step():
@@ -56,9 +56,9 @@ def test_greedy_plan_step_by_step():
     # recomputes block 2 with block 1 held, so the check goes on with 72: block 4 (peak still
     # 3072), then block 1: (0, 1, 2, 4) peaks at 2048 (recomputing block 2 alone).
     planner, _ = prepared(3000)
-    assert planner.static_plan == (0, 1, 2, 4)
-    assert planner.profile.peak_bytes(planner.static_plan) == 2048
-    assert planner.profile.peak_bytes((0, 2)) == 3072
+    assert planner.policy.static_plan == (0, 1, 2, 4)
+    assert planner.policy.profile.peak_bytes(planner.policy.static_plan) == 2048
+    assert planner.policy.profile.peak_bytes((0, 2)) == 3072
 
 
 def test_the_static_plan_applies_to_every_batch():
@@ -75,7 +75,7 @@ def test_the_static_plan_applies_to_every_batch():
 @pytest.mark.parametrize("variant", ["greedy", "chen"])
 def test_no_plan_when_the_largest_input_fits(variant):
     planner, _ = prepared(5120, variant=variant)
-    assert planner.static_plan == ()
+    assert planner.policy.static_plan == ()
 
 
 def test_chen_checkpoints_nothing_without_a_limit():
@@ -87,7 +87,7 @@ def test_sqrt_segmentation():
     assert sqrt_plan(10) == tuple(range(8))  # segments of 4: [0-3] [4-7] [8-9]
     assert sqrt_plan(1) == ()
     planner, sizes = prepared(10, variant="sqrt")
-    assert planner.static_plan == (0, 1, 2) and sizes == []  # ⌈√5⌉ = 3; needs no measurement
+    assert planner.policy.static_plan == (0, 1, 2) and sizes == []  # ⌈√5⌉ = 3; needs no measurement
 
 
 def test_chen_algorithm_3_step_by_step():
@@ -164,8 +164,8 @@ def test_chen_variant_plans_at_the_largest_input():
     # Of CHEN_PEAKS only (0, 1, 2, 4) and all fit 3000, and all recomputes block 3 on top, so the
     # plan is (0, 1, 2, 4) whatever the measured times.
     planner, _ = prepared(3000, variant="chen")
-    assert planner.profile.act_bytes == ACT
-    assert planner.static_plan == (0, 1, 2, 4)
+    assert planner.policy.profile.act_bytes == ACT
+    assert planner.policy.static_plan == (0, 1, 2, 4)
 
 
 def test_unknown_variant_names_the_option():
@@ -178,7 +178,7 @@ def test_unknown_variant_names_the_option():
 def test_deciding_before_prepare_is_an_error():
     planner = build_planner("sublinear", stack(), "1MB")
     with pytest.raises(RuntimeError, match="prepare"):
-        planner.decide((1, 8))
+        planner.policy.decide((1, 8))
 
 
 def test_measuring_that_runs_out_of_memory_leaves_nothing_behind():
@@ -194,7 +194,7 @@ def test_measuring_that_runs_out_of_memory_leaves_nothing_behind():
         before = meter.current_bytes()
         with pytest.warns(UserWarning, match="ran out of memory"):
             planner.prepare(lambda size: torch.randn(size[0], 8), (64, 8))
-        assert planner.static_plan == (0, 1, 2, 3)
+        assert planner.policy.static_plan == (0, 1, 2, 3)
         assert meter.current_bytes() == before
 
 
@@ -202,14 +202,14 @@ def test_static_plan_leaves_room_for_the_optimizer_state():
     # No plan peaks at 5120 bytes: a budget of 6000 needs none, unless 1500 of it will hold the
     # optimizer's state from the first step on.
     roomy, _ = prepared(6000)
-    assert roomy.static_plan == ()
+    assert roomy.policy.static_plan == ()
     planner = build_planner("sublinear", stack(), 6000)
     planner.prepare(lambda size: torch.randn(size[0], 8), (BATCH, 8), reserve_bytes=1500)
-    assert planner.static_plan and planner.profile.peak_bytes(planner.static_plan) <= 4500
+    assert planner.policy.static_plan and planner.policy.profile.peak_bytes(planner.policy.static_plan) <= 4500
     assert planner.stats["reserve_bytes"] == 1500
 
 
 def test_warns_when_even_the_plan_does_not_fit_at_the_largest_input():
     with pytest.warns(UserWarning, match="may run out of memory"):
         planner, _ = prepared(1000)  # the largest block alone needs 2048
-    assert planner.static_plan == (0, 1, 2, 3, 4)
+    assert planner.policy.static_plan == (0, 1, 2, 3, 4)

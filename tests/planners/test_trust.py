@@ -69,7 +69,7 @@ def test_bf16_autocast_predicts_the_peak_from_above():
         seen = train(planner, meter, shelter + later, bf16)
         # autocast's cached casts of the weights outlive a block's measuring run: before, that
         # voided every sample and the peak was predicted 57 % low.
-        assert planner.estimator.trust.unmeasured == ()
+        assert planner.policy.estimator.trust.unmeasured == ()
     errors = responsive_errors(seen)
     # Never under, and within 2.5 %: the head's backward is told from its forward by whether
     # training's autocast is still open (its cast weights cached), not by autocast_enabled(),
@@ -160,7 +160,7 @@ def test_blocks_run_out_of_index_order_are_predicted_from_above():
             with meter.step() as mem, planner.step(data) as info:
                 model(**data).backward()
             seen.append((info, mem.peak_bytes))
-        order = planner.estimator.order
+        order = planner.policy.estimator.order
         planner.close()
     assert order == (2, 3, 0, 1)  # image tower (indices 2, 3) first
     errors = responsive_errors(seen)
@@ -184,7 +184,7 @@ def test_a_measuring_run_that_does_not_fit_leaves_the_block_unmeasured_not_the_s
     layer.forward = first_call_does_not_fit
     with mimose(model, sheltered_steps=3) as (planner, meter):
         seen = train(planner, meter, [bert_batch(4, n) for n in (40, 56, 48, 30)])
-        reason = planner.estimator.trust.reason((4, 30))
+        reason = planner.policy.estimator.trust.reason((4, 30))
     assert [info.phase for info, _ in seen] == ["sheltered"] * 3 + ["measuring"]
     assert "block 1 " in reason and "no room" in reason
 
@@ -244,6 +244,6 @@ def test_a_model_that_starts_with_a_block_has_nothing_unmeasured():
             with planner.step(input_size=(rows, 1)) as info:
                 model(x).pow(2).mean().backward()
             phases.append(info.phase)
-        unmeasured = planner.estimator.trust.unmeasured
+        unmeasured = planner.policy.estimator.trust.unmeasured
         planner.close()
     assert unmeasured == () and phases[3:] == ["responsive", "responsive"]

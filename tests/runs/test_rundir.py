@@ -11,7 +11,6 @@ import pytest
 
 from mimose_cli import files
 from mimose_cli.files import read_jsonl, write_json
-from mimose_cli.runs import rundir
 from mimose_cli.runs.rundir import _append_line, check_out_dir, new_run_dir, unique_dir
 
 

@@ -1,0 +1,110 @@
+"""What a policy works with (``PlannerParts``): the model and its blocks, the budget, the meter
+session, the block router and the plan runner.
+
+``planners.base.Planner`` builds them around a model and hands them to its policy
+(``Policy(parts, **options)``); they are a policy's only way into the model, the meter and the
+blocks. The probe steps of ``planners.trial`` take them too.
+"""
+
+import functools
+
+from mimose_cli.memory.offload import OffloadHooks, resident_storages
+from mimose_cli.planners.blocks import PlanRunner, RecomputeClock, StepRouter, discover_blocks
+from mimose_cli.planners.session import MeterSession
+from mimose_cli.planners.usage import warn_if_eager
+from mimose_cli.units import parse_size
+
+# Provisional until measured on a GPU (docs/MIMOSE.md): the caching allocator rounds requests to
+# 512 B and large ones to 2 MiB segments, and reserved - allocated runs to a few per cent in
+# training; 5 % of the budget covers that with room.
+CUDA_SAFETY_FRACTION = 0.05
+
+
+def resolve_blocks(model, blocks) -> list:
+    """``[(name, module)]`` from a planner's ``blocks=``: pairs as given (as discovered), else
+    ``discover_blocks`` with the glob or globs (None: the model's layers)."""
+    if isinstance(blocks, list) and not (blocks and (all(isinstance(b, tuple) for b in blocks)
+                                                     or all(isinstance(b, str) for b in blocks))):
+        raise ValueError(f"blocks={blocks!r}: expected a glob, a non-empty list of globs, or of "
+                         "(name, module) pairs")
+    pairs = isinstance(blocks, list) and isinstance(blocks[0], tuple)
+    return blocks if pairs else discover_blocks(model, blocks)
+
+
+class PlannerParts:
+    """The model, its ``blocks`` (``[(name, module)]`` in forward order), the budget, the meter
+    session (``session``, ``meter``), the ``router`` that hands each block call to the runner in
+    force, the ``plan_runner`` (checkpoints the blocks of the plan in force) and the
+    ``recompute_clock`` every runner times its recomputation on. ``owner`` is the planner the
+    router's hooks keep alive (``blocks.StepRouter``)."""
+
+    def __init__(self, model, blocks: list, budget=None, *, safety_margin="auto", meter=None,
+                 builds_meter: bool = False, owner=None):
+        self.model = model
+        self.blocks = blocks
+        self.num_blocks = len(blocks)
+        self.budget_bytes = None if budget is None else parse_size(budget)
+        auto = safety_margin in (None, "auto")
+        self._safety_margin = None if auto else parse_size(safety_margin, allow_zero=True)
+        self.session = MeterSession(model, meter, builds_meter, self.budget_bytes)
+        warn_if_eager(model, self.meter)
+        self.recompute_clock = RecomputeClock()
+        self.plan_runner = PlanRunner(self.recompute_clock, self._offload_hooks)
+        self.router = StepRouter(blocks, owner=owner)
+        # A block that appends to a key/value cache cannot be recomputed or run twice, and a
+        # training step never reads the cache (Hugging Face turns it off for checkpointing
+        # too): off while the planner is attached, for every planner alike so that their
+        # memory compares; close() puts the user's setting back for generate(). A sub-model
+        # with a config of its own (T5's decoder) still hands its layers a cache: the router
+        # clears it (blocks.training_kwargs).
+        self._config = getattr(model, "config", None)
+        self.encoder_decoder = bool(getattr(self._config, "is_encoder_decoder", False))
+        self._use_cache = getattr(self._config, "use_cache", None)
+        if self._use_cache:
+            self._config.use_cache = False
+
+    @property
+    def meter(self):
+        """Where the steps' memory figures come from (``session``: the training loop's meter, one
+        the planner built, or None)."""
+        return self.session.meter
+
+    @meter.setter
+    def meter(self, meter) -> None:
+        self.session.meter = meter
+
+    @property
+    def safety_margin_bytes(self) -> int:
+        """The headroom kept free: as given, or by default ``CUDA_SAFETY_FRACTION`` of the budget
+        on a CUDA meter (the caching allocator rounds every block up and fragments; the budget
+        caps what it reserves) and none on the simulated device, which has neither."""
+        if self._safety_margin is not None:
+            return self._safety_margin
+        on_cuda = getattr(self.meter, "kind", "") == "cuda"
+        return int(CUDA_SAFETY_FRACTION * self.budget_bytes) if on_cuda and self.budget_bytes else 0
+
+    @property
+    def limit_bytes(self):
+        """The budget a policy aims for: budget minus the safety margin (None: no budget)."""
+        if self.budget_bytes is None:
+            return None
+        return self.budget_bytes - self.safety_margin_bytes
+
+    def set_plan(self, plan, selective=(), offload=()) -> None:
+        """Checkpoint ``plan`` (``selective`` of it selectively) and offload ``offload`` until the
+        next step decides again (probes, experiments)."""
+        self.plan_runner.use(plan, selective, offload)
+
+    def _offload_hooks(self):
+        """For a plan that offloads: what makes the saved-tensor hooks of one offloaded block's
+        call, the weights' and buffers' storages staying on the device (read once a plan, not once
+        a block call; right after ``model.to`` too)."""
+        return functools.partial(OffloadHooks, resident_storages(self.model), self.meter)
+
+    def close(self) -> None:
+        """Give the blocks their own forwards and the model its ``use_cache`` back; forget what
+        ``track`` was given."""
+        self.router.remove()
+        if self._use_cache:
+            self._config.use_cache, self._use_cache = self._use_cache, None
+        self.session.close()
