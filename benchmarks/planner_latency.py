@@ -22,6 +22,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.estimator import peak_timeline
+from mimose_cli.planners.features import TOKENS
 from mimose_cli.planners.mimose import Mimose
 
 from _results import write_results
@@ -63,6 +64,8 @@ def fitted_planner(num_blocks: int, choices: str = "block"):
             times = planner.policy.choice_times
             times.mode_ms, times.meter_ms = 0.0, 0.0
             times.heavy, times.light = np.tile([0.0, 1e-3], (num_blocks, 1)), np.tile([0.0, 1e-3], (num_blocks, 1))
+            bl = (np.array(TOKENS.names) == "BL").astype(float)  # work B * L in both: the light ops as long
+            times.heavy_work, times.light_work = np.tile(bl, (num_blocks, 1)), np.tile(bl, (num_blocks, 1))
             planner.parts.meter = None
             return planner
         planner = Mimose(model, "100GB", meter=meter, sheltered_steps=len(SHELTERED))

@@ -70,13 +70,20 @@ class LiveProbe(UncompiledDispatchMode):
     between ops (the collector's marks). So the live bytes at every point can be rebuilt as a
     sum over storages (``planners.scaling`` scales each storage with the input size). The time
     spent inside the ops themselves is summed apart for ``heavy_ops`` and the rest (``heavy_ms``,
-    ``light_ms``): what recomputing a block with and without those ops' outputs kept costs."""
+    ``light_ms``): what recomputing a block with and without those ops' outputs kept costs; and
+    the work of each op (``works``), which says how those times grow with the input size."""
 
-    def __init__(self, flag=lambda: False, lifetimes: bool = False, heavy_ops=frozenset()):
+    def __init__(self, flag=lambda: False, lifetimes: bool = False, heavy_ops=frozenset(), heavy_work=None):
         super().__init__()
         self.heavy_ops = heavy_ops
         """Ops timed apart (``heavy_ms``; the others in ``light_ms``) whose outputs' storages the
         lifetimes mark (``_LifetimeLedger.heavy``): the compute-heavy ops."""
+        self.heavy_work = heavy_work
+        """``heavy_work(func, args, out) -> (dims, factor)``: a heavy op's work (its floating-point
+        operations, ``factor`` times the product of ``dims``); None: the work is not written down."""
+        self.works: list = []
+        """With ``heavy_work``, each op's work in the order they ran: ``(heavy, dims, factor)``; a
+        heavy op's from ``heavy_work``, another's the elements of each tensor it returned (none for a view)."""
         self.heavy_now = False
         self.heavy_ms = 0.0
         self.light_ms = 0.0
@@ -120,12 +127,6 @@ class LiveProbe(UncompiledDispatchMode):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         ms = (time.perf_counter() - start) * 1e3
-        self.heavy_now = func in self.heavy_ops
-        if self.heavy_now:
-            self.heavy_ms += ms
-            self.heavy_count += 1
-        else:
-            self.light_ms += ms
         # Most ops return one tensor or a flat tuple of them: no pytree walk for those.
         if type(out) is torch.Tensor:
             leaves = (out,)
@@ -133,6 +134,16 @@ class LiveProbe(UncompiledDispatchMode):
             leaves = out
         else:
             leaves = tree_leaves(out)
+        self.heavy_now = func in self.heavy_ops
+        if self.heavy_now:
+            self.heavy_ms += ms
+            self.heavy_count += 1
+            if self.heavy_work is not None:
+                self.works.append((True, *self.heavy_work(func, args, out)))
+        else:
+            self.light_ms += ms
+            if self.heavy_work is not None and not func.is_view:  # a view writes nothing
+                self.works.extend((False, tuple(leaf.shape), 1) for leaf in leaves if isinstance(leaf, torch.Tensor))
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:
                 if self.lifetimes:

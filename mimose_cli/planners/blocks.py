@@ -372,6 +372,24 @@ kernels (their recompute costs most per byte); pointwise ops, norms, softmax and
 recomputed."""
 
 
+def heavy_op_work(func, args, out) -> tuple:
+    """A compute-heavy op's work as ``(dims, factor)``, its floating-point operations being
+    ``factor`` times the product of ``dims``: its output's shape and the length each element is a
+    sum over (a matmul's inner dimension, a convolution's input channels and kernel, an attention's
+    key length, twice over: scores and values), times two. It grows with the input size as the
+    op's time does where the output does not (attention times values: output ``B·L·d``, work
+    ``B·L²·d``)."""
+    first = out if isinstance(out, torch.Tensor) else next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    name = func.overloadpacket.__name__
+    if name in ("mm", "bmm"):
+        return (*first.shape, args[0].shape[-1]), 2
+    if name in ("addmm", "baddbmm"):
+        return (*first.shape, args[1].shape[-1]), 2
+    if name == "convolution":
+        return (*first.shape, *args[1].shape[1:]), 2
+    return (*first.shape, args[1].shape[-2]), 4  # fused attention (query, key, value, ...)
+
+
 def _selective_contexts(keep: int | None = None):
     """Torch's selective checkpoint contexts for one checkpointed call: the compute-heavy ops'
     outputs kept, the rest recomputed; with ``keep``, only the first ``keep`` output tensors of

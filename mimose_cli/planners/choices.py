@@ -2,7 +2,8 @@
 
 ``ChoiceTimes`` says what recomputing a block costs under each choice at any input size, from
 the probe steps' measuring runs (the time inside the compute-heavy ops and inside the others,
-at the two probe sizes) and the per-op cost of a Python dispatch mode on this machine: a
+at the two probe sizes, and the work those ops do, which says how the times grow with the size)
+and the per-op cost of a Python dispatch mode on this machine: a
 selective checkpoint recomputes only the light ops, but torch runs a dispatch mode over every
 op of the block in its forward and in its recompute. On a GPU the heavy ops dominate and a
 selective recompute costs a fraction of a full one; on tiny CPU models the dispatch mode costs
@@ -22,6 +23,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from mimose_cli.memory import synchronize
+from mimose_cli.planners.scaling import exponents, work_coefficients
 from mimose_cli.torch_private import UncompiledDispatchMode, without_dispatch_modes
 
 
@@ -55,58 +58,149 @@ def dispatch_costs_ms(ops: int = 400) -> tuple:
     return max(active - bare, 0.0), max(moded - active, 0.0)
 
 
+def work_rates_ms(rows: int, inner: int, cols: int, device, dtype=torch.float32) -> tuple:
+    """``(heavy, light)``: the ms per floating-point operation of a matmul ``(rows x inner) @
+    (inner x cols)`` and per element that an activation, a softmax and a dropout write over its
+    output, on ``device`` (the best of three runs each): the rates a block's ops run at once they are large, which the
+    probes' few tokens are too small to show (their time is the ops' calls). Call it with no
+    dispatch mode active (the probes set the meter aside)."""
+    a = torch.randn(rows, inner, device=device, dtype=dtype)
+    b = torch.randn(inner, cols, device=device, dtype=dtype)
+    out = torch.mm(a, b)
+
+    def best_ms(fn) -> float:
+        times = []
+        for _ in range(3):
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times.append((time.perf_counter() - start) * 1e3)
+        return min(times)
+
+    heavy = best_ms(lambda: torch.mm(a, b, out=out)) / (2.0 * rows * inner * cols)
+    # A transformer's light ops, each counted by the elements it writes as ``LiveProbe.works``
+    # does: an activation, a softmax, a dropout (its output and its mask).
+    light = sum(best_ms(fn) for fn in (lambda: torch.nn.functional.gelu(out), lambda: torch.softmax(out, -1),
+                                       lambda: torch.nn.functional.dropout(out, 0.1, True)))
+    return heavy, light / (4.0 * rows * cols)
+
+
+def probe_rates_ms(raw, size: tuple, max_size: tuple, device, dtype=torch.float32) -> tuple | None:
+    """``work_rates_ms`` on a matmul shaped as the largest compute-heavy op of ``raw`` (a probe
+    step at ``size``), its rows grown with the tokens to ``max_size`` (at most 8192); None when
+    the probe ran no heavy op."""
+    heavy = [(factor * math.prod(dims), dims) for works in raw.op_works.values() for h, dims, factor in works if h]
+    if not heavy:
+        return None
+    dims = max(heavy)[1]
+    rows = math.prod(dims[:-2]) * math.prod(max_size) / math.prod(size)
+    return work_rates_ms(int(min(max(rows, 1), 1 << 13)), int(dims[-1]), int(dims[-2]), device, dtype)
+
+
 @dataclass
 class ChoiceTimes:
-    """Per block, the ms inside its compute-heavy ops and inside the others as ``a + c * BL``
-    (fitted through the two probe sizes' measuring runs), its op counts, and the per-op costs
-    of the dispatch modes (``dispatch_costs_ms``)."""
+    """Per block, the ms inside its compute-heavy ops and inside the others as ``a + r * work``,
+    ``work`` the work those ops do at the input size: coefficients over the size's features
+    (``heavy_work``, ``light_work``; floating-point operations of the heavy ops, elements the
+    others write), exact from the ops' shapes at the two probe sizes
+    (``scaling.work_coefficients``), so that a time grows as its ops' work does (an attention's
+    quadratically in the length where its matmuls' outputs do not); ``r`` the ms per unit of work
+    and ``a`` what the block's ops cost whatever their size, fitted through the two probes'
+    measuring runs. Also its op counts and the per-op costs of the dispatch modes
+    (``dispatch_costs_ms``)."""
 
-    heavy: np.ndarray  # (blocks, 2): a, c
+    heavy: np.ndarray  # (blocks, 2): a, r
     light: np.ndarray
+    heavy_work: np.ndarray  # (blocks, features)
+    light_work: np.ndarray
     heavy_ops: np.ndarray
     light_ops: np.ndarray
     meter_ms: float
     mode_ms: float
 
     @classmethod
-    def from_probes(cls, raws: list, units: Sequence[float], stand_in: dict, costs: tuple) -> "ChoiceTimes | None":
-        """From the two probe steps (``RawStep.op_ms``) at sizes whose ``B * L`` are ``units``;
-        a block not measured takes the values of ``stand_in[block]`` (the block like it that was).
-        None when a block has no stand-in measured."""
+    def from_probes(cls, raws: list, sizes: list, feature_set, stand_in: dict, costs: tuple,
+                    rates: tuple | None = None) -> "ChoiceTimes | None":
+        """From the two probe steps (``RawStep.op_ms``, ``op_works``) at ``sizes``; a block not
+        measured takes the values of ``stand_in[block]`` (the block like it that was). ``rates``:
+        the ms per unit of work of the heavy and the light ops (``work_rates_ms``: a device's, timed
+        on ops as large as training's); without them, the slope between the two probes, pooled
+        over the blocks. None when a block has no stand-in measured."""
         n = len(raws[0].per_block["saved_bytes"])
-        fits = {}
+        values = {}
         for quantity in ("heavy_ms", "light_ms", "ops", "heavy_ops"):
-            values = np.array([raw.op_ms.get(quantity, np.full(n, np.nan)) for raw in raws], dtype=float)
+            v = np.array([raw.op_ms.get(quantity, np.full(n, np.nan)) for raw in raws], dtype=float)
             for i in range(n):
-                if np.isnan(values[:, i]).any():
-                    values[:, i] = values[:, stand_in.get(i, i)]
-            if np.isnan(values).any():
+                if np.isnan(v[:, i]).any():
+                    v[:, i] = v[:, stand_in.get(i, i)]
+            if np.isnan(v).any():
                 return None
-            slope = (values[1] - values[0]) / (units[1] - units[0]) if units[1] != units[0] else np.zeros(n)
-            fits[quantity] = np.stack([values[0] - slope * units[0], slope], axis=1)
-        ops = fits["ops"][:, 0] + fits["ops"][:, 1] * units[0]
-        heavy_ops = fits["heavy_ops"][:, 0] + fits["heavy_ops"][:, 1] * units[0]
-        return cls(fits["heavy_ms"], fits["light_ms"], heavy_ops, ops - heavy_ops, *costs)
+            values[quantity] = v
+        works = _block_works(raws, sizes, feature_set, stand_in, n)
+        if works is None:
+            return None
+        f = np.stack([feature_set.of(size) for size in sizes])  # (2, features)
+        fits = [_rate_fit(values[q], f @ work.T, None if rates is None else rates[k])
+                for k, (q, work) in enumerate(zip(("heavy_ms", "light_ms"), works))]
+        ops, heavy_ops = values["ops"].mean(axis=0), values["heavy_ops"].mean(axis=0)
+        return cls(fits[0], fits[1], works[0], works[1], heavy_ops, ops - heavy_ops, *costs)
 
-    def at(self, units: float) -> tuple:
-        """``(recompute ms, selective ms)`` per block at an input size with ``B * L`` = ``units``."""
-        heavy = np.maximum(self.heavy[:, 0] + self.heavy[:, 1] * units, 0.0)
-        light = np.maximum(self.light[:, 0] + self.light[:, 1] * units, 0.0)
+    def at(self, features: np.ndarray) -> tuple:
+        """``(recompute ms, selective ms)`` per block at an input size whose features
+        (``FeatureSet.of``) are ``features``."""
+        heavy = np.maximum(self.heavy[:, 0] + self.heavy[:, 1] * (self.heavy_work @ features), 0.0)
+        light = np.maximum(self.light[:, 0] + self.light[:, 1] * (self.light_work @ features), 0.0)
         ops = self.heavy_ops + self.light_ops
         recompute = heavy + light + ops * self.meter_ms
         selective = light + self.light_ops * self.meter_ms + 2 * ops * self.mode_ms
         return recompute, selective
 
     def state_dict(self) -> dict:
-        return {"heavy": self.heavy.tolist(), "light": self.light.tolist(), "heavy_ops": self.heavy_ops.tolist(),
+        return {"heavy": self.heavy.tolist(), "light": self.light.tolist(), "heavy_work": self.heavy_work.tolist(),
+                "light_work": self.light_work.tolist(), "heavy_ops": self.heavy_ops.tolist(),
                 "light_ops": self.light_ops.tolist(), "meter_ms": self.meter_ms, "mode_ms": self.mode_ms}
 
     @classmethod
-    def from_state(cls, state: dict | None) -> "ChoiceTimes | None":
+    def from_state(cls, state: dict | None, feature_set) -> "ChoiceTimes | None":
+        """What ``state_dict`` wrote; a state written before the work was known (times linear in
+        the product of the size's dimensions) reads as work in the feature that is that product."""
         if not state:
             return None
-        return cls(np.array(state["heavy"]), np.array(state["light"]), np.array(state["heavy_ops"]),
-                   np.array(state["light_ops"]), float(state["meter_ms"]), float(state["mode_ms"]))
+        heavy, light = np.array(state["heavy"], dtype=float), np.array(state["light"], dtype=float)
+        if "heavy_work" in state:
+            works = np.array(state["heavy_work"], dtype=float), np.array(state["light_work"], dtype=float)
+        else:
+            variables, powers = exponents(feature_set)
+            product = np.array([p == (1,) * len(variables) for p in powers], dtype=float)  # BL, BED
+            works = np.tile(product, (len(heavy), 1)), np.tile(product, (len(light), 1))
+        return cls(heavy, light, *works, np.array(state["heavy_ops"]), np.array(state["light_ops"]),
+                   float(state["meter_ms"]), float(state["mode_ms"]))
+
+
+def _block_works(raws: list, sizes: list, feature_set, stand_in: dict, n: int):
+    """Each block's ``(heavy, light)`` work coefficients (blocks x features, two arrays) from the
+    two probes' ``op_works`` (``scaling.work_coefficients``), a block not measured taking its
+    stand-in's; None when a block's cannot be read."""
+    rows = {}
+    for i in set(raws[0].op_works) & set(raws[1].op_works):
+        rows[i] = work_coefficients(raws[0].op_works[i], raws[1].op_works[i], *sizes, feature_set)
+    found = [rows.get(i) or rows.get(stand_in.get(i, i)) for i in range(n)]
+    if any(row is None for row in found):
+        return None
+    return np.stack([row[0] for row in found]), np.stack([row[1] for row in found])
+
+
+def _rate_fit(ms: np.ndarray, work: np.ndarray, rate: float | None = None) -> np.ndarray:
+    """``(blocks, 2)``: ``a`` per block and the rate ``r`` (one for all) of ``ms = a + r * work``,
+    both ``(probes, blocks)``: ``r`` as given, else the pooled slope between the two probes (none
+    where the work did not grow or the time fell); ``a`` the mean of each block's remainder (what
+    its ops cost whatever their size: calls, dispatch), never below zero."""
+    if rate is None:
+        grew = work[1].sum() - work[0].sum()
+        rate = max((ms[1].sum() - ms[0].sum()) / grew, 0.0) if grew > 0 else 0.0
+    base = np.maximum((ms - rate * work).mean(axis=0), 0.0)
+    return np.stack([base, np.full(len(base), rate)], axis=1)
 
 
 KEEP_LEVEL, SELECTIVE_LEVEL, RECOMPUTE_LEVEL = 0, 1, 2

@@ -31,6 +31,7 @@ from mimose_cli.planners.blocks import (
     COMPUTE_HEAVY_OPS,
     BlockRunner,
     RngState,
+    heavy_op_work,
     inside_checkpoint,
     recomputing,
     restored_buffers,
@@ -38,6 +39,14 @@ from mimose_cli.planners.blocks import (
 )
 from mimose_cli.planners.features import BLOCK_QUANTITIES, STEP_QUANTITIES, Releases
 from mimose_cli.torch_private import autocast_enabled, tree_leaves, tree_map
+
+OP_QUANTITIES = ("heavy_ms", "light_ms", "ops", "heavy_ops")
+"""What a block's measuring run says of its ops (``RawStep.op_ms``)."""
+
+
+def _op_counts(probe: LiveProbe) -> tuple:
+    """The probe's running totals of ``OP_QUANTITIES``."""
+    return probe.heavy_ms, probe.light_ms, len(probe.trace), probe.heavy_count
 
 
 def drop_reason(name: str, checkpointed: set, parents: list, children: list, *,
@@ -232,7 +241,8 @@ class ShuttlingCollector(BlockRunner):
         """Start a measured step: the probe, the marks. The step's batch (``inputs``) is part of
         its start, as the weights are: not counted when an op aliases it (a saved-tensor hook's
         ``detach`` of the images a convolution saves)."""
-        self.probe = LiveProbe(flag=recomputing, lifetimes=self.lifetimes, heavy_ops=COMPUTE_HEAVY_OPS)
+        self.probe = LiveProbe(flag=recomputing, lifetimes=self.lifetimes, heavy_ops=COMPUTE_HEAVY_OPS,
+                               heavy_work=heavy_op_work if self.lifetimes else None)
         # Gradients already live (accumulation in a loop of the user's) are not ignored: the
         # probe counts each when backward first writes into it, as if it were allocated then,
         # so samples with and without them agree.
@@ -253,7 +263,8 @@ class ShuttlingCollector(BlockRunner):
         self.saved = np.full(len(self.blocks), np.nan)
         self.resident = np.full(len(self.blocks), np.nan)
         self.release_bytes = np.full(len(self.blocks), np.nan)
-        self.op_ms = {q: np.full(len(self.blocks), np.nan) for q in ("heavy_ms", "light_ms", "ops", "heavy_ops")}
+        self.op_ms = {q: np.full(len(self.blocks), np.nan) for q in OP_QUANTITIES}
+        self.op_works: dict = {}  # block -> its measuring run's ops' work (``LiveProbe.works``)
         self.active = True
 
     def mark(self, label) -> None:
@@ -334,8 +345,7 @@ class ShuttlingCollector(BlockRunner):
                 self.counter.reset()
                 synchronize(device)
                 begin = time.perf_counter()
-                probe = self.probe
-                heavy, light, ops, heavy_ops = probe.heavy_ms, probe.light_ms, len(probe.trace), probe.heavy_count
+                before, works = _op_counts(self.probe), len(self.probe.works)
                 with self.counter:
                     out = forward(*args, **kwargs)
             except torch.OutOfMemoryError:
@@ -343,9 +353,9 @@ class ShuttlingCollector(BlockRunner):
                 return False
             synchronize(device)
             self.fwd_ms[index] = (time.perf_counter() - begin) * 1e3
-            for quantity, value in (("heavy_ms", probe.heavy_ms - heavy), ("light_ms", probe.light_ms - light),
-                                    ("ops", len(probe.trace) - ops), ("heavy_ops", probe.heavy_count - heavy_ops)):
-                self.op_ms[quantity][index] = value
+            for quantity, value, then in zip(OP_QUANTITIES, _op_counts(self.probe), before):
+                self.op_ms[quantity][index] = value - then
+            self.op_works[index] = self.probe.works[works:]
             self.saved[index] = self.counter.bytes
             self.mark(("plain", index))
             return _first_grad_tensor(out) is not None
@@ -390,7 +400,8 @@ class ShuttlingCollector(BlockRunner):
                            np.array(probe.op_points, dtype=np.int64), per_block, dict(self.dropped),
                            np.array(ledger.nbytes, dtype=float), np.array(ledger.born, dtype=np.int64),
                            np.array(died, dtype=np.int64), probe.points, list(ledger.shapes),
-                           dict(self.twin_of), np.array(ledger.heavy, dtype=bool), dict(self.op_ms))
+                           dict(self.twin_of), np.array(ledger.heavy, dtype=bool), dict(self.op_ms),
+                           dict(self.op_works))
         return build_sample(self.marks, trace, len(self.blocks), per_block, self.dropped, self.twin_of)
 
     def abort(self) -> None:
@@ -454,9 +465,12 @@ class RawStep:
     """Whether each storage was first seen as a compute-heavy op's output
     (``blocks.COMPUTE_HEAVY_OPS``): what a selective checkpoint keeps (``scaling.selective_bytes``)."""
     op_ms: dict = field(default_factory=dict)
-    """Per block, of its measuring run: the ms inside compute-heavy ops (``heavy_ms``) and inside
-    the others (``light_ms``), and how many ops it ran (``ops``, ``heavy_ops`` of them heavy);
-    NaN for blocks not measured."""
+    """Per block, of its measuring run (``OP_QUANTITIES``): the ms inside compute-heavy ops
+    (``heavy_ms``) and inside the others (``light_ms``), and how many ops it ran (``ops``,
+    ``heavy_ops`` of them heavy); NaN for blocks not measured."""
+    op_works: dict = field(default_factory=dict)
+    """``{block: [(heavy, dims, factor)]}``: the work of each op of its measuring run
+    (``LiveProbe.works``; with ``lifetimes``)."""
 
 
 @dataclass

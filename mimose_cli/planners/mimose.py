@@ -35,7 +35,7 @@ import numpy as np
 
 from mimose_cli.planners.base import Planner
 from mimose_cli.planners.blocks import first_runs_otherwise, left_out, selectable, stack_runs, twin_blocks
-from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
+from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms, probe_rates_ms
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, plan_peak_bytes
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
@@ -360,7 +360,7 @@ class MimosePolicy(Policy):
         """The two measured probe steps (every layer run), scaled to samples at every size."""
         self.counts.probe_twins = len(raws[0].twins)
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.parts.num_blocks)
-        self._time_choices(raws, sizes, twins, [])
+        self._time_choices(raws, sizes, max_size, twins, [])
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
     def _left_out_probes(self, sizes: list, max_size: tuple, make_batch, step_fn, twins: dict, runs: list) -> list:
@@ -385,19 +385,24 @@ class MimosePolicy(Policy):
             raise ScalingError(f"{where} changes when one more of them runs (memory that grows with the layers)")
         self.counts.probe_twins = len(raws[0].twins)
         self.counts.probe_skipped = len(_skipped(runs))
-        self._time_choices(raws, sizes, twins, runs)
+        self._time_choices(raws, sizes, max_size, twins, runs)
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
-    def _time_choices(self, raws: list, sizes: list, twins: dict, runs: list) -> None:
+    def _time_choices(self, raws: list, sizes: list, max_size: tuple, twins: dict, runs: list) -> None:
         """With ``choices="selective"``: each choice's recompute time per block from the probes'
-        measuring runs (``ChoiceTimes``); a block run without one takes the block like it."""
+        measuring runs (``ChoiceTimes``), the ops' rates timed on a matmul and a pointwise op as
+        large as the largest batch's (``choices.probe_rates_ms``; the device's meter is set aside
+        here); a block run without a measuring run takes the block like it."""
         if self.choices != "selective":
             return
         stand_in = dict(twins)
         for template, skipped in runs:
             stand_in.update({i: twins.get(template, template) for i in skipped})
         # The dispatch modes' costs are timed once the device's meter is back (``_probe``).
-        self.choice_times = ChoiceTimes.from_probes(raws, [math.prod(size) for size in sizes], stand_in, (0.0, 0.0))
+        weight = next(self.parts.model.parameters())
+        rates = probe_rates_ms(raws[1], sizes[1], max_size, weight.device, weight.dtype)
+        self.choice_times = ChoiceTimes.from_probes(raws, sizes, self.estimator.feature_set, stand_in, (0.0, 0.0),
+                                                    rates)
         keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
         self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
 
@@ -600,7 +605,7 @@ class MimosePolicy(Policy):
         limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
         selective = ()
         if self._selective_known():
-            recompute_ms, selective_ms = self.choice_times.at(math.prod(key))
+            recompute_ms, selective_ms = self.choice_times.at(self.estimator.feature_set.of(key))
             savings = [np.zeros(self.parts.num_blocks), pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0),
                        pred.savings]
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
@@ -752,7 +757,8 @@ class MimosePolicy(Policy):
         self._probed = True
         self._loaded = True
         self.cache = {}
-        self.choice_times = ChoiceTimes.from_state(state.get("choice_times")) if self.choices == "selective" else None
+        self.choice_times = (ChoiceTimes.from_state(state.get("choice_times"), self.estimator.feature_set)
+                             if self.choices == "selective" else None)
         self.parts.plan_runner.selective_keep = {int(i): int(k) for i, k in state.get("selective_keep", [])}
         if state.get("granularity") == self.granularity and state.get("choices", "block") == self.choices:
             self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), tuple(rest[0]) if rest else ())

@@ -29,6 +29,7 @@ from mimose_cli.planners.estimator import (
     peak_timeline,
     plan_peak_bytes,
 )
+from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.scaling import SELECTIVE_QUANTITIES, raw_sample, selective_keeps
 from mimose_cli.planners.sublinear import BlockProfile
@@ -234,12 +235,13 @@ class OraclePolicy(Policy):
                 raw = None
             if self._dispatch_costs is None:
                 self._dispatch_costs = dispatch_costs_ms()
-            units = [float(np.prod(size))] * 2
-            times = None if raw is None else ChoiceTimes.from_probes([raw, raw], units, {}, self._dispatch_costs)
+            feature_set = SEQ2SEQ if self.parts.encoder_decoder else TOKENS
+            times = None if raw is None else ChoiceTimes.from_probes([raw, raw], [size, size], feature_set, {},
+                                                                      self._dispatch_costs)
             if raw is not None:  # the heavy outputs a selective checkpoint keeps, as Mimose's probes count them
                 keeps = selective_keeps(raw, self.parts.num_blocks, {})
                 self.parts.plan_runner.selective_keep.update({i: k for i, k in enumerate(keeps) if k is not None})
-            self.choice_ms[size] = times.at(units[0]) if times is not None else None
+            self.choice_ms[size] = times.at(feature_set.of(size)) if times is not None else None
         pred = None if sample is None else measured_prediction(size, sample, self.parts.num_blocks)
         if pred is None:
             warnings.warn(f"oracle: input size {size} could not be measured (out of memory, or a "

@@ -219,6 +219,37 @@ def coefficients(a: RawStep, b: RawStep, size_a: tuple, size_b: tuple, feature_s
     return coef
 
 
+def work_coefficients(works_a: list, works_b: list, size_a: tuple, size_b: tuple, feature_set):
+    """A block's work at any input size from its ops' work at the two probe sizes
+    (``RawStep.op_works``): ``(heavy, light)``, coefficients over the features of the work in its
+    compute-heavy ops and in the others. Each op's dims are read as a polynomial in the size's
+    variables (``_polynomial``, as a tensor's bytes are), else its work is taken to follow the
+    feature that grew by the same factor. None when the ops differ between the two sizes or an
+    op's work follows no feature."""
+    if len(works_a) != len(works_b) or any(x[0] != y[0] for x, y in zip(works_a, works_b)):
+        return None
+    fa, fb = feature_set.of(size_a), feature_set.of(size_b)
+    _, powers = exponents(feature_set)
+    index = {p: j for j, p in enumerate(powers)}
+    va = tuple(int(v) for v in (size_a[0], *feature_set.lengths(size_a)))
+    vb = tuple(int(v) for v in (size_b[0], *feature_set.lengths(size_b)))
+    monomials = tuple(tuple(p) for p in powers)
+    coef = np.zeros((2, len(fa)))
+    for (heavy, dims_a, factor), (_, dims_b, _) in zip(works_a, works_b):
+        row = coef[0 if heavy else 1]
+        poly = _polynomial(dims_a, dims_b, factor, va, vb, monomials)
+        if poly is not None and all(e in index for e in poly):
+            for e, c in poly.items():
+                row[index[e]] += c
+            continue
+        work_a, work_b = factor * math.prod(dims_a), factor * math.prod(dims_b)
+        term = term_of(np.array([work_a], dtype=float), np.array([work_b], dtype=float), fa, fb)[0]
+        if term < 0:
+            return None
+        row[term] += work_a / fa[term]
+    return coef[0], coef[1]
+
+
 def structure_difference(a: RawStep, b: RawStep) -> str | None:
     """Why the two probes did not run the same ops on the same storages, or None."""
     if a.points != b.points or len(a.nbytes) != len(b.nbytes):

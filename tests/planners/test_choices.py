@@ -2,6 +2,7 @@
 recomputed; the selective bytes from the probes, the scheduler over the three choices, the plan
 as the step ran it in records."""
 
+import math
 import random
 
 import numpy as np
@@ -13,7 +14,8 @@ from test_scaling import HELD_OUT, metered_mimose, padded
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked
 from mimose_cli.planners.estimator import plan_peak_bytes
-from mimose_cli.planners.trial import probe_with_plan
+from mimose_cli.planners.features import TOKENS
+from mimose_cli.planners.trial import probe_step, probe_with_plan
 from mimose_cli.runs.plots import plan_figure
 from mimose_cli.runs.records import StepRecord
 
@@ -151,13 +153,57 @@ def test_the_scheduler_chooses_what_it_chose_before_it_was_made_faster():
 
 
 def test_the_choice_times_say_selective_costs_the_light_ops_and_the_dispatch_modes():
-    times = ChoiceTimes(heavy=np.array([[0.0, 0.01]]), light=np.array([[0.0, 0.002]]), heavy_ops=np.array([5.0]),
-                        light_ops=np.array([20.0]), meter_ms=0.01, mode_ms=0.005)
-    recompute, selective = times.at(1000.0)
+    bl = np.array([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]])  # work = B * L (``features.FEATURES`` order)
+    times = ChoiceTimes(heavy=np.array([[0.0, 0.01]]), light=np.array([[0.0, 0.002]]), heavy_work=bl, light_work=bl,
+                        heavy_ops=np.array([5.0]), light_ops=np.array([20.0]), meter_ms=0.01, mode_ms=0.005)
+    recompute, selective = times.at(TOKENS.of((10, 100)))
     assert recompute[0] == pytest.approx(10 + 2 + 25 * 0.01)
     assert selective[0] == pytest.approx(2 + 20 * 0.01 + 2 * 25 * 0.005)
-    again = ChoiceTimes.from_state(times.state_dict())
-    assert np.allclose(again.at(1000.0), (recompute, selective))
+    again = ChoiceTimes.from_state(times.state_dict(), TOKENS)
+    assert np.allclose(again.at(TOKENS.of((10, 100))), (recompute, selective))
+    state = times.state_dict()  # written before the work was known: times linear in B * L
+    del state["heavy_work"], state["light_work"]
+    assert np.allclose(ChoiceTimes.from_state(state, TOKENS).at(TOKENS.of((10, 100))), (recompute, selective))
+
+
+def _measured_works(planner, size) -> dict:
+    """Each block's ``(heavy, light)`` work in a measuring run at ``size``: the sums of its ops'
+    ``factor * prod(dims)`` (``LiveProbe.works``)."""
+    batch = make(size)
+    policy = planner.policy
+    policy.measurer.lifetimes = True
+    try:
+        policy.measurer.begin(inputs=batch)
+        with planner.parts.router.using(policy.measurer):
+            probe_step(planner.parts, batch)
+        raw = policy.measurer.end()
+    finally:
+        policy.measurer.lifetimes = False
+    return {i: tuple(sum(factor * math.prod(dims) for heavy, dims, factor in works if heavy == kind)
+                     for kind in (True, False)) for i, works in raw.op_works.items()}
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_the_time_model_grows_with_the_work_the_ops_do_at_any_size(attention):
+    """The work of each block's compute-heavy ops (floating-point operations, read off their
+    operands' shapes) and of its other ops (elements written), scaled from the two probes, is
+    the work its ops do at held-out sizes, to float rounding: quadratic in the length where
+    attention is (a time model fitted ``a + c * B * L`` through two probes of 8 and 12 tokens
+    is not), so the recompute times grow with it. Held-out batches of two rows or more: the
+    probes' batches are (a batch of one runs other ops: the mask is not broadcast)."""
+    with metered_mimose(tiny_bert(2, attention=attention), choices="selective") as (planner, meter):
+        planner.prepare(make, (4, 128))
+        times = planner.policy.choice_times
+        for size in ((2, 40), (3, 50), (4, 128)):
+            measured = _measured_works(planner, size)
+            for i, (heavy, light) in measured.items():
+                assert times.heavy_work[i] @ TOKENS.of(size) == pytest.approx(heavy, rel=1e-9), (size, i)
+                assert times.light_work[i] @ TOKENS.of(size) == pytest.approx(light, rel=1e-9), (size, i)
+        quadratic = TOKENS.names.index("BL2")
+        assert (times.heavy_work[:, quadratic] > 0).all() and (times.light_work[:, quadratic] > 0).all()
+        # the rates timed on ops as large as the largest batch's: a longer batch costs more
+        assert (times.heavy[:, 1] > 0).all() and (times.light[:, 1] > 0).all()
+        assert (times.at(TOKENS.of((4, 128)))[0] > times.at(TOKENS.of((2, 64)))[0]).all()
 
 
 def test_finer_plans_fit_hold_their_predictions_and_compute_what_plain_training_does():
