@@ -97,11 +97,12 @@ def measure(num_blocks: int, repeat: int, choices: str = "block") -> dict:
     hit_us = median_us(lambda: planner.policy.decide(size), repeat)
     decision = planner.policy.decide(size)
     plan = decision.plan
+    estimator = planner.policy.estimator
     planner.close()
     return {"num_blocks": num_blocks, "choices": choices, "selective_blocks": len(decision.selective), "fit_us": fit_us, "predict_us": predict_us, "miss_us": miss_us,
             "hit_us": hit_us, "plan_length": len(plan),
-            "ops_fitted": int(sum(len(a) for a in planner.policy.estimator.samples[0][0]["bwd_peak_bytes"] if a is not None)),
-            "ops_kept": int(planner.policy.estimator.coef.shape[1])}
+            "ops_fitted": int(sum(len(a) for a in estimator.samples[0][0]["bwd_peak_bytes"] if a is not None)),
+            "ops_kept": int(estimator.coef.shape[1])}
 
 
 def main():

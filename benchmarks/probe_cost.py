@@ -3,7 +3,7 @@ every layer run, and with every block measured, interleaved in one process.
 
 For the 60-step GPT-2 of ``short_run.py`` (6 layers) and the 12-layer tiny BERT of
 ``mimose_speed.py --presets swag``: the model from its config on the simulated device, one thread;
-``Mimose.prepare`` (the two probe steps, their scaling and the fit) is timed ``--repeats`` times
+``planner.prepare`` (Mimose's two probe steps, their scaling and the fit) is timed ``--repeats`` times
 in each mode, the modes rotating, after one warm-up each. Modes: ``left out`` (the default: a
 group of blocks alike takes its plain run from its first block, the next one stands for the layers
 between it and the group's last, which are not run; docs/MIMOSE.md), ``second leads`` (as before:

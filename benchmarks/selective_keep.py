@@ -51,9 +51,11 @@ def measure(name: str) -> dict:
             keep = dict(planner.parts.plan_runner.selective_keep)
             peaks = {"none": probe_with_plan(planner.parts, batch, (), step_fn=step_fn),
                      "full": probe_with_plan(planner.parts, batch, every, step_fn=step_fn),
-                     "selective_taken_back": probe_with_plan(planner.parts, batch, every, step_fn=step_fn, selective=every)}
+                     "selective_taken_back": probe_with_plan(planner.parts, batch, every, step_fn=step_fn,
+                                                             selective=every)}
             planner.parts.plan_runner.selective_keep = {}
-            peaks["selective_every_heavy"] = probe_with_plan(planner.parts, batch, every, step_fn=step_fn, selective=every)
+            peaks["selective_every_heavy"] = probe_with_plan(planner.parts, batch, every, step_fn=step_fn,
+                                                             selective=every)
         finally:
             planner.close()
     saving = peaks["none"] - peaks["full"]

@@ -53,6 +53,7 @@ def autocast_open() -> bool:
     torch.autocast_decrement_nesting()
     return depth > 1
 
+
 # Flattening nested batches and block arguments. Public replacement: ``torch.utils.pytree``
 # (announced, not in 2.13), or the ``optree`` package.
 from torch.utils._pytree import tree_leaves, tree_map

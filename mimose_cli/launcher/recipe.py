@@ -358,7 +358,6 @@ class Recipe:
                            "null without a validation split; set data.validation_examples (synthetic "
                            "data) or data.validation_split (hf)")
 
-
     def _check_task_data(self) -> None:
         """Images take an image preset and synthetic data; text takes a text preset."""
         data = self.data

@@ -80,7 +80,6 @@ class RunResult:
         return {"completed": 0, "oom": 1, "diverged": 1, "failed": 1}[status]
 
 
-
 def environment(device) -> dict:
     """Versions and device, for env.json."""
     env = {
@@ -95,6 +94,7 @@ def environment(device) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
         env["gpu_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
     return env
+
 
 def divergence_error(record: StepRecord, recipe: Recipe, model, updated: bool) -> str:
     """Why a run whose loss stopped being finite ended, and what to change: the learning rate

@@ -11,6 +11,7 @@ docs/DESIGN.md has a whole policy in 30 lines.
 """
 
 import contextlib
+import inspect
 import json
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 from mimose_cli.files import write_text
 from mimose_cli.planners.blocks import selectable
 from mimose_cli.planners.inputs import infer_input_size
-from mimose_cli.planners.parts import CUDA_SAFETY_FRACTION, PlannerParts, resolve_blocks  # noqa: F401 (re-exported)
+from mimose_cli.planners.parts import PlannerParts, resolve_blocks
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
 from mimose_cli.planners.recovery import run_recovering
 from mimose_cli.planners.usage import EnteredOnce, check_supported, claim, release
@@ -39,12 +40,23 @@ class Planner:
     ``Policy`` subclass (``policy(parts, **options)``).
     """
 
+    def __init_subclass__(cls, **kwargs):
+        raise TypeError(f"class {cls.__name__}(Planner): a planner is no longer a subclass of Planner; write a "
+                        "Policy (mimose_cli.planners.policy) and run it as Planner(model, YourPolicy, budget)")
+
     def __init__(self, model, policy: type, budget=None, *, blocks=None, safety_margin="auto", meter=None,
                  **options):
         if not (isinstance(policy, type) and issubclass(policy, Policy)):
             raise TypeError(f"policy={policy!r}: expected a Policy subclass (planners.policy), e.g. MimosePolicy")
+        _check_options(policy, options)
         self.name = policy.name
-        self.closed = False
+        self.closed = True  # until the policy is made
+        self._stepping = False  # inside a step: a second one would nest
+        self.steps = 0
+        self.last: StepInfo | None = None
+        self.total_planning_ms = 0.0
+        self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
+        self.retries_total = 0
         check_supported(model)
         resolved = resolve_blocks(model, blocks)
         claim(model, self)
@@ -60,12 +72,7 @@ class Planner:
             self.parts.close()
             release(model, self)
             raise
-        self._stepping = False  # inside a step: a second one would nest
-        self.steps = 0
-        self.last: StepInfo | None = None
-        self.total_planning_ms = 0.0
-        self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
-        self.retries_total = 0
+        self.closed = False
 
     # -- what the parts hold, read through ------------------------------------------------------
 
@@ -85,6 +92,10 @@ class Planner:
     def meter(self):
         """Where the steps' memory figures come from (``PlannerParts.meter``)."""
         return self.parts.meter
+
+    @meter.setter
+    def meter(self, meter) -> None:
+        self.parts.meter = meter
 
     @property
     def budget_bytes(self):
@@ -109,8 +120,7 @@ class Planner:
         return self.parts.plan_runner.plan
 
     def set_plan(self, plan, selective=(), offload=()) -> None:
-        """Checkpoint ``plan`` (``selective`` of it selectively) and offload ``offload`` until the
-        next step decides again (probes, experiments)."""
+        """``PlannerParts.set_plan``: the plan in force until the next step decides again."""
         self.parts.set_plan(plan, selective, offload)
 
     def track(self, *objects) -> None:
@@ -262,9 +272,8 @@ class Planner:
         ``track`` was given. Closing again does nothing."""
         if self.closed:
             return
-        self.policy.close()
-        self.parts.close()
         self.closed = True
+        self.parts.close()
         release(self.model, self)
 
     def __enter__(self) -> "Planner":
@@ -275,6 +284,18 @@ class Planner:
 
     def __repr__(self) -> str:
         return f"<Planner {getattr(self, 'name', '?')}{' (closed)' if getattr(self, 'closed', False) else ''}>"
+
+
+def _check_options(policy: type, options: dict) -> None:
+    """TypeError naming the planner and what it takes, for an option its policy does not take."""
+    params = inspect.signature(policy.__init__).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    takes = sorted(set(params) - {"self", "parts"})
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise TypeError(f"planner {policy.name!r} has no option {', '.join(unknown)}; it takes "
+                        f"{', '.join(takes) or 'none of its own'} (and blocks, safety_margin, meter)")
 
 
 class NoCheckpointingPolicy(Policy):
@@ -310,11 +331,11 @@ class FullCheckpointingPolicy(Policy):
         return Decision(every, selective=every if self.selective else ())
 
 
-def NoCheckpointing(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+def NoCheckpointing(model, budget=None, **options) -> Planner:
     """``Planner(model, NoCheckpointingPolicy, budget, **options)``."""
     return Planner(model, NoCheckpointingPolicy, budget, **options)
 
 
-def FullCheckpointing(model, budget=None, **options) -> Planner:  # noqa: N802
+def FullCheckpointing(model, budget=None, **options) -> Planner:
     """``Planner(model, FullCheckpointingPolicy, budget, **options)`` (``selective=True``: selectively)."""
     return Planner(model, FullCheckpointingPolicy, budget, **options)

@@ -150,14 +150,6 @@ class Rematerializer(BlockRunner):
         self.events: list = []  # ("evict" | "recompute", block index) in order, this step
         self.totals = {"evictions": 0, "recomputations": 0, "recompute_ms": 0.0}
 
-    @property
-    def meter(self):
-        return self.parts.meter
-
-    @property
-    def limit_bytes(self):
-        return self.parts.limit_bytes
-
     def begin(self, info, inputs=None) -> None:
         super().begin(info)
         self._params = storage_ids(list(self.parts.model.parameters()))
@@ -352,6 +344,6 @@ def _never_unpacked(_):
     raise RuntimeError("dtr: a recomputation's own graph is never backwarded")
 
 
-def DTR(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+def DTR(model, budget=None, **options) -> Planner:
     """``Planner(model, DTRPolicy, budget, **options)`` (``cost_fn``: eviction costs of your own)."""
     return Planner(model, DTRPolicy, budget, **options)

@@ -402,7 +402,8 @@ class Estimator:
             raise ValueError(f"the saved estimator has {state['num_blocks']} blocks, this model "
                              f"{self.num_blocks}; it was fitted for another model")
         # A state from before finer plans lacks the selective quantities, or some of today's: they
-        # are left out (the plans stay block-level, ``Mimose._selective_known``).
+        # are left out (the plans stay block-level, ``MimosePolicy._selective_known``).
+
         def unselective(quantities):
             return [q for q in quantities if not q.startswith("selective_")]
 

@@ -10,11 +10,11 @@ peak, plus what the optimizer's first step will allocate, fits is applied to eve
 """
 
 import time
-import warnings
 
 from mimose_cli.planners.base import Planner
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext
 from mimose_cli.planners.trial import probe_with_plan, to_model_device
+from mimose_cli.planners.usage import warn_user
 
 
 def stride_plan(num_blocks: int, every_n_layers: int) -> tuple:
@@ -59,8 +59,8 @@ class EveryNPolicy(Policy):
                 self.stride_peaks[stride] = peak
                 if peak is not None and peak + reserve_bytes <= self.parts.limit_bytes:
                     return stride
-        warnings.warn(f"hf-every-n: no stride fits the largest input {size} in the budget; "
-                      "checkpointing every block (every_n_layers=1)", stacklevel=3)
+        warn_user(f"hf-every-n: no stride fits the largest input {size} in the budget; "
+                  "checkpointing every block (every_n_layers=1)")
         return 1
 
     def decide(self, input_size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
@@ -78,6 +78,6 @@ class EveryNPolicy(Policy):
                 "stride_peaks": {str(k): v for k, v in self.stride_peaks.items()}}
 
 
-def EveryN(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+def EveryN(model, budget=None, **options) -> Planner:
     """``Planner(model, EveryNPolicy, budget, **options)`` (``every_n_layers``: None finds the largest that fits)."""
     return Planner(model, EveryNPolicy, budget, **options)

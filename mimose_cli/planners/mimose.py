@@ -27,7 +27,6 @@ unmetered, uncapped and at full speed.
 import copy
 import math
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
@@ -58,6 +57,7 @@ from mimose_cli.planners.scaling import (
 )
 from mimose_cli.planners.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import probe_step, probe_with_runner, to_model_device
+from mimose_cli.planners.usage import warn_user
 from mimose_cli.torch_private import without_dispatch_modes
 
 CHOICE_SETS = ("block", "selective")
@@ -193,7 +193,8 @@ class MimosePolicy(Policy):
     builds_meter = True
     state_file = "estimator.json"
 
-    def __init__(self, parts, *, estimate: str = "probes", sheltered_steps: int = 5, granularity: int = 1, bucket: float = 0.10,
+    def __init__(self, parts, *, estimate: str = "probes", sheltered_steps: int = 5, granularity: int = 1,
+                 bucket: float = 0.10,
                  prediction_margin: float = 0.001, choices: str = "block"):
         if estimate not in ("probes", "sheltered"):
             raise ValueError(f"estimate={estimate!r} is invalid; expected 'probes' or 'sheltered'")
@@ -229,13 +230,12 @@ class MimosePolicy(Policy):
         self.contradicted: set = set()  # cache keys whose planned step peaked above its prediction
         self.counts = MimoseCounters()
         if self.parts.budget_bytes is None:
-            # at the line that made the planner (``Mimose(...)`` or ``build_planner``, then ``Planner``)
-            self._warn("mimose without a budget checkpoints nothing; it only fits its estimator", stacklevel=5)
+            self._warn("mimose without a budget checkpoints nothing; it only fits its estimator")
 
-    def _warn(self, message: str, stacklevel: int = 3) -> None:
+    def _warn(self, message: str) -> None:
         if message not in self.counts.warnings:
             self.counts.warnings.append(message)
-            warnings.warn(message, stacklevel=stacklevel)
+            warn_user(message)
 
     @property
     def sheltered(self) -> bool:
@@ -375,12 +375,13 @@ class MimosePolicy(Policy):
         if mismatch is not None:  # nor would they with every layer run
             self.counts.probe_twins_refused = mismatch.why
             raise _TwinsRefused(mismatch)
-        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.parts.num_blocks, runs)
+        n = self.parts.num_blocks
+        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, n, runs)
         deeper = deeper_by_one(runs)
         with left_out(self.parts.model, self.parts.blocks, _skipped(deeper)):
             check = self._probe_step(make_batch, sizes[0], step_fn, twins)
         self.counts.probe_steps += 1
-        where = sample_difference(raw_sample(raws[0], self.parts.num_blocks, runs), raw_sample(check, self.parts.num_blocks, deeper))
+        where = sample_difference(raw_sample(raws[0], n, runs), raw_sample(check, n, deeper))
         if where is not None:
             raise ScalingError(f"{where} changes when one more of them runs (memory that grows with the layers)")
         self.counts.probe_twins = len(raws[0].twins)
@@ -606,8 +607,8 @@ class MimosePolicy(Policy):
         selective = ()
         if self._selective_known():
             recompute_ms, selective_ms = self.choice_times.at(self.estimator.feature_set.of(key))
-            savings = [np.zeros(self.parts.num_blocks), pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0),
-                       pred.savings]
+            n = self.parts.num_blocks
+            savings = [np.zeros(n), pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0), pred.savings]
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
             # checkpointing refuses them): not a choice for that block.
             savings[1] = np.where((savings[1] > 0) & self._selectable, savings[1], np.nan)
@@ -766,7 +767,7 @@ class MimosePolicy(Policy):
         self.recovery_margins = {tuple(k): v for k, v in state.get("recovery_margins", [])}
 
 
-def Mimose(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+def Mimose(model, budget=None, **options) -> Planner:
     """``Planner(model, MimosePolicy, budget, **options)``: the options are ``MimosePolicy``'s
     (``estimate``, ``sheltered_steps``, ``granularity``, ``bucket``, ``prediction_margin``,
     ``choices``) and the planner's (``blocks``, ``safety_margin``, ``meter``)."""

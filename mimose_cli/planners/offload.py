@@ -28,6 +28,6 @@ class FullOffloadPolicy(Policy):
         return Decision((), offload=tuple(range(self.parts.num_blocks)))
 
 
-def FullOffload(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+def FullOffload(model, budget=None, **options) -> Planner:
     """``Planner(model, FullOffloadPolicy, budget, **options)``."""
     return Planner(model, FullOffloadPolicy, budget, **options)

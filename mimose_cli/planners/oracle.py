@@ -13,7 +13,6 @@ timeline fits. Measuring and searching are excluded from the step's time
 """
 
 import time
-import warnings
 
 import numpy as np
 
@@ -34,6 +33,7 @@ from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext
 from mimose_cli.planners.scaling import SELECTIVE_QUANTITIES, raw_sample, selective_keeps
 from mimose_cli.planners.sublinear import BlockProfile
 from mimose_cli.planners.trial import probe_step, to_model_device
+from mimose_cli.planners.usage import warn_user
 
 EXACT_MAX_BLOCKS = 16
 _REQUIRED = ("plain_bytes", "ckpt_bytes", "fwd_ms")
@@ -244,8 +244,8 @@ class OraclePolicy(Policy):
             self.choice_ms[size] = times.at(feature_set.of(size)) if times is not None else None
         pred = None if sample is None else measured_prediction(size, sample, self.parts.num_blocks)
         if pred is None:
-            warnings.warn(f"oracle: input size {size} could not be measured (out of memory, or a "
-                          "block the collector cannot attribute); checkpointing every block", stacklevel=4)
+            warn_user(f"oracle: input size {size} could not be measured (out of memory, or a "
+                      "block the collector cannot attribute); checkpointing every block")
         return pred
 
     def decide(self, size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
@@ -281,6 +281,6 @@ class OraclePolicy(Policy):
                 "margin_bytes": self.margin_bytes}
 
 
-def Oracle(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+def Oracle(model, budget=None, **options) -> Planner:
     """``Planner(model, OraclePolicy, budget, **options)`` (``choices``: block or selective)."""
     return Planner(model, OraclePolicy, budget, **options)

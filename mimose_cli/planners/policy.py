@@ -29,7 +29,7 @@ class Decision:
     predicted_peak_bytes: int | None = None
     """The step peak the planner expects with this plan (None: it cannot say)."""
     measure: bool = False
-    """Run this step through the planner's ``measurer`` (its runner while measuring) and hand
+    """Run this step through the policy's ``measurer`` (its runner while measuring) and hand
     what it measured to ``observe``."""
     excluded_ms: float = 0.0
     """Time deciding took that is not the step's (the oracle's measurements)."""
@@ -87,16 +87,16 @@ class StepInfo:
 
 
 class Policy:
-    """The methods a planner writes (``decide``, the rest optional) and the facts it states."""
+    """The methods a policy writes (``decide``, the rest optional) and the facts it states."""
 
     name = "base"
     adapts = True
-    """Whether out-of-memory recovery may change this planner's plan (``none`` and ``full`` are
+    """Whether out-of-memory recovery may change this policy's plan (``none`` and ``full`` are
     fixed by definition: ``none`` running out of memory is its answer, ``full`` has no more to give)."""
     max_retries = 2
     oom_fix: tuple = ()
     """What to suggest when a step runs out of memory for good, if not the default (raise the
-    budget, shorter batches): never what the planner does already."""
+    budget, shorter batches): never what the policy does already."""
     builds_meter = False
     """Without a ``meter``, build one (Mimose measures every step), on only inside ``step`` and
     ``run``: code between the steps runs as if there were no planner."""
@@ -144,7 +144,7 @@ class Policy:
         return False
 
     def predict_peak(self, size: tuple, plan: tuple) -> int | None:
-        """The step peak this planner predicts for ``plan`` at ``size`` (None: it cannot say)."""
+        """The step peak this policy predicts for ``plan`` at ``size`` (None: it cannot say)."""
         return None
 
     def size_key(self, size: tuple) -> tuple:
@@ -163,6 +163,3 @@ class Policy:
 
     def load_state_dict(self, state: dict) -> None:
         """Take back what ``state_dict`` gave (the planner's whole saved state)."""
-
-    def close(self) -> None:
-        """Let go of what the policy holds; the planner puts the model back after."""

@@ -15,7 +15,6 @@ the same layers and holds no more memory than checkpointing the segment whole.
 
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -26,6 +25,7 @@ from mimose_cli.planners.base import Planner
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext
 from mimose_cli.planners.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import model_device, probe_with_plan, run_model, side_effect_free, to_model_device
+from mimose_cli.planners.usage import warn_user
 
 Variant = Literal["greedy", "sqrt", "chen"]
 VARIANTS = get_args(Variant)
@@ -74,8 +74,8 @@ def measure_fixed_bytes(parts, batch, act_bytes) -> int:
     """Run one side-effect-free step with ``probe_plan`` and return its measured peak less the
     modelled activations of that plan: the part of the peak no plan changes.
 
-    Needs a meter (``parts``: a planner's ``PlannerParts``); returns 0 without one. The probe (``probe_step``) does not count
-    as the step's peak.
+    Needs a meter (``parts``: a planner's ``PlannerParts``); returns 0 without one. The probe
+    (``probe_step``) does not count as the step's peak.
     """
     if parts.meter is None:
         return 0
@@ -183,8 +183,8 @@ class SublinearPolicy(Policy):
                 act_bytes, fwd_ms = self.profiler.measure(lambda: run_model(self.parts.model, batch),
                                                           model_device(self.parts.model))
         except torch.OutOfMemoryError:
-            warnings.warn(f"sublinear: measuring one block at the largest input {size} ran out of "
-                          "memory; checkpointing every block", stacklevel=3)
+            warn_user(f"sublinear: measuring one block at the largest input {size} ran out of "
+                      "memory; checkpointing every block")
             return tuple(range(self.parts.num_blocks))
         fixed = measure_fixed_bytes(self.parts, batch, act_bytes)
         self.profile = BlockProfile(size, act_bytes, fwd_ms, fixed)
@@ -193,10 +193,9 @@ class SublinearPolicy(Policy):
         plan = planner(self.profile, limit)
         peak = self.profile.peak_bytes(plan)
         if limit is not None and peak > limit:
-            warnings.warn(f"sublinear: at the largest input {size} even this plan {plan} is predicted "
-                          f"to peak at {peak} bytes, over the "
-                          f"{limit} available (budget less the optimizer state); batches that "
-                          "long may run out of memory", stacklevel=3)
+            warn_user(f"sublinear: at the largest input {size} even this plan {plan} is predicted "
+                      f"to peak at {peak} bytes, over the {limit} available (budget less the optimizer "
+                      "state); batches that long may run out of memory")
         return plan
 
     def decide(self, input_size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
@@ -210,8 +209,6 @@ class SublinearPolicy(Policy):
                 "static_plan": list(self.static_plan or ())}
 
 
-
-
-def Sublinear(model, budget=None, **options) -> Planner:  # noqa: N802 - named as the planner it builds
+def Sublinear(model, budget=None, **options) -> Planner:
     """``Planner(model, SublinearPolicy, budget, **options)`` (``variant``: greedy, chen, sqrt)."""
     return Planner(model, SublinearPolicy, budget, **options)

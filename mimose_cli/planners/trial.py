@@ -77,7 +77,8 @@ def probe_step(parts, batch, step_fn=None):
 
 def probe_with_runner(parts, batch, runner, step_fn=None):
     """``probe_step`` (with ``step_fn``) with every block run by ``runner`` through the router of
-    ``parts`` (a planner's ``PlannerParts``). Returns what ``runner.end`` returns, or None when the step ran out of memory."""
+    ``parts`` (a planner's ``PlannerParts``). Returns what ``runner.end`` returns, or None when the
+    step ran out of memory."""
     runner.begin(None)
     try:
         with parts.router.using(runner):

@@ -4,14 +4,29 @@ nothing: a second planner on a model that has one, a step inside a step, a plann
 sharded by FSDP or wrapped by DeepSpeed; and a compiled model on the simulated device, which runs
 eagerly."""
 
+import inspect
 import warnings
 import weakref
+from pathlib import Path
 
 import torch
 
 from mimose_cli.torch_private import is_compiled
 
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> weakref to its planner
+
+
+_PLANNERS = str(Path(__file__).resolve().parent)
+
+
+def warn_user(message: str, category=UserWarning) -> None:
+    """``warnings.warn`` pointing at the first line outside ``mimose_cli/planners``: the user's
+    ``Mimose(...)``, ``planner.prepare(...)`` or ``planner.step(...)`` (or the training loop's),
+    however many of the planner's own frames lie between."""
+    frame, level = inspect.currentframe(), 1  # level 1: this function, the one calling warnings.warn
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PLANNERS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def claim(model, planner) -> None:
@@ -40,9 +55,9 @@ def check_supported(model) -> None:
 def warn_if_eager(model, meter) -> None:
     """A compiled model on the simulated device runs eagerly: its dispatch mode turns Dynamo off."""
     if meter is not None and getattr(meter, "kind", "") == "simulated" and is_compiled(model):
-        warnings.warn("the model is torch.compile'd, but on the simulated device it runs eagerly (the "
-                      "device's dispatch mode turns Dynamo off): times are eager ones; compiled speed "
-                      "needs a GPU run", UserWarning, stacklevel=4)
+        warn_user("the model is torch.compile'd, but on the simulated device it runs eagerly (the "
+                  "device's dispatch mode turns Dynamo off): times are eager ones; compiled speed "
+                  "needs a GPU run")
 
 
 def release(model, planner) -> None:

@@ -179,7 +179,6 @@ def test_a_block_recomputed_after_modifying_its_input_fails_under_mimose_as_unde
     assert "modified by an inplace operation" in full[1] and sheltered[1] == full[1]
 
 
-
 def tiny_resnet():
     """A bottleneck ResNet from its config whose stages hold 2, 3, 6 and 2 layers."""
     from transformers import ResNetConfig, ResNetForImageClassification

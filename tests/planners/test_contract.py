@@ -126,3 +126,37 @@ def test_the_example_planner_measures_in_a_loop_of_ones_own(example_planner):
         assert planner.policy.blocks_at.get(64, 0) >= 1  # the budget binds at length 64
     finally:
         planner.close()
+
+
+def test_a_planner_is_not_subclassed_and_an_option_it_lacks_is_named():
+    """Code written for the planner as a base class is told what to write instead, and an option
+    the policy does not take names the planner and what it takes; neither leaves the model
+    claimed."""
+    with pytest.raises(TypeError, match="write a Policy"):
+        class Old(Planner):  # noqa: F841 - defining it is the mistake
+            pass
+    model = _model()
+    with pytest.raises(TypeError, match="planner 'sublinear' has no option selective; it takes variant"):
+        build_planner("sublinear", model, "1GB", blocks="*", selective=True)
+    with pytest.raises(ValueError, match="variant='fast' is invalid"):
+        build_planner("sublinear", model, "1GB", blocks="*", variant="fast")
+    build_planner("none", model, "1GB", blocks="*").close()  # the model is free
+
+
+def test_the_planners_warnings_point_at_the_users_line():
+    """However many of the planner's own frames lie between, a warning names the line of the
+    user's code that called it: the constructor (``Mimose(...)``, ``Planner(...)``) and
+    ``prepare``."""
+    from mimose_cli.planners import Mimose, MimosePolicy
+
+    model = _model()
+    for make in (lambda: Mimose(model, blocks="*"), lambda: Planner(model, MimosePolicy, blocks="*")):
+        with pytest.warns(UserWarning, match="without a budget") as caught:
+            planner = make()
+        planner.close()
+        assert caught[0].filename == __file__
+    planner = build_planner("sublinear", model, 1, blocks="*")
+    with pytest.warns(UserWarning, match="sublinear") as caught:
+        planner.prepare(lambda size: torch.randn(*size, 32), (8, 64, 32))
+    planner.close()
+    assert {w.filename for w in caught} == {__file__}

@@ -147,7 +147,8 @@ def test_save_load_round_trip_skips_the_sheltered_phase(fitted, tmp_path):
     _, _, again = run_step(loaded, meter, bert_batch(4, 50))
     loaded.close()
     assert again.phase == "responsive" and again.cache_hit and again.plan == info.plan
-    assert loaded.policy.estimator.predict((3, 70)).step == pytest.approx(planner.policy.estimator.predict((3, 70)).step)
+    expected = planner.policy.estimator.predict((3, 70)).step
+    assert loaded.policy.estimator.predict((3, 70)).step == pytest.approx(expected)
 
 
 def test_library_api_builds_its_own_meter_and_enforces_the_budget():

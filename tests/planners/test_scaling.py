@@ -504,7 +504,8 @@ def test_a_loop_of_ones_own_probes_a_cnns_sides_from_its_first_batch():
     with metered_mimose(ResNetForImageClassification(config).train()) as (planner, meter):
         with planner.step(_images((2, 32, 32))):
             planner.model(**_images((2, 32, 32))).loss.backward()
-        assert "smaller than 96 px" in planner.stats["probe_sides_refused"] and planner.policy.estimator.side_multiple == 1
+        assert "smaller than 96 px" in planner.stats["probe_sides_refused"]
+        assert planner.policy.estimator.side_multiple == 1
 
 
 def test_a_model_that_takes_only_its_own_image_size_is_probed_at_it():

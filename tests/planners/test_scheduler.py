@@ -41,6 +41,7 @@ def test_checked_variant_continues_until_the_predicted_peak_fits():
     sizes = [10.0] * 5
     # The predictor charges 5 more than the plain sum: the first greedy round (excess 20 -> two
     # blocks) is predicted over the limit, so the scheduler must add a third block.
+
     def predict(plan):
         return 100.0 - 10.0 * len(plan) + (5.0 if plan else 0.0)
 
