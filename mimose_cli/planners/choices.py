@@ -61,9 +61,17 @@ def dispatch_costs_ms(ops: int = 400) -> tuple:
 def work_rates_ms(rows: int, inner: int, cols: int, device, dtype=torch.float32) -> tuple:
     """``(heavy, light)``: the ms per floating-point operation of a matmul ``(rows x inner) @
     (inner x cols)`` and per element that an activation, a softmax and a dropout write over its
-    output, on ``device`` (the best of three runs each): the rates a block's ops run at once they are large, which the
-    probes' few tokens are too small to show (their time is the ops' calls). Call it with no
-    dispatch mode active (the probes set the meter aside)."""
+    output, on ``device`` (the best of three runs each): the rates a block's ops run at once they
+    are large, which the probes' few tokens are too small to show (their time is the ops' calls).
+    Call it with no dispatch mode active (the probes set the meter aside). Its random numbers come
+    from a forked generator: training's dropout masks stay those of a run without it."""
+    device = torch.device(device)
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        return _rates_ms(rows, inner, cols, device, dtype)
+
+
+def _rates_ms(rows: int, inner: int, cols: int, device, dtype) -> tuple:
     a = torch.randn(rows, inner, device=device, dtype=dtype)
     b = torch.randn(inner, cols, device=device, dtype=dtype)
     out = torch.mm(a, b)

@@ -4,6 +4,7 @@ nothing: a second planner on a model that has one, a step inside a step, a plann
 sharded by FSDP or wrapped by DeepSpeed; and a compiled model on the simulated device, which runs
 eagerly."""
 
+import contextlib
 import inspect
 import warnings
 import weakref
@@ -16,15 +17,17 @@ from mimose_cli.torch_private import is_compiled
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> weakref to its planner
 
 
-_PLANNERS = str(Path(__file__).resolve().parent)
+_PASSED_THROUGH = (str(Path(__file__).resolve().parent), str(Path(contextlib.__file__).resolve()))
+"""The planners' own files, and contextlib's (``with planner.step(batch):`` enters through it)."""
 
 
 def warn_user(message: str, category=UserWarning) -> None:
-    """``warnings.warn`` pointing at the first line outside ``mimose_cli/planners``: the user's
-    ``Mimose(...)``, ``planner.prepare(...)`` or ``planner.step(...)`` (or the training loop's),
-    however many of the planner's own frames lie between."""
+    """``warnings.warn`` pointing at the first line outside ``mimose_cli/planners`` (and the
+    ``with`` machinery): the user's ``Mimose(...)``, ``planner.prepare(...)`` or
+    ``planner.step(...)`` (or the training loop's), however many of the planner's own frames lie
+    between."""
     frame, level = inspect.currentframe(), 1  # level 1: this function, the one calling warnings.warn
-    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PLANNERS):
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PASSED_THROUGH):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 

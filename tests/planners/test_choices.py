@@ -189,9 +189,11 @@ def test_the_time_model_grows_with_the_work_the_ops_do_at_any_size(attention):
     operands' shapes) and of its other ops (elements written), scaled from the two probes, is
     the work its ops do at held-out sizes, to float rounding: quadratic in the length where
     attention is (a time model fitted ``a + c * B * L`` through two probes of 8 and 12 tokens
-    is not), so the recompute times grow with it. Held-out batches of two rows or more: the
+    is not), so the recompute times grow with it; timing the rates leaves training's random
+    numbers as they were. Held-out batches of two rows or more: the
     probes' batches are (a batch of one runs other ops: the mask is not broadcast)."""
     with metered_mimose(tiny_bert(2, attention=attention), choices="selective") as (planner, meter):
+        rng = torch.get_rng_state()
         planner.prepare(make, (4, 128))
         times = planner.policy.choice_times
         for size in ((2, 40), (3, 50), (4, 128)):
@@ -200,6 +202,7 @@ def test_the_time_model_grows_with_the_work_the_ops_do_at_any_size(attention):
                 assert times.heavy_work[i] @ TOKENS.of(size) == pytest.approx(heavy, rel=1e-9), (size, i)
                 assert times.light_work[i] @ TOKENS.of(size) == pytest.approx(light, rel=1e-9), (size, i)
         quadratic = TOKENS.names.index("BL2")
+        assert torch.equal(torch.get_rng_state(), rng)  # the rates' timing drew from a forked generator
         assert (times.heavy_work[:, quadratic] > 0).all() and (times.light_work[:, quadratic] > 0).all()
         # the rates timed on ops as large as the largest batch's: a longer batch costs more
         assert (times.heavy[:, 1] > 0).all() and (times.light[:, 1] > 0).all()

@@ -160,3 +160,8 @@ def test_the_planners_warnings_point_at_the_users_line():
         planner.prepare(lambda size: torch.randn(*size, 32), (8, 64, 32))
     planner.close()
     assert {w.filename for w in caught} == {__file__}
+    with Mimose(model, "1GB", blocks="*") as planner:
+        with pytest.warns(UserWarning, match="no batch to probe with") as caught:
+            with planner.step(input_size=(8, 64)):  # decided inside, entered through contextlib
+                model(torch.randn(8, 64, 32)).sum().backward()
+        assert caught[0].filename == __file__
