@@ -57,6 +57,12 @@ class _LifetimeLedger(StorageLedger):
         super()._free(ref)
 
 
+_aten = torch.ops.aten
+_WRITES_NOTHING = frozenset((_aten._unsafe_view, _aten.empty_like, _aten.empty, _aten.empty_strided,
+                             _aten.new_empty, _aten.new_empty_strided))
+"""Ops that return a tensor without writing its elements (a view not marked one, allocations)."""
+
+
 class LiveProbe(UncompiledDispatchMode):
     """Live storage bytes after every op (``trace``), and for each op whether ``flag()`` held
     (``flags``: the collector asks whether a checkpoint was recomputing) and whether an autocast
@@ -79,11 +85,13 @@ class LiveProbe(UncompiledDispatchMode):
         """Ops timed apart (``heavy_ms``; the others in ``light_ms``) whose outputs' storages the
         lifetimes mark (``_LifetimeLedger.heavy``): the compute-heavy ops."""
         self.heavy_work = heavy_work
-        """``heavy_work(func, args, out) -> (dims, factor)``: a heavy op's work (its floating-point
-        operations, ``factor`` times the product of ``dims``); None: the work is not written down."""
+        """``heavy_work(func, args, out) -> (dims, factor, gemm)``: a heavy op's work (its
+        floating-point operations, ``factor`` times the product of ``dims``, and the matmul it
+        amounts to); None: the work is not written down."""
         self.works: list = []
-        """With ``heavy_work``, each op's work in the order they ran: ``(heavy, dims, factor)``; a
-        heavy op's from ``heavy_work``, another's the elements of each tensor it returned (none for a view)."""
+        """With ``heavy_work``, each op's work in the order they ran: ``(heavy, dims, factor, gemm)``;
+        a heavy op's from ``heavy_work``, another's the elements of each tensor it returned (none for
+        a view or an op that only allocates: ``_WRITES_NOTHING``)."""
         self.heavy_now = False
         self.heavy_ms = 0.0
         self.light_ms = 0.0
@@ -142,8 +150,9 @@ class LiveProbe(UncompiledDispatchMode):
                 self.works.append((True, *self.heavy_work(func, args, out)))
         else:
             self.light_ms += ms
-            if self.heavy_work is not None and not func.is_view:  # a view writes nothing
-                self.works.extend((False, tuple(leaf.shape), 1) for leaf in leaves if isinstance(leaf, torch.Tensor))
+            if self.heavy_work is not None and not func.is_view and func.overloadpacket not in _WRITES_NOTHING:
+                self.works.extend((False, tuple(leaf.shape), 1, None) for leaf in leaves
+                                  if isinstance(leaf, torch.Tensor))
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:
                 if self.lifetimes:

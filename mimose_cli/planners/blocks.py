@@ -9,6 +9,7 @@ puts its own runner in force (``Policy.runner_for``, ``StepRouter.using``).
 import contextlib
 import fnmatch
 import functools
+import math
 import time
 
 import torch
@@ -373,21 +374,27 @@ recomputed."""
 
 
 def heavy_op_work(func, args, out) -> tuple:
-    """A compute-heavy op's work as ``(dims, factor)``, its floating-point operations being
-    ``factor`` times the product of ``dims``: its output's shape and the length each element is a
-    sum over (a matmul's inner dimension, a convolution's input channels and kernel, an attention's
-    key length, twice over: scores and values), times two. It grows with the input size as the
-    op's time does where the output does not (attention times values: output ``B·L·d``, work
-    ``B·L²·d``)."""
+    """A compute-heavy op's work as ``(dims, factor, gemm)``: its floating-point operations are
+    ``factor`` times the product of ``dims`` (its output's shape and the length each element is a
+    sum over: a matmul's inner dimension, a convolution's input channels and kernel; an
+    attention's key length and head dims, scores and values), which grows with the input size as
+    the op's time does where the output does not (attention times values: output ``B·L·d``, work
+    ``B·L²·d``); ``gemm`` is the matmul it amounts to, ``(rows, inner, cols, dtype)``, None for
+    an attention (whose inner length is the sequence's)."""
     first = out if isinstance(out, torch.Tensor) else next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     name = func.overloadpacket.__name__
-    if name in ("mm", "bmm"):
-        return (*first.shape, args[0].shape[-1]), 2
-    if name in ("addmm", "baddbmm"):
-        return (*first.shape, args[1].shape[-1]), 2
+    if name in ("mm", "bmm", "addmm", "baddbmm"):
+        inner = (args[0] if name in ("mm", "bmm") else args[1]).shape[-1]
+        rows = first.numel() // first.shape[-1]
+        return (*first.shape, inner), 2, (rows, inner, first.shape[-1], first.dtype)
     if name == "convolution":
-        return (*first.shape, *args[1].shape[1:]), 2
-    return (*first.shape, args[1].shape[-2]), 4  # fused attention (query, key, value, ...)
+        source, weight = (args[0], args[1]) if args[6] else (first, args[1])  # transposed: per input
+        channels = weight.shape[1] if args[6] else weight.shape[0]
+        inner = math.prod(weight.shape[2:]) * (weight.shape[1] if not args[6] else weight.shape[0] // args[8])
+        rows = source.numel() // source.shape[1]
+        return (*source.shape, *weight.shape[1:]), 2, (rows, inner, channels, first.dtype)
+    query, key, value = args[:3]  # fused attention: scores (E) and the weighted sum of values (Ev)
+    return (*first.shape[:-1], key.shape[-2], query.shape[-1] + value.shape[-1]), 2, None
 
 
 def _selective_contexts(keep: int | None = None):

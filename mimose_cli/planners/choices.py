@@ -94,16 +94,26 @@ def _rates_ms(rows: int, inner: int, cols: int, device, dtype) -> tuple:
     return heavy, light / (4.0 * rows * cols)
 
 
-def probe_rates_ms(raw, size: tuple, max_size: tuple, device, dtype=torch.float32) -> tuple | None:
-    """``work_rates_ms`` on a matmul shaped as the largest compute-heavy op of ``raw`` (a probe
-    step at ``size``), its rows grown with the tokens to ``max_size`` (at most 8192); None when
-    the probe ran no heavy op."""
-    heavy = [(factor * math.prod(dims), dims) for works in raw.op_works.values() for h, dims, factor in works if h]
-    if not heavy:
+def probe_rates_ms(raw, size: tuple, max_size: tuple, device) -> tuple | None:
+    """``work_rates_ms`` on the matmul the largest compute-heavy op of ``raw`` (a probe step at
+    ``size``) amounts to (``blocks.heavy_op_work``'s ``gemm``: a linear layer's, a convolution's),
+    in its dtype, its rows grown with the tokens to ``max_size`` and every operand capped at
+    ``RATE_ELEMENTS`` elements; None when the probe ran no such op."""
+    gemms = [(factor * math.prod(dims), gemm) for works in raw.op_works.values()
+             for heavy, dims, factor, gemm in works if heavy and gemm is not None]
+    if not gemms:
         return None
-    dims = max(heavy)[1]
-    rows = math.prod(dims[:-2]) * math.prod(max_size) / math.prod(size)
-    return work_rates_ms(int(min(max(rows, 1), 1 << 13)), int(dims[-1]), int(dims[-2]), device, dtype)
+    rows, inner, cols, dtype = max(gemms, key=lambda g: g[0])[1]
+    rows = rows * math.prod(max_size) / math.prod(size)
+    inner = min(inner, RATE_ELEMENTS // 64)
+    rows = max(1, int(min(rows, RATE_ROWS, RATE_ELEMENTS // inner)))
+    cols = max(1, min(cols, RATE_ELEMENTS // max(rows, inner)))
+    return work_rates_ms(rows, inner, cols, device, dtype if dtype.is_floating_point else torch.float32)
+
+
+RATE_ROWS, RATE_ELEMENTS = 2048, 1 << 22
+"""``probe_rates_ms``'s caps: rows (a rate no longer changes past a few thousand) and elements of
+each operand (16 MiB in fp32), whatever the model's width or vocabulary."""
 
 
 @dataclass

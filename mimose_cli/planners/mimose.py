@@ -24,6 +24,7 @@ at the budget. Code between the steps (the optimizer step, evaluation, anything 
 unmetered, uncapped and at full speed.
 """
 
+import contextlib
 import copy
 import math
 import time
@@ -400,12 +401,30 @@ class MimosePolicy(Policy):
         for template, skipped in runs:
             stand_in.update({i: twins.get(template, template) for i in skipped})
         # The dispatch modes' costs are timed once the device's meter is back (``_probe``).
-        weight = next(self.parts.model.parameters())
-        rates = probe_rates_ms(raws[1], sizes[1], max_size, weight.device, weight.dtype)
         self.choice_times = ChoiceTimes.from_probes(raws, sizes, self.estimator.feature_set, stand_in, (0.0, 0.0),
-                                                    rates)
+                                                    self._rates(raws[1], sizes[1], max_size))
+        if self.choice_times is None:
+            self._warn("mimose: plans stay block-level (choices: selective asked for): the probes' ops did not "
+                       "run alike at their two sizes, so each choice's recompute time cannot be scaled")
         keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
         self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
+
+    def _rates(self, raw, size: tuple, max_size: tuple) -> tuple | None:
+        """The ops' ms per unit of work (``choices.probe_rates_ms``), timed past the budget (on
+        CUDA, the allocator's cap lifted) with the meter's peak reset after; None, with a warning,
+        where they cannot be timed: the probes' own timings stand in."""
+        meter = self.parts.meter
+        try:
+            with meter.unlimited() if meter is not None else contextlib.nullcontext():
+                return probe_rates_ms(raw, size, max_size, next(self.parts.model.parameters()).device)
+        except Exception as error:  # noqa: BLE001 - the rates refine the times; the probes' stand in
+            self._warn(f"mimose: the ops' rates could not be timed ({type(error).__name__}: "
+                       f"{str(error).splitlines()[0][:120] if str(error) else ''}); recompute times are "
+                       "scaled from the probes' own timings")
+            return None
+        finally:
+            if meter is not None:
+                meter.reset_peak()
 
     def _probe_pair(self, make_batch, sizes: list, step_fn, twins: dict) -> list:
         """The two measured probe steps at ``sizes`` (``RawStep``s), the first once more when it

@@ -235,7 +235,7 @@ def work_coefficients(works_a: list, works_b: list, size_a: tuple, size_b: tuple
     vb = tuple(int(v) for v in (size_b[0], *feature_set.lengths(size_b)))
     monomials = tuple(tuple(p) for p in powers)
     coef = np.zeros((2, len(fa)))
-    for (heavy, dims_a, factor), (_, dims_b, _) in zip(works_a, works_b):
+    for (heavy, dims_a, factor, _), (_, dims_b, _, _) in zip(works_a, works_b):
         row = coef[0 if heavy else 1]
         poly = _polynomial(dims_a, dims_b, factor, va, vb, monomials)
         if poly is not None and all(e in index for e in poly):

@@ -6,6 +6,7 @@ eagerly."""
 
 import contextlib
 import inspect
+import os
 import warnings
 import weakref
 from pathlib import Path
@@ -17,7 +18,7 @@ from mimose_cli.torch_private import is_compiled
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> weakref to its planner
 
 
-_PASSED_THROUGH = (str(Path(__file__).resolve().parent), str(Path(contextlib.__file__).resolve()))
+_PASSED_THROUGH = (str(Path(__file__).resolve().parent) + os.sep, str(Path(contextlib.__file__).resolve()))
 """The planners' own files, and contextlib's (``with planner.step(batch):`` enters through it)."""
 
 

@@ -179,7 +179,7 @@ def _measured_works(planner, size) -> dict:
         raw = policy.measurer.end()
     finally:
         policy.measurer.lifetimes = False
-    return {i: tuple(sum(factor * math.prod(dims) for heavy, dims, factor in works if heavy == kind)
+    return {i: tuple(sum(factor * math.prod(dims) for heavy, dims, factor, _ in works if heavy == kind)
                      for kind in (True, False)) for i, works in raw.op_works.items()}
 
 
@@ -476,3 +476,61 @@ def test_a_resumed_planner_keeps_the_same_heavy_outputs_and_an_older_state_plans
         planner.load_state_dict(state)
         assert not planner.policy._selective_known()
         assert planner.policy.decide((4, 64)).selective == ()
+
+
+def _work_of(fn, *args):
+    """``heavy_op_work`` of the compute-heavy ops ``fn(*args)`` runs: their flops, and the gemm
+    of the one op (None when several ran or it is an attention kernel)."""
+    from mimose_cli.memory.probe import LiveProbe
+    from mimose_cli.planners.blocks import COMPUTE_HEAVY_OPS, heavy_op_work
+
+    with LiveProbe(heavy_ops=COMPUTE_HEAVY_OPS, heavy_work=heavy_op_work) as probe:
+        fn(*args)
+    works = [w for w in probe.works if w[0]]
+    return sum(factor * math.prod(dims) for _, dims, factor, _ in works), works[0][3] if len(works) == 1 else None
+
+
+@pytest.mark.parametrize("case", ["mm", "addmm", "bmm", "baddbmm", "conv", "grouped conv", "transposed conv",
+                                  "attention", "attention, other value dim"])
+def test_a_heavy_ops_work_is_its_floating_point_operations(case):
+    """``heavy_op_work`` counts what torch's own flop counter counts for every kind of heavy op
+    (an attention: 2·B·H·Lq·Lk·(E + Ev), fused or, on the CPU with another value dim, as two
+    bmm), and the matmul it amounts to does the same work."""
+    from torch.nn.functional import conv2d, conv_transpose2d, scaled_dot_product_attention
+    from torch.utils.flop_counter import FlopCounterMode
+
+    r = torch.randn
+    fn, args = {
+        "mm": (torch.mm, (r(6, 5), r(5, 7))),
+        "addmm": (torch.addmm, (r(7), r(6, 5), r(5, 7))),
+        "bmm": (torch.bmm, (r(3, 6, 5), r(3, 5, 7))),
+        "baddbmm": (torch.baddbmm, (r(3, 6, 7), r(3, 6, 5), r(3, 5, 7))),
+        "conv": (lambda x, w: conv2d(x, w, stride=2, padding=1), (r(2, 4, 9, 9), r(6, 4, 3, 3))),
+        "grouped conv": (lambda x, w: conv2d(x, w, groups=2), (r(2, 4, 9, 9), r(6, 2, 3, 3))),
+        "transposed conv": (lambda x, w: conv_transpose2d(x, w, stride=2), (r(2, 4, 5, 5), r(4, 3, 4, 4))),
+        "attention": (scaled_dot_product_attention, (r(2, 3, 6, 8), r(2, 3, 5, 8), r(2, 3, 5, 8))),
+        "attention, other value dim": (scaled_dot_product_attention, (r(2, 3, 6, 8), r(2, 3, 5, 8), r(2, 3, 5, 4))),
+    }[case]
+    flops, gemm = _work_of(fn, *args)
+    if case.startswith("attention"):  # torch's counter has no formula for the CPU's fused kernel
+        query, key, value = args
+        assert flops == 2 * math.prod(query.shape[:-1]) * key.shape[-2] * (query.shape[-1] + value.shape[-1])
+        return
+    with FlopCounterMode(display=False) as counter:
+        fn(*args)
+    assert flops == counter.get_total_flops()
+    rows, inner, cols, dtype = gemm
+    assert 2 * rows * inner * cols == flops and dtype == torch.float32
+
+
+def test_rates_that_cannot_be_timed_leave_the_probes_own_timings_and_say_so(monkeypatch):
+    import mimose_cli.planners.mimose as mimose_module
+
+    def fails(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room for the rates")
+
+    monkeypatch.setattr(mimose_module, "probe_rates_ms", fails)
+    with metered_mimose(tiny_bert(2), choices="selective") as (planner, meter):
+        with pytest.warns(UserWarning, match="rates could not be timed .OutOfMemoryError: no room"):
+            planner.prepare(make, (4, 64))
+        assert planner.policy.choice_times is not None and planner.policy._selective_known()
