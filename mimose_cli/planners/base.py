@@ -286,12 +286,17 @@ class Planner:
         return f"<Planner {getattr(self, 'name', '?')}{' (closed)' if getattr(self, 'closed', False) else ''}>"
 
 
+def policy_options(policy: type) -> set:
+    """The options a policy's constructor names (besides ``parts``)."""
+    params = inspect.signature(policy.__init__).parameters.values()
+    return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"self", "parts"}
+
+
 def _check_options(policy: type, options: dict) -> None:
     """TypeError naming the planner and what it takes, for an option its policy does not take."""
-    params = inspect.signature(policy.__init__).parameters
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+    if any(p.kind == p.VAR_KEYWORD for p in inspect.signature(policy.__init__).parameters.values()):
         return
-    takes = sorted(set(params) - {"self", "parts"})
+    takes = sorted(policy_options(policy))
     unknown = sorted(set(options) - set(takes))
     if unknown:
         raise TypeError(f"planner {policy.name!r} has no option {', '.join(unknown)}; it takes "

@@ -35,20 +35,30 @@ class _PassThrough(UncompiledDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _best_ms(fn, device="cpu") -> float:
+    """The fastest of three runs of ``fn()`` on ``device``, in ms (queued kernels waited for)."""
+    best = math.inf
+    for _ in range(3):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return best
+
+
 def dispatch_costs_ms(ops: int = 400) -> tuple:
     """``(meter, mode)``: ms per op that the dispatch modes active now add (the simulated
     device's meter), and that one more Python dispatch mode adds (a selective checkpoint's),
     timed on tiny adds (the best of three runs each)."""
     x = torch.ones(4)
 
+    def adds() -> None:
+        for _ in range(ops):
+            torch.add(x, x)
+
     def per_op() -> float:
-        best = math.inf
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(ops):
-                torch.add(x, x)
-            best = min(best, (time.perf_counter() - start) * 1e3 / ops)
-        return best
+        return _best_ms(adds) / ops
 
     active = per_op()
     with _PassThrough():
@@ -68,29 +78,15 @@ def work_rates_ms(rows: int, inner: int, cols: int, device, dtype=torch.float32)
     device = torch.device(device)
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-        return _rates_ms(rows, inner, cols, device, dtype)
-
-
-def _rates_ms(rows: int, inner: int, cols: int, device, dtype) -> tuple:
-    a = torch.randn(rows, inner, device=device, dtype=dtype)
-    b = torch.randn(inner, cols, device=device, dtype=dtype)
-    out = torch.mm(a, b)
-
-    def best_ms(fn) -> float:
-        times = []
-        for _ in range(3):
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            times.append((time.perf_counter() - start) * 1e3)
-        return min(times)
-
-    heavy = best_ms(lambda: torch.mm(a, b, out=out)) / (2.0 * rows * inner * cols)
-    # A transformer's light ops, each counted by the elements it writes as ``LiveProbe.works``
-    # does: an activation, a softmax, a dropout (its output and its mask).
-    light = sum(best_ms(fn) for fn in (lambda: torch.nn.functional.gelu(out), lambda: torch.softmax(out, -1),
-                                       lambda: torch.nn.functional.dropout(out, 0.1, True)))
+        a = torch.randn(rows, inner, device=device, dtype=dtype)
+        b = torch.randn(inner, cols, device=device, dtype=dtype)
+        out = torch.mm(a, b)
+        heavy = _best_ms(lambda: torch.mm(a, b, out=out), device) / (2.0 * rows * inner * cols)
+        # A transformer's light ops, each counted by the elements it writes as ``LiveProbe.works``
+        # does: an activation, a softmax, a dropout (its output and its mask).
+        light = sum(_best_ms(fn, device) for fn in (lambda: torch.nn.functional.gelu(out),
+                                                    lambda: torch.softmax(out, -1),
+                                                    lambda: torch.nn.functional.dropout(out, 0.1, True)))
     return heavy, light / (4.0 * rows * cols)
 
 

@@ -469,7 +469,7 @@ class RawStep:
     (``heavy_ms``) and inside the others (``light_ms``), and how many ops it ran (``ops``,
     ``heavy_ops`` of them heavy); NaN for blocks not measured."""
     op_works: dict = field(default_factory=dict)
-    """``{block: [(heavy, dims, factor)]}``: the work of each op of its measuring run
+    """``{block: [(heavy, dims, factor, gemm)]}``: the work of each op of its measuring run
     (``LiveProbe.works``; with ``lifetimes``)."""
 
 

@@ -181,10 +181,15 @@ def _first_twin(mismatch, twins: dict) -> bool:
     return mismatch is not None and mismatch.block == min(i for i, t in twins.items() if t == mismatch.twin)
 
 
+def _said(error: Exception, limit: int) -> str:
+    """An error in one line: its type and its message's first line, cut at ``limit``."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first[:limit]}"
+
+
 def _probe_failed(what: str, size: tuple, error: Exception) -> ScalingError:
     """A probe step that raised, in one line (the planner then learns from measured steps)."""
-    first = str(error).splitlines()[0] if str(error) else ""
-    return ScalingError(f"the {what} at input size {size} failed ({type(error).__name__}: {first[:160]})")
+    return ScalingError(f"the {what} at input size {size} failed ({_said(error, 160)})")
 
 
 class MimosePolicy(Policy):
@@ -418,8 +423,7 @@ class MimosePolicy(Policy):
             with meter.unlimited() if meter is not None else contextlib.nullcontext():
                 return probe_rates_ms(raw, size, max_size, next(self.parts.model.parameters()).device)
         except Exception as error:  # noqa: BLE001 - the rates refine the times; the probes' stand in
-            self._warn(f"mimose: the ops' rates could not be timed ({type(error).__name__}: "
-                       f"{str(error).splitlines()[0][:120] if str(error) else ''}); recompute times are "
+            self._warn(f"mimose: the ops' rates could not be timed ({_said(error, 120)}); recompute times are "
                        "scaled from the probes' own timings")
             return None
         finally:

@@ -3,9 +3,7 @@
 **options)``, ``options`` being the fields of its ``planners.options`` dataclass (and, from code
 only, a few more: DTR's ``cost_fn``)."""
 
-import inspect
-
-from mimose_cli.planners.base import FullCheckpointingPolicy, NoCheckpointingPolicy, Planner
+from mimose_cli.planners.base import FullCheckpointingPolicy, NoCheckpointingPolicy, Planner, policy_options
 from mimose_cli.planners.dtr import DTRPolicy
 from mimose_cli.planners.every_n import EveryNPolicy
 from mimose_cli.planners.mimose import MimosePolicy
@@ -30,8 +28,7 @@ assert tuple(PLANNERS) == PLANNER_NAMES, "every planner has its options in plann
 def library_keywords(name: str) -> set:
     """Planner ``name``'s own options: its policy's constructor keywords, the recipe's and those
     only code can pass (DTR's ``cost_fn``, a function)."""
-    params = inspect.signature(PLANNERS[name].__init__).parameters.values()
-    return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"self", "parts"}
+    return policy_options(PLANNERS[name])
 
 
 def build_planner(name: str, model, budget=None, **kwargs) -> Planner:

@@ -181,6 +181,29 @@ def _polynomial(shape_a, shape_b, itemsize: int, va: tuple, vb: tuple, monomials
     return poly
 
 
+class _Reading:
+    """What reading a shape at the two probe sizes as a polynomial of the size needs: each
+    size's variables (the batch, the lengths), the features' exponents and each one's column."""
+
+    def __init__(self, size_a: tuple, size_b: tuple, feature_set):
+        _, powers = exponents(feature_set)
+        self.columns = {p: j for j, p in enumerate(powers)}
+        self.monomials = tuple(tuple(p) for p in powers)
+        self.va = tuple(int(v) for v in (size_a[0], *feature_set.lengths(size_a)))
+        self.vb = tuple(int(v) for v in (size_b[0], *feature_set.lengths(size_b)))
+
+    def row(self, shape_a, shape_b, factor) -> np.ndarray | None:
+        """``factor`` times the product of a shape's dims, as coefficients over the features
+        (``_polynomial``); None where the dims are not read or need a feature not in the set."""
+        poly = _polynomial(tuple(shape_a), tuple(shape_b), factor, self.va, self.vb, self.monomials)
+        if poly is None or not all(e in self.columns for e in poly):
+            return None
+        row = np.zeros(len(self.monomials))
+        for e, c in poly.items():
+            row[self.columns[e]] += c
+        return row
+
+
 def coefficients(a: RawStep, b: RawStep, size_a: tuple, size_b: tuple, feature_set) -> np.ndarray:
     """Each storage's bytes as coefficients over the features (storages x features), exact at
     both sizes: the product of its dimensions (``_polynomial``) when its first tensor's shape
@@ -192,24 +215,16 @@ def coefficients(a: RawStep, b: RawStep, size_a: tuple, size_b: tuple, feature_s
     fa, fb = feature_set.of(size_a), feature_set.of(size_b)
     coef = np.zeros((len(a.nbytes), len(fa)))
     term = term_of(a.nbytes, b.nbytes, fa, fb)
-    _, powers = exponents(feature_set)
-    index = {p: j for j, p in enumerate(powers)}
-    va = tuple(int(v) for v in (size_a[0], *feature_set.lengths(size_a)))
-    vb = tuple(int(v) for v in (size_b[0], *feature_set.lengths(size_b)))
-    monomials = tuple(tuple(p) for p in powers)
+    reading = _Reading(size_a, size_b, feature_set)
     for k in range(len(a.nbytes)):
         fresh = False
         if a.shapes[k] is not None and b.shapes[k] is not None:
             (shape_a, item), (shape_b, _) = a.shapes[k], b.shapes[k]
             fresh = item * math.prod(shape_a) == a.nbytes[k] and item * math.prod(shape_b) == b.nbytes[k]
-        if fresh:
-            poly = _polynomial(tuple(shape_a), tuple(shape_b), item, va, vb, monomials)
-            if poly is not None and all(e in index for e in poly):
-                for e, c in poly.items():
-                    coef[k, index[e]] += c
-                if abs(coef[k] @ fa - a.nbytes[k]) <= 0.5 and abs(coef[k] @ fb - b.nbytes[k]) <= 0.5:
-                    continue
-            coef[k] = 0.0
+        row = reading.row(shape_a, shape_b, item) if fresh else None
+        if row is not None and abs(row @ fa - a.nbytes[k]) <= 0.5 and abs(row @ fb - b.nbytes[k]) <= 0.5:
+            coef[k] = row
+            continue
         if term[k] >= 0:  # a view's storage, or a shape no reading explains: its growth factor
             coef[k, term[k]] = a.nbytes[k] / fa[term[k]]
             continue
@@ -229,24 +244,18 @@ def work_coefficients(works_a: list, works_b: list, size_a: tuple, size_b: tuple
     if len(works_a) != len(works_b) or any(x[0] != y[0] for x, y in zip(works_a, works_b)):
         return None
     fa, fb = feature_set.of(size_a), feature_set.of(size_b)
-    _, powers = exponents(feature_set)
-    index = {p: j for j, p in enumerate(powers)}
-    va = tuple(int(v) for v in (size_a[0], *feature_set.lengths(size_a)))
-    vb = tuple(int(v) for v in (size_b[0], *feature_set.lengths(size_b)))
-    monomials = tuple(tuple(p) for p in powers)
+    reading = _Reading(size_a, size_b, feature_set)
     coef = np.zeros((2, len(fa)))
     for (heavy, dims_a, factor, _), (_, dims_b, _, _) in zip(works_a, works_b):
-        row = coef[0 if heavy else 1]
-        poly = _polynomial(dims_a, dims_b, factor, va, vb, monomials)
-        if poly is not None and all(e in index for e in poly):
-            for e, c in poly.items():
-                row[index[e]] += c
-            continue
-        work_a, work_b = factor * math.prod(dims_a), factor * math.prod(dims_b)
-        term = term_of(np.array([work_a], dtype=float), np.array([work_b], dtype=float), fa, fb)[0]
-        if term < 0:
-            return None
-        row[term] += work_a / fa[term]
+        row = reading.row(dims_a, dims_b, factor)
+        if row is None:  # the growth factor of its whole work
+            work_a, work_b = factor * math.prod(dims_a), factor * math.prod(dims_b)
+            term = term_of(np.array([work_a], dtype=float), np.array([work_b], dtype=float), fa, fb)[0]
+            if term < 0:
+                return None
+            row = np.zeros(len(fa))
+            row[term] = work_a / fa[term]
+        coef[0 if heavy else 1] += row
     return coef[0], coef[1]
 
 
