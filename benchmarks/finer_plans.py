@@ -11,7 +11,13 @@ same batches with the same plans, and interference from other work only adds tim
 the rounds' training times is in the JSON too), the median recompute time (the records'
 ``recompute_ms`` summed), mean blocks checkpointed and selectively checkpointed, the mean step peak
 over the budget where the plan checkpoints something (binding), out-of-memory steps and retries;
-then selective / block and selective / oracle. Memory is the exact simulated device; times are
+then selective / block and selective / oracle. Beside the times, what this machine's noise cannot
+move: each run's plans priced with one table of recompute time per block per choice at each input
+size, measured by the oracles of the *other* rounds (their mean; ``plan cost``, Σ over steps of the
+plan's blocks' recompute or selective times), so ``plan cost`` ratios compare the plans alone. Not
+the round's own oracle's table: the oracle chose its plans on that table's noise (in a stack of
+alike blocks, the blocks that happened to time fastest), which would favour it; with one round
+there is no other table and the round's own is used. Memory is the exact simulated device; times are
 this CPU's (Python per op dominates tiny models, on which torch's selective checkpointing's
 dispatch mode costs more than the matmuls it saves, and the scheduler's time model sees it).
 
@@ -26,15 +32,18 @@ of paper_figure.py (``bert-qqp``, ``bert-swag``, ``roberta-mc``; their budgets t
 """
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 
+import numpy as np
 import torch
 from mimose_safety import recipe_for
 from paper_figure import CONFIGS as PAPER_CONFIGS
 from paper_figure import fastest_steps_s, make_recipe
 
 from mimose_cli.launcher.train import run_training
+from mimose_cli.planners.oracle import OraclePolicy
 
 from _results import write_results
 
@@ -59,9 +68,40 @@ def _recipe(config: str, steps: int, out_dir, overrides: list):
     return make_recipe(PAPER_CONFIGS[config], steps, out_dir, sheltered=5, overrides=overrides)
 
 
+@contextlib.contextmanager
+def oracles_made():
+    """The oracle policies constructed inside (a list, filled as they are made): their measured
+    recompute times per choice (``OraclePolicy.choice_ms``) price every variant's plans."""
+    made, init = [], OraclePolicy.__init__
+
+    def kept(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    OraclePolicy.__init__ = kept
+    try:
+        yield made
+    finally:
+        OraclePolicy.__init__ = init
+
+
+def plan_cost_ms(plans: list, table: dict) -> float:
+    """Σ over steps of what ``table`` (input size -> per-block recompute and selective ms, the
+    oracle's measurements) says the step's plan recomputes; steps at sizes without a table entry
+    are left out (the same steps for every run of a round: the same batches)."""
+    total = 0.0
+    for size, plan, selective in plans:
+        times = table.get(size)
+        if times is not None:
+            recompute, sel = times
+            total += sum(float(sel[i]) if i in selective else float(recompute[i]) for i in plan)
+    return total
+
+
 def run(config: str, steps: int, out_dir, planner: str, budget, overrides=()) -> dict:
     recipe = _recipe(config, steps, out_dir, [f"planner.name={planner}", f"budget={budget or 'null'}", *overrides])
-    result = run_training(recipe, view="none", recipe_name=f"finer-{config}")
+    with oracles_made() as oracles:
+        result = run_training(recipe, view="none", recipe_name=f"finer-{config}")
     records = [r for r in result.records if not r.oom]
     if not records:
         raise SystemExit(f"{config} {planner} at budget {budget}: every step ran out of memory: "
@@ -76,7 +116,10 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=()) ->
             "checkpointed": result.summary["mean_checkpointed_blocks"],
             "selective": result.summary.get("mean_selective_blocks"),
             "oom_steps": sum(r.oom for r in result.records), "retries": sum(r.retries for r in result.records),
-            "preflight_full_bytes": (result.summary.get("preflight") or {}).get("full_bytes")}
+            "preflight_full_bytes": (result.summary.get("preflight") or {}).get("full_bytes"),
+            # kept in memory, not written: each step's plan, and the oracle's measured table
+            "_plans": [(tuple(r.input_size or ()), frozenset(r.plan), frozenset(r.selective)) for r in records],
+            "_table": dict(oracles[-1].choice_ms) if oracles else None}
 
 
 def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: list) -> list:
@@ -94,9 +137,11 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
                 for variant in order:
                     planner, overrides = VARIANTS[variant]
                     runs[variant].append(run(config, steps, out_dir, planner, budget, overrides))
+            price_rounds(list(zip(*runs.values())))
             median = {v: {"train_s": statistics.median(r["train_s"] for r in rs),
                           "time_s": fastest_steps_s([r["step_ms"] for r in rs]),
-                          "recompute_ms": statistics.median(r["recompute_ms"] for r in rs)}
+                          "recompute_ms": statistics.median(r["recompute_ms"] for r in rs),
+                          "plan_cost_ms": _median_or_none([r.get("plan_cost_ms") for r in rs])}
                       for v, rs in runs.items()}
             row = {"config": config, "fraction": fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
                    "full_peak_bytes": full_peak, "runs": runs, "median": median}
@@ -106,9 +151,41 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
                     row[f"time_vs_{other}"] = a["time_s"] / b["time_s"] if a["time_s"] and b["time_s"] else None
                     row[f"train_vs_{other}"] = a["train_s"] / b["train_s"]
                     row[f"recompute_vs_{other}"] = a["recompute_ms"] / b["recompute_ms"] if b["recompute_ms"] else None
+                    row[f"plan_cost_vs_{other}"] = _median_or_none(
+                        [_ratio(x.get("plan_cost_ms"), y.get("plan_cost_ms"))
+                         for x, y in zip(runs["selective"], runs[other])])
+            for rs in runs.values():
+                for r in rs:
+                    del r["_plans"], r["_table"]
             rows.append(row)
             print_row(row)
     return rows
+
+
+def price_rounds(rounds: list) -> None:
+    """Each run priced (``plan_cost_ms``) with the mean of the other rounds' oracle tables: per
+    input size, the mean per-block times of the tables that have it."""
+    tables = [next((r["_table"] for r in round_runs if r["_table"] is not None), None) for round_runs in rounds]
+    for k, round_runs in enumerate(rounds):
+        others = [t for j, t in enumerate(tables) if j != k and t is not None] or [t for t in tables[k:k + 1] if t]
+        table = {}
+        for size in {size for t in others for size in t}:
+            entries = [t[size] for t in others if t.get(size) is not None]
+            if entries:
+                table[size] = tuple(np.mean([np.asarray(e[c]) for e in entries], axis=0) for c in (0, 1))
+        for r in round_runs:
+            r["plan_cost_ms"] = plan_cost_ms(r["_plans"], table) if others else None
+
+
+def _ratio(a, b):
+    if a is None or b is None:
+        return None
+    return a / b if b else (1.0 if not a else None)
+
+
+def _median_or_none(values: list):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _fmt(value, spec: str) -> str:
@@ -125,8 +202,8 @@ def print_row(row: dict) -> None:
     for other in ("block", "oracle"):
         if f"time_vs_{other}" in row:
             print(f"{'':16} {'':5} selective/{other}: time {_fmt(row[f'time_vs_{other}'], '.3f')} "
-                  f"(medians {row[f'train_vs_{other}']:.3f}), recompute {_fmt(row[f'recompute_vs_{other}'], '.3f')}",
-                  flush=True)
+                  f"(medians {row[f'train_vs_{other}']:.3f}), recompute {_fmt(row[f'recompute_vs_{other}'], '.3f')}, "
+                  f"plan cost {_fmt(row[f'plan_cost_vs_{other}'], '.3f')}", flush=True)
 
 
 def main():
