@@ -37,17 +37,22 @@ TASKS = {"swag": "multiple_choice", "squad": "question_answering", "qqp": "seque
 
 
 def recipe_for(preset: str, steps: int, out_dir, *overrides):
+    """The preset's recipe; ``overrides`` (``key=value``) replace its settings of the same keys."""
     batch = 4 if preset == "swag" else 8  # swag: 4 choices each, so 16 sequences
-    return load_recipe(QUICKSTART, [
+    settings = [
         f"task={TASKS[preset]}", f"data.preset={preset}", f"training.max_steps={steps}",
         f"training.batch_size={batch}", f"data.num_examples={steps * batch}", "data.max_length=256",
         "model.config_overrides={num_hidden_layers: 12}", f"planner.mimose.sheltered_steps={MimoseOptions().sheltered_steps}",
-        f"out_dir={out_dir}",
-        *overrides])
+        f"out_dir={out_dir}"]
+    given = {o.split("=", 1)[0] for o in overrides}
+    return load_recipe(QUICKSTART, [s for s in settings if s.split("=", 1)[0] not in given] + list(overrides))
 
 
 def calibrate(preset: str, steps: int, out_dir, quantile: float = 0.6) -> dict:
-    """A budget the long batches exceed and the short ones do not, from a sheltered-only run."""
+    """A budget the long batches exceed and the short ones do not, from a sheltered-only run: the
+    ``quantile`` of the batches' predicted no-checkpointing peaks, but no lower than 1.02 x what
+    the pre-flight says full checkpointing needs at the recipe's largest input (which it refuses
+    below; a short run's batches may all be far shorter than that input)."""
     probe = run_training(recipe_for(preset, 11, out_dir, "budget=100GB", "planner.mimose.sheltered_steps=10"),
                          view="none", recipe_name=f"calibrate-{preset}")
     state = json.loads((probe.run_dir / "estimator.json").read_text())["estimator"]
@@ -60,8 +65,12 @@ def calibrate(preset: str, steps: int, out_dir, quantile: float = 0.6) -> dict:
     sizes = [infer_input_size(batch) for batch in loader][:steps]
     mask = np.zeros(estimator.num_blocks, dtype=bool)
     none_peaks = [base + peak_timeline(estimator.predict(s), mask).max() for s in sizes]
-    return {"budget_bytes": int(np.quantile(none_peaks, quantile)), "base_bytes": int(base),
-            "lengths": [s[-1] for s in sizes]}
+    floor = int(1.02 * probe.summary["preflight"]["full_bytes"])
+    budget = int(np.quantile(none_peaks, quantile))
+    if budget < floor:
+        print(f"{preset}: the {quantile:.0%} quantile of the no-checkpointing peaks, {budget / 2**20:.2f} MiB, is below "
+              f"what full checkpointing needs at the largest input; budget {floor / 2**20:.2f} MiB", flush=True)
+    return {"budget_bytes": max(budget, floor), "base_bytes": int(base), "lengths": [s[-1] for s in sizes]}
 
 
 def evaluate(preset: str, steps: int) -> dict:
