@@ -760,6 +760,8 @@ class MimosePolicy(Policy):
                     c.sheltered_ms / iteration_ms - c.sheltered_iterations - c.measuring_steps
                     if iteration_ms else None),
                 "fit_residual_bytes": self.estimator.trust.residual_bytes,
+                # ``choices: selective`` asked for, but block-level plans when it cannot be priced
+                "selective_in_use": self._selective_known(),
                 "recovery_margins": {str(k): v for k, v in self.recovery_margins.items()}}
 
     def state_dict(self) -> dict:

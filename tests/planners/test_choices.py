@@ -402,10 +402,26 @@ def test_a_recipe_chooses_the_choice_set_and_refuses_others():
         load_recipe(QUICKSTART, ["planner.mimose.choices=offload"])
 
 
+def test_selective_plans_that_cannot_be_priced_say_so_and_stay_block_level(monkeypatch):
+    """When the probes' ops did not run alike at their two sizes (``ChoiceTimes.from_probes`` is
+    None), a warning says plans stay block-level and ``stats`` says selective is not in use."""
+    with metered_mimose(tiny_bert(2), choices="selective") as (planner, meter):
+        planner.prepare(make, (4, 64))
+        assert planner.stats["selective_in_use"] is True
+    monkeypatch.setattr(ChoiceTimes, "from_probes", staticmethod(lambda *args, **kwargs: None))
+    with metered_mimose(tiny_bert(2), choices="selective") as (planner, meter):
+        with pytest.warns(UserWarning, match="plans stay block-level"):
+            planner.prepare(make, (4, 64))
+        assert planner.stats["selective_in_use"] is False
+        planner.parts.budget_bytes = 1
+        assert planner.policy.decide((4, 40)).selective == ()
+
+
 def test_block_level_plans_checkpoint_nothing_selectively():
     with metered_mimose(tiny_bert(4)) as (planner, meter):
         planner.prepare(make, (4, 64))
         assert planner.policy.choice_times is None and not planner.policy._selective_known()
+        assert planner.stats["selective_in_use"] is False
         planner.parts.budget_bytes = 1  # nothing fits: every block, none selectively
         assert planner.policy.decide((4, 40)).selective == ()
 
