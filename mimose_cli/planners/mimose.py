@@ -38,7 +38,6 @@ from mimose_cli.planners.blocks import first_runs_otherwise, left_out, selectabl
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms, probe_rates_ms
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, plan_peak_bytes
-from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.inputs import infer_input_size, resized_batch
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.scaling import (
@@ -229,7 +228,7 @@ class MimosePolicy(Policy):
         # Predictions are exact to ~100 bytes on the simulated device (the sheltered steps are
         # measured checkpointed, the planned ones are not): a relative margin absorbs that.
         self.prediction_margin = prediction_margin
-        self.estimator = Estimator(self.parts.num_blocks, SEQ2SEQ if self.parts.encoder_decoder else TOKENS)
+        self.estimator = Estimator(self.parts.num_blocks, self.parts.feature_set)
         self.measurer = ShuttlingCollector(parts.model, parts.blocks, parts.recompute_clock)
         self.cache: dict = {}
         self.recovery_margins: dict = {}  # cache key -> bytes kept free after it ran out of memory

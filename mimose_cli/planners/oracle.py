@@ -28,7 +28,6 @@ from mimose_cli.planners.estimator import (
     peak_timeline,
     plan_peak_bytes,
 )
-from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.scaling import SELECTIVE_QUANTITIES, raw_sample, selective_keeps
 from mimose_cli.planners.sublinear import BlockProfile
@@ -235,7 +234,7 @@ class OraclePolicy(Policy):
                 raw = None
             if self._dispatch_costs is None:
                 self._dispatch_costs = dispatch_costs_ms()
-            feature_set = SEQ2SEQ if self.parts.encoder_decoder else TOKENS
+            feature_set = self.parts.feature_set
             times = None if raw is None else ChoiceTimes.from_probes([raw, raw], [size, size], feature_set, {},
                                                                       self._dispatch_costs)
             if raw is not None:  # the heavy outputs a selective checkpoint keeps, as Mimose's probes count them

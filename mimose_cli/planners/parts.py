@@ -10,6 +10,7 @@ import functools
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import PlanRunner, RecomputeClock, StepRouter, discover_blocks
+from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.session import MeterSession
 from mimose_cli.planners.usage import warn_if_eager
 from mimose_cli.units import parse_size
@@ -62,6 +63,12 @@ class PlannerParts:
         self._use_cache = getattr(self._config, "use_cache", None)
         if self._use_cache:
             self._config.use_cache = False
+
+    @property
+    def feature_set(self):
+        """What an input size's memory and work grow with (``features``): the encoder's and the
+        decoder's lengths of an encoder-decoder model, the tokens of any other."""
+        return SEQ2SEQ if self.encoder_decoder else TOKENS
 
     @property
     def meter(self):
