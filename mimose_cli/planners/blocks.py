@@ -377,7 +377,7 @@ def heavy_op_work(func, args, out) -> tuple:
     """A compute-heavy op's work as ``(dims, factor, gemm)``: its floating-point operations are
     ``factor`` times the product of ``dims`` (its output's shape and the length each element is a
     sum over: a matmul's inner dimension, a convolution's input channels and kernel; an
-    attention's key length and head dims, scores and values), which grows with the input size as
+    attention's key length and head dims, scores and values; a causal one does half), which grows with the input size as
     the op's time does where the output does not (attention times values: output ``B·L·d``, work
     ``B·L²·d``); ``gemm`` is the matmul it amounts to, ``(rows, inner, cols, dtype)``, None for
     an attention (whose inner length is the sequence's)."""
@@ -394,7 +394,15 @@ def heavy_op_work(func, args, out) -> tuple:
         rows = source.numel() // source.shape[1]
         return (*source.shape, *weight.shape[1:]), 2, (rows, inner, channels, first.dtype)
     query, key, value = args[:3]  # fused attention: scores (E) and the weighted sum of values (Ev)
-    return (*first.shape[:-1], key.shape[-2], query.shape[-1] + value.shape[-1]), 2, None
+    position = _IS_CAUSAL_ARG.get(name)
+    causal = position is not None and len(args) > position and bool(args[position])
+    return (*first.shape[:-1], key.shape[-2], query.shape[-1] + value.shape[-1]), 1 if causal else 2, None
+
+
+_IS_CAUSAL_ARG = {"_scaled_dot_product_flash_attention": 4, "_scaled_dot_product_flash_attention_for_cpu": 4,
+                  "_scaled_dot_product_efficient_attention": 6, "_scaled_dot_product_cudnn_attention": 6}
+"""Where each fused attention kernel takes ``is_causal``: a causal kernel skips the keys past each
+query, half the scores (torch's flop counter counts them all; the kernels' time halves)."""
 
 
 def _selective_contexts(keep: int | None = None):

@@ -507,11 +507,12 @@ def _work_of(fn, *args):
 
 
 @pytest.mark.parametrize("case", ["mm", "addmm", "bmm", "baddbmm", "conv", "grouped conv", "transposed conv",
-                                  "attention", "attention, other value dim"])
+                                  "attention", "attention, other value dim", "attention, causal"])
 def test_a_heavy_ops_work_is_its_floating_point_operations(case):
     """``heavy_op_work`` counts what torch's own flop counter counts for every kind of heavy op
     (an attention: 2·B·H·Lq·Lk·(E + Ev), fused or, on the CPU with another value dim, as two
-    bmm), and the matmul it amounts to does the same work."""
+    bmm; a causal one half that, the scores its kernel skips), and the matmul it amounts to does
+    the same work."""
     from torch.nn.functional import conv2d, conv_transpose2d, scaled_dot_product_attention
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -526,11 +527,15 @@ def test_a_heavy_ops_work_is_its_floating_point_operations(case):
         "transposed conv": (lambda x, w: conv_transpose2d(x, w, stride=2), (r(2, 4, 5, 5), r(4, 3, 4, 4))),
         "attention": (scaled_dot_product_attention, (r(2, 3, 6, 8), r(2, 3, 5, 8), r(2, 3, 5, 8))),
         "attention, other value dim": (scaled_dot_product_attention, (r(2, 3, 6, 8), r(2, 3, 5, 8), r(2, 3, 5, 4))),
+        "attention, causal": (lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True),
+                              (r(2, 3, 6, 8), r(2, 3, 6, 8), r(2, 3, 6, 8))),
     }[case]
     flops, gemm = _work_of(fn, *args)
     if case.startswith("attention"):  # torch's counter has no formula for the CPU's fused kernel
         query, key, value = args
-        assert flops == 2 * math.prod(query.shape[:-1]) * key.shape[-2] * (query.shape[-1] + value.shape[-1])
+        # a causal kernel skips the keys past each query: half the scores and weighted values
+        half = 2 if case.endswith("causal") else 1
+        assert flops * half == 2 * math.prod(query.shape[:-1]) * key.shape[-2] * (query.shape[-1] + value.shape[-1])
         return
     with FlopCounterMode(display=False) as counter:
         fn(*args)
