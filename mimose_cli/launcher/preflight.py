@@ -5,12 +5,14 @@ step's scratch, which no plan changes. Then the budgets a step needs, measured a
 input the recipe allows (``preflight``).
 
 Two side-effect-free steps (``planners.trial.probe_step``: RNG forked, buffers and gradients put
-back) on a batch of the largest size, the budget lifted for them: one with every block
-checkpointed (the least any plan can need) and one with none (what runs without checkpointing).
+back) on a batch of the largest size, padded as real batches are (``inputs.with_padding``: a
+masked position takes the models' masked code paths, which hold more), the budget lifted for them:
+one with the planner's least-memory plan (``Policy.least_memory``: every block checkpointed, or
+with ``offload`` every block offloaded) and one with none (what runs without checkpointing).
 Memory that the first optimizer step allocates for good (the optimizer's state, and with gradient
 accumulation the gradients set aside during a micro-batch) is added: the probes run before it
-exists. A budget below the first figure cannot run the recipe, whatever the planner; the run
-ends before training with both figures.
+exists. A budget below the first figure cannot run the recipe with that planner; the run ends
+before training with both figures.
 """
 
 import warnings
@@ -21,6 +23,7 @@ import torch
 from mimose_cli.launcher.data.loader import make_batch, max_input_size
 from mimose_cli.memory import param_bytes
 from mimose_cli.planners.base import Planner
+from mimose_cli.planners.inputs import with_padding
 from mimose_cli.planners.trial import probe_with_plan
 from mimose_cli.units import format_budget, format_bytes
 
@@ -31,14 +34,17 @@ class BudgetRange:
 
     input_size: tuple
     full_bytes: int | None
-    """With every block checkpointed: no budget below this runs the recipe."""
+    """With the planner's least-memory plan (``least``; every block checkpointed but with
+    ``offload``): no budget below this runs the recipe with that planner."""
     none_bytes: int | None
     """With no block checkpointed: a budget of this much needs no checkpointing."""
+    least: str = "with every block checkpointed"
+    """The least-memory plan, in words (``Policy.least_memory``)."""
 
     def describe(self) -> str:
         size = "x".join(str(d) for d in self.input_size)
-        return (f"at its largest input ({size}) a step needs {_fmt(self.full_bytes)} with every block "
-                f"checkpointed and {_fmt(self.none_bytes)} without checkpointing")
+        return (f"at its largest input ({size}) a step needs {_fmt(self.full_bytes)} {self.least} "
+                f"and {_fmt(self.none_bytes)} without checkpointing")
 
 
 def _fmt(value) -> str:
@@ -46,19 +52,20 @@ def _fmt(value) -> str:
 
 
 def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) -> BudgetRange:
-    """Measure the step's peak on ``batch`` with every block checkpointed and with none, through
-    ``planner``'s plan runner, plus ``later_bytes``."""
+    """Measure the step's peak on ``batch`` with ``planner``'s least-memory plan and with no block
+    checkpointed, through its plan runner, plus ``later_bytes``."""
+    least, words = planner.policy.least_memory()
     peaks = []
     with planner.meter.unlimited():
-        for plan in (tuple(range(planner.num_blocks)), ()):
-            peak = probe_with_plan(planner.parts, batch, plan)
+        for plan, offload in ((least.plan, least.offload), ((), ())):
+            peak = probe_with_plan(planner.parts, batch, plan, offload=offload)
             peaks.append(None if peak is None else peak + later_bytes)
-    return BudgetRange(tuple(input_size), *peaks)
+    return BudgetRange(tuple(input_size), *peaks, least=words)
 
 
 def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:
-    """Why ``budget_bytes`` (``written`` so by the user) cannot run the recipe (below what every
-    block checkpointed needs), or None when it can."""
+    """Why ``budget_bytes`` (``written`` so by the user) cannot run the recipe (below what the
+    planner's least-memory plan needs), or None when it can."""
     if budget_bytes is None or (needs.full_bytes is not None and budget_bytes >= needs.full_bytes):
         return None
     return (f"budget {format_budget(written, budget_bytes)} is too small for this recipe: {needs.describe()}. "
@@ -130,7 +137,7 @@ def preflight(trainer, config, state_bytes: int) -> BudgetRange:
     recipe = trainer.recipe
     size = max_input_size(recipe)
     try:
-        batch = trainer.to_device(make_batch(recipe, config, size))
+        batch = trainer.to_device(with_padding(make_batch(recipe, config, size)))
     except MemoryError:  # the host, not the device: numpy or torch could not allocate the batch
         raise HostMemoryError(f"a batch of the largest input the recipe allows ({' x '.join(map(str, size))} "
                               "tokens) does not fit in this machine's memory; lower training.batch_size or "

@@ -56,6 +56,7 @@ from mimose_cli.launcher.resume import cut_records
 from mimose_cli.launcher.signals import EXIT_CODES, StopRequest
 from mimose_cli.launcher.step import Trainer, autocast, build_trainer, micro_batch, resolve_device
 from mimose_cli.memory import SavedBytesCounter
+from mimose_cli.planners.inputs import with_padding
 from mimose_cli.runs.live import ProgressView, check_view, new_console
 from mimose_cli.runs.records import StepRecord
 from mimose_cli.runs.rundir import RunLock, RunWriter, check_out_dir, new_run_dir
@@ -329,7 +330,7 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         error = first_error(error, trainer.world)  # one rank that cannot train stops them all
         if error is not None:  # the run's error: the command prints it
             return LoopEnd(status="oom", at_boundary=False, error=error)
-        trainer.planner.prepare(lambda size: make_batch(recipe, run.config, size),
+        trainer.planner.prepare(lambda size: with_padding(make_batch(recipe, run.config, size)),
                                 max_input_size(recipe), state_bytes,
                                 step_fn=trainer.step_fn(SavedBytesCounter(exclude=list(trainer.model.parameters()))))
         note = trainer.planner.prepared_note()

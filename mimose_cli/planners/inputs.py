@@ -42,6 +42,19 @@ def infer_input_size(batch, encoder_decoder: bool = False) -> tuple:
     return size
 
 
+def with_padding(batch):
+    """``batch`` with its last row's last position masked when it has an attention mask: real
+    batches, padded to their longest row, take the models' masked code paths (an attention mask
+    of all ones is dropped, and the fused kernel holds less), which hold more memory. What a batch
+    made for measuring (``launcher.data.loader.make_batch``, a probe's) is run as."""
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if mask is None or mask.ndim < 2 or mask.shape[-1] < 2:
+        return batch
+    mask = mask.clone()
+    mask.view(-1, mask.shape[-1])[-1, -1] = 0
+    return {**batch, "attention_mask": mask}
+
+
 def _rows(value, rows: int):
     """``value``'s first dimension cut or repeated to ``rows`` (a tensor; anything else as it is)."""
     if not isinstance(value, torch.Tensor) or value.ndim == 0:

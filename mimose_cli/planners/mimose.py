@@ -38,7 +38,7 @@ from mimose_cli.planners.blocks import first_runs_otherwise, left_out, selectabl
 from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms, probe_rates_ms
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, plan_peak_bytes
-from mimose_cli.planners.inputs import infer_input_size, resized_batch
+from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.scaling import (
     SELECTIVE_QUANTITIES,
@@ -514,12 +514,7 @@ class MimosePolicy(Policy):
         made = infer_input_size(batch, self.parts.encoder_decoder)
         if made != tuple(size):
             raise ScalingError(f"a probe batch of input size {size} came out as {made}")
-        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-        if mask is not None and mask.ndim >= 2 and mask.shape[-1] > 1:
-            mask = mask.clone()
-            mask.view(-1, mask.shape[-1])[-1, -1] = 0
-            batch = {**batch, "attention_mask": mask}
-        return batch
+        return with_padding(batch)
 
     def _probe_step(self, make_batch, size: tuple, step_fn=None, twins=None):
         """One probe step at ``size`` (called with the device's meter set aside, ``_probe``), on

@@ -143,6 +143,13 @@ class Policy:
         checkpoints every block for that size from then on (Mimose first tries a margin)."""
         return False
 
+    def least_memory(self) -> tuple:
+        """``(decision, words)``: the plan that runs a step in the least memory this policy can,
+        which the pre-flight measures at the largest input (no budget below it runs the recipe),
+        and how it is said: every block checkpointed, unless the policy has a plan that needs
+        less (``offload``: every block offloaded)."""
+        return Decision(tuple(range(self.parts.num_blocks))), "with every block checkpointed"
+
     def predict_peak(self, size: tuple, plan: tuple) -> int | None:
         """The step peak this policy predicts for ``plan`` at ``size`` (None: it cannot say)."""
         return None

@@ -67,3 +67,35 @@ def test_dry_run_prints_the_range_and_trains_nothing(tmp_path):
     assert not out.exists()
     small = CliRunner().invoke(app, ["train", str(QUICKSTART), "--dry-run", "--budget", "5MB"])
     assert small.exit_code == 1 and "too small for this recipe" in small.output
+
+
+def test_the_least_memory_figure_covers_a_padded_batch_of_the_largest_size(quick_recipe):
+    """The pre-flight measures the planner's least-memory plan (every block checkpointed; with
+    ``offload`` every block offloaded, which holds less) on a batch padded as real ones are: a
+    masked position takes the model's masked attention, which holds more than an all-ones mask
+    (8-13 % on the quickstart's BERT), so a budget the pre-flight passes runs the largest padded
+    batch with that plan."""
+    from mimose_cli.launcher.preflight import preflight
+    from mimose_cli.planners.trial import probe_with_plan
+
+    figures = {}
+    for planner_name in ("full", "offload"):
+        recipe = quick_recipe("budget=1GB", f"planner.name={planner_name}")
+        config = model_config(recipe)
+        trainer = build_trainer(recipe, config, total_steps=1)
+        planner = trainer.planner
+        size = max_input_size(recipe)
+        with trainer.meter.activate():
+            trainer.meter.track(trainer.model)
+            needs = preflight(trainer, config, state_bytes=0)
+            batch = make_batch(recipe, config, size)
+            mask = batch["attention_mask"]
+            mask.view(-1, mask.shape[-1])[:3, -20:] = 0  # three rows shorter than the longest
+            least, _ = planner.policy.least_memory()
+            with trainer.meter.unlimited():
+                padded = probe_with_plan(planner.parts, trainer.to_device(batch), least.plan, offload=least.offload)
+        planner.close()
+        assert padded <= needs.full_bytes <= padded * 1.01, (planner_name, padded, needs)
+        figures[planner_name] = needs
+    assert figures["offload"].least == "with every block offloaded"
+    assert figures["offload"].full_bytes < figures["full"].full_bytes
