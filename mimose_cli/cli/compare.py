@@ -15,7 +15,8 @@ def compare(
         None, help="Recipe overrides key=value, applied to every run."),
     baselines: str = typer.Option(
         "sublinear,dtr,hf-every-n", help="Comma-separated planners run besides mimose, none and oracle; "
-                                         "sublinear:sqrt or sublinear:chen pick a Sublinear variant; "
+                                         "name:value picks a variant: sublinear:sqrt or sublinear:chen, "
+                                         "mimose:selective or oracle:selective (finer plans); "
                                          "hf-every-n is the largest every_n_layers stride that fits."),
     budgets: Optional[str] = typer.Option(
         None, help=f"Comma-separated budgets (default: the recipe's). {SIZE_HELP}"),

@@ -22,9 +22,15 @@ from mimose_cli.runs.live import check_view, new_console
 from mimose_cli.runs.rundir import RunLock, check_out_dir, unique_dir
 
 
+def _variants() -> list:
+    """``name:option`` of every planner with compare variants (``Policy.variant_option``)."""
+    return [f"{name}:{policy.variant_option}" for name, policy in sorted(PLANNERS.items()) if policy.variant_option]
+
+
 def planner_specs(baselines) -> list:
-    """``["mimose", *baselines, "none", "oracle"]`` without repeats; ``sublinear:sqrt`` names a
-    Sublinear variant (the only planner with variants). Unknown planners raise ValueError."""
+    """``["mimose", *baselines, "none", "oracle"]`` without repeats; ``name:value`` sets the
+    planner's variant option (``Policy.variant_option``: ``sublinear:sqrt``, ``mimose:selective``).
+    Unknown planners, and variants of a planner without them, raise ValueError."""
     specs = []
     for spec in ["mimose", *baselines, "none", "oracle"]:
         spec = spec.strip()
@@ -34,9 +40,9 @@ def planner_specs(baselines) -> list:
         if name not in PLANNERS:
             raise ValueError(f"unknown planner {name!r} among the baselines; choose from "
                              f"{', '.join(sorted(PLANNERS))}")
-        if colon and name != "sublinear":
-            raise ValueError(f"baseline {spec!r}: only sublinear has variants (sublinear:sqrt, sublinear:chen); "
-                             f"write {name} alone")
+        if colon and PLANNERS[name].variant_option is None:
+            raise ValueError(f"baseline {spec!r}: {name} has no variants (those that do, and the option each sets: "
+                             f"{', '.join(_variants())}); write {name} alone")
         specs.append(spec)
     return specs
 
@@ -50,11 +56,12 @@ def _at_budget(recipe: Recipe, budget: str) -> Recipe:
 
 def _run_recipe(recipe: Recipe, spec: str, steps) -> Recipe:
     """The recipe for one run: same seed, data and budget, this planner (with its own section of
-    the recipe's planner options; ``sublinear:sqrt`` sets that section's ``variant``)."""
+    the recipe's planner options; ``sublinear:sqrt`` sets that section's ``variant``,
+    ``mimose:selective`` Mimose's ``choices``)."""
     name, _, variant = spec.partition(":")
     flags = {"planner.name": name, "training.max_steps": steps}
     if variant:
-        flags["planner.sublinear.variant"] = variant
+        flags[f"planner.{name}.{PLANNERS[name].variant_option}"] = variant
     return recipe_from_dict(recipe_to_dict(recipe), f"compare {spec}", flags=flags, flags_from=f"compare {spec}")
 
 
@@ -69,6 +76,7 @@ def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
         "recompute_ms": recompute, "planning_ms_total": summary.get("planning_ms_total"),
         "hit_rate": hit_rate, "error": summary.get("error"),
         "mean_checkpointed_blocks": summary.get("mean_checkpointed_blocks"),
+        "mean_selective_blocks": summary.get("mean_selective_blocks"),
         "phase": stats.get("phase"),  # mimose: still "sheltered" when the run never left that phase
         "run_dir": str(Path(run_dir).relative_to(compare_dir)) if run_dir else None,
     }
@@ -89,7 +97,8 @@ def merge_repeats(rows: list) -> dict:
     merged["peak_bytes"] = max((r["peak_bytes"] for r in rows if r["peak_bytes"] is not None), default=None)
     merged["oom_steps"] = max(r.get("oom_steps", 0) for r in rows)
     if failed is None:
-        for key in ("train_time_s", "recompute_ms", "planning_ms_total", "mean_checkpointed_blocks"):
+        for key in ("train_time_s", "recompute_ms", "planning_ms_total", "mean_checkpointed_blocks",
+                    "mean_selective_blocks"):
             merged[key] = _median(r.get(key) for r in rows)
     return merged
 

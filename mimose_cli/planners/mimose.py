@@ -195,6 +195,7 @@ class MimosePolicy(Policy):
     """Input-aware checkpointing: the paper's collector, estimator, scheduler and plan cache."""
 
     name = "mimose"
+    variant_option = "choices"  # compare mimose:selective beside mimose
     builds_meter = True
     state_file = "estimator.json"
 

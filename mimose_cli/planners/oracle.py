@@ -192,6 +192,7 @@ class OraclePolicy(Policy):
     """Per batch, the least-recompute plan that fits, from measurements at that input size."""
 
     name = "oracle"
+    variant_option = "choices"
 
     def __init__(self, parts, *, choices: str = "block"):
         if choices not in ("block", "selective"):

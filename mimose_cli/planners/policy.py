@@ -100,6 +100,9 @@ class Policy:
     builds_meter = False
     """Without a ``meter``, build one (Mimose measures every step), on only inside ``step`` and
     ``run``: code between the steps runs as if there were no planner."""
+    variant_option: str | None = None
+    """The option a compare baseline ``name:value`` sets (``mimose compare --baselines
+    sublinear:chen,mimose:selective``); None: the planner has no variants."""
     state_file: str | None = None
     """The file in a run directory ``save`` writes, for planners whose state is worth keeping."""
     measurer = None

@@ -152,6 +152,7 @@ class SublinearPolicy(Policy):
     """A static plan for the largest input, applied to every batch."""
 
     name = "sublinear"
+    variant_option = "variant"
 
     def __init__(self, parts, *, variant: Variant = "greedy"):
         if variant not in VARIANTS:

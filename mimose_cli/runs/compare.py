@@ -49,6 +49,7 @@ class _RunRow(TypedDict, total=False):
     peak_bytes: int | None
     oom_steps: int
     mean_checkpointed_blocks: float | None
+    mean_selective_blocks: float | None
     recompute_ms: float | None
     planning_ms_total: float | None
     hit_rate: float | None
@@ -75,6 +76,14 @@ def _fmt_ms(value) -> str:
     return format_duration(value)
 
 
+def _blocks(row: dict) -> str:
+    """Mean blocks checkpointed per step, and of them selectively where any were."""
+    blocks, selective = row.get("mean_checkpointed_blocks"), row.get("mean_selective_blocks")
+    if blocks is None:
+        return "-"
+    return f"{blocks:.2f}" + (f" ({selective:.2f} sel)" if selective else "")
+
+
 def compare_table(entry: dict) -> Table:
     """One budget's rows as a rich table."""
     reference = entry.get("reference")
@@ -90,7 +99,7 @@ def compare_table(entry: dict) -> Table:
             "-" if row.get("normalised_time") is None else f"{row['normalised_time']:.3f}×",
             "-" if row.get("train_time_s") is None else f"{row['train_time_s']:.2f} s",
             format_bytes(row.get("peak_bytes")), str(row.get("oom_steps", 0)),
-            "-" if row.get("mean_checkpointed_blocks") is None else f"{row['mean_checkpointed_blocks']:.2f}",
+            _blocks(row),
             _fmt_ms(row.get("recompute_ms")), _fmt_ms(row.get("planning_ms_total")),
             "-" if row.get("hit_rate") is None else f"{row['hit_rate']:.0%}")
     return table

@@ -373,7 +373,10 @@ COMPARES = [
     compare("compare-unknown-variant", "--baselines", "sublinear:fast",
             named="compare sublinear:fast: planner.sublinear.variant='fast'"),
     compare("compare-variant-of-a-planner-without", "--baselines", "dtr:fast",
-            named="baseline 'dtr:fast': only sublinear has variants"),
+            named="baseline 'dtr:fast': dtr has no variants (those that do, and the option each sets: "
+                  "mimose:choices, oracle:choices, sublinear:variant); write dtr alone"),
+    compare("compare-unknown-choice-set", "--baselines", "mimose:fancy",
+            named="compare mimose:fancy: planner.mimose.choices='fancy'"),
     compare("compare-budget-text", "--budgets", "1MB,lots", named="budget='lots'"),
     compare("compare-budget-twice", "--budgets", "40MB,40MB", named="budget 40MB is given twice"),
     compare("compare-margin-over-a-budget", "--budgets", "1MB", "planner.safety_margin=2MB",
