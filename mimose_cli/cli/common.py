@@ -22,6 +22,14 @@ def fail(message: str, code: int):
     raise typer.Exit(code)
 
 
+def is_override(argument) -> bool:
+    """Whether a RECIPE argument is an override (``key=value``) rather than a recipe file: it
+    holds ``=`` and no such file exists."""
+    from pathlib import Path
+
+    return argument is not None and "=" in str(argument) and not Path(argument).exists()
+
+
 def user_errors(command):
     """Run ``command`` with the library's errors turned into one line and an exit code."""
     @functools.wraps(command)

@@ -5,6 +5,7 @@ from typing import List, Optional
 
 import typer
 
+from mimose_cli.cli.common import is_override
 from mimose_cli.units import SIZE_HELP
 
 
@@ -31,6 +32,8 @@ def compare(
     from mimose_cli.launcher.recipe import RecipeError, load_recipe
     from mimose_cli.runs.compare import read_compare, timing_noise
 
+    if is_override(recipe):  # overrides alone: of the default recipe
+        recipe, overrides = None, [str(recipe), *(overrides or [])]
     if recipe is None:
         recipe = DEFAULT_RECIPE
         typer.echo(f"no recipe given: comparing on the default, {recipe}", err=True)

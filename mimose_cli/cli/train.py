@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from mimose_cli.cli.common import fail
+from mimose_cli.cli.common import fail, is_override
 from mimose_cli.cli.common import options as cli_options
 from mimose_cli.units import SIZE_HELP
 
@@ -51,6 +51,9 @@ def train(
         resolved = resume_recipe(resume, extra + (overrides or []), flags)
     elif recipe is None:
         raise RecipeError("missing RECIPE: give a recipe file, e.g. recipes/quickstart.yaml, or --resume RUN_DIR")
+    elif is_override(recipe):
+        raise RecipeError(f"missing RECIPE: {str(recipe)!r} is an override (key=value); give the recipe file first, "
+                          f"e.g. mimose train recipes/quickstart.yaml {recipe}")
     else:
         resolved = load_recipe(recipe, overrides or [], flags)
     if resume is not None and not under_torchrun():

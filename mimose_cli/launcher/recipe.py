@@ -411,12 +411,13 @@ def _recipe_error(err: ValidationError, where: str, origins: dict) -> RecipeErro
 
 
 def _origin(key: str, origins: dict, where: str) -> str:
-    """Where ``key`` was set: the override or flag that set it or a section holding it, else ``where``."""
+    """Where ``key`` was set: the override or flag that set it, a section holding it or a key
+    inside it (``trainng.max_steps=5`` made the unknown section ``trainng``), else ``where``."""
     parts = key.split(".")
     for n in range(len(parts), 0, -1):
         if ".".join(parts[:n]) in origins:
             return origins[".".join(parts[:n])]
-    return where
+    return next((origin for set_key, origin in origins.items() if set_key.startswith(key + ".")), where)
 
 
 def _shown(value, limit: int = 60) -> str:

@@ -102,6 +102,10 @@ OVERRIDES = [
     train("override-alias", "seed=*a", named="*a: anchors and aliases"),
     train("override-into-a-value", "seed.x=1", named="'seed.x' goes inside 'seed'"),
     train("override-unknown-key", "training.nope=1", named="unknown key training.nope"),
+    train("override-unknown-section", "trainng.max_steps=5",
+          named="override 'trainng.max_steps=5': unknown key trainng"),
+    Case("override-without-recipe", ["train", "training.max_steps=5"],
+         "missing RECIPE: 'training.max_steps=5' is an override (key=value); give the recipe file first"),
     train("override-duplicate-key", "model.config_overrides={a: 1, a: 2}", named="key 'a' appears twice"),
 ]
 

@@ -241,3 +241,12 @@ def test_a_comparison_shorter_than_the_sheltered_phase_says_so(tmp_path, phase, 
     console = Console(record=True, width=200)
     render_compare(tmp_path, console)
     assert ("spent every step of this comparison in its sheltered phase" in console.export_text()) == said
+
+
+def test_overrides_without_a_recipe_apply_to_the_default_one(fake_training, tmp_path):
+    """``mimose compare training.max_steps=3``: the recipe defaults to the quickstart, so an
+    argument ``key=value`` that is no file is an override of it, not a missing recipe file."""
+    result = CliRunner().invoke(app, ["compare", "training.max_steps=3", "--baselines", "", "--budgets", "40MB",
+                                      "--out", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert {c[2] for c in fake_training} == {3}
