@@ -12,6 +12,11 @@ from mimose_cli.cli.common import options as cli_options
 from mimose_cli.units import SIZE_HELP
 
 
+FLAG_NAMES = {"budget": "--budget", "planner.name": "--planner", "device": "--device",
+              "training.max_steps": "--max-steps", "out_dir": "--out"}
+"""The recipe key each of ``train``'s flags sets: an invalid value is blamed on the flag."""
+
+
 def train(
     recipe: Optional[Path] = typer.Argument(
         None, help="Recipe YAML, e.g. recipes/quickstart.yaml (none with --resume)."),
@@ -48,14 +53,14 @@ def train(
             raise RecipeError(f"--resume {resume} continues that run with its own recipe.yaml; "
                               f"leave out {recipe}")
         extra = [str(recipe)] if recipe is not None else []
-        resolved = resume_recipe(resume, extra + (overrides or []), flags)
+        resolved = resume_recipe(resume, extra + (overrides or []), flags, FLAG_NAMES)
     elif recipe is None:
         raise RecipeError("missing RECIPE: give a recipe file, e.g. recipes/quickstart.yaml, or --resume RUN_DIR")
     elif is_override(recipe):
         raise RecipeError(f"missing RECIPE: {str(recipe)!r} is an override (key=value); give the recipe file first, "
                           f"e.g. mimose train recipes/quickstart.yaml {recipe}")
     else:
-        resolved = load_recipe(recipe, overrides or [], flags)
+        resolved = load_recipe(recipe, overrides or [], flags, FLAG_NAMES)
     if resume is not None and not under_torchrun():
         _check_processes(resume, nproc_per_node or 1)
     if nproc_per_node is not None:  # the recipe is checked above, before any process starts

@@ -486,9 +486,9 @@ def _planner_sections() -> list:
 
 
 def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=None,
-                     flags_from: str = "the command line") -> Recipe:
+                     flags_from: str | dict = "the command line") -> Recipe:
     """Build and validate a Recipe from a mapping, overrides ``key=value`` and flag values (an
-    invalid one is blamed on ``flags_from``)."""
+    invalid one is blamed on ``flags_from``: one name for all, or each key's, a command's flag)."""
     try:
         data = yaml.safe_load(yaml.safe_dump(data or {}))  # deep copy, plain types
     except RecursionError:
@@ -505,7 +505,7 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
         _set_dotted(data, key, value, f"{where} (override {text!r})")
     for key, value in (flags or {}).items():
         if value is not None:
-            origins[key] = flags_from
+            origins[key] = flags_from.get(key, "the command line") if isinstance(flags_from, dict) else flags_from
             _set_dotted(data, key, value, f"{where} (flag)")
     _read_earlier_keys(data, where, origins)
     try:
@@ -532,8 +532,9 @@ def _not_a_file(path: Path) -> str:
     return "is a device or special file, not a YAML file"
 
 
-def load_recipe(path, overrides=(), flags=None) -> Recipe:
-    """Read a YAML recipe file, apply ``key=value`` overrides, then explicit flags."""
+def load_recipe(path, overrides=(), flags=None, flags_from: str | dict = "the command line") -> Recipe:
+    """Read a YAML recipe file, apply ``key=value`` overrides, then explicit flags (``flags_from``:
+    what an invalid flag value is blamed on, ``recipe_from_dict``)."""
     path = Path(path)
     if path.is_dir():
         raise RecipeError(f"recipe file {str(path)!r} is a directory; expected a YAML file")
@@ -547,7 +548,7 @@ def load_recipe(path, overrides=(), flags=None) -> Recipe:
         raise RecipeError(f"{path}: not valid YAML: {yaml_error_text(err)}") from None
     if data is None:
         raise RecipeError(f"{path}: the recipe is empty; start from recipes/quickstart.yaml")
-    return recipe_from_dict(data, str(path), overrides, flags)
+    return recipe_from_dict(data, str(path), overrides, flags, flags_from)
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:

@@ -38,7 +38,7 @@ def changed_key(before: dict, after: dict) -> tuple | None:
                  if key not in RESUMABLE_KEYS and a.get(key) != b.get(key)), None)
 
 
-def resume_recipe(run_dir, overrides=(), flags=None):
+def resume_recipe(run_dir, overrides=(), flags=None, flags_from: str | dict = "the command line"):
     """The recipe of ``run_dir`` with ``overrides`` and ``flags`` applied; RecipeError when it is
     not a run directory with a checkpoint, or when they change anything but ``RESUMABLE_KEYS``."""
     run_dir = Path(run_dir)
@@ -51,7 +51,7 @@ def resume_recipe(run_dir, overrides=(), flags=None):
     if not (run_dir / CHECKPOINT).is_file():
         raise RecipeError(f"cannot resume {run_dir}: no {CHECKPOINT}, the run stopped before its first "
                           "checkpoint (training.checkpoint_every); start it again instead")
-    recipe = load_recipe(saved, overrides, flags)
+    recipe = load_recipe(saved, overrides, flags, flags_from)
     changed = changed_key(recipe_to_dict(load_recipe(saved)), recipe_to_dict(recipe))
     if changed is not None:
         key, before, after = changed
