@@ -11,7 +11,6 @@ from mimose_cli.cli.common import fail, is_override
 from mimose_cli.cli.common import options as cli_options
 from mimose_cli.units import SIZE_HELP
 
-
 FLAG_NAMES = {"budget": "--budget", "planner.name": "--planner", "device": "--device",
               "training.max_steps": "--max-steps", "out_dir": "--out"}
 """The recipe key each of ``train``'s flags sets: an invalid value is blamed on the flag."""
