@@ -392,7 +392,8 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
           quiet_unless_main(world), contextlib.ExitStack() as locks):
         live = ProgressView(f"mimose train {Path(resume).name if resume else recipe_name} [{recipe.planner.name}]",
                             format_budget(recipe.budget, recipe.budget_bytes), recipe.budget_bytes,
-                            recipe.training.log_every, view, console)
+                            recipe.training.log_every, view, console,
+                            micro_batches=recipe.training.gradient_accumulation_steps)
         if world.distributed:
             live.setup(f"{world.size} processes: global batches of {world.size} x {recipe.training.batch_size} "
                        "examples; the table shows each step's rank with the highest peak")

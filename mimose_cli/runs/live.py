@@ -127,12 +127,15 @@ class ProgressView:
     ``log_every`` steps otherwise. Lines printed before ``begin`` (``setup``) say what the run is
     building; ``begin(total_steps)`` starts the clock at the first step."""
 
-    def __init__(self, title: str, budget_label: str, budget_bytes, log_every=1, mode="auto", console=None):
+    def __init__(self, title: str, budget_label: str, budget_bytes, log_every=1, mode="auto", console=None,
+                 micro_batches: int = 1):
         check_view(mode)
         self.console = console or new_console()
         self.mode = ("live" if self.console.is_terminal else "plain") if mode == "auto" else mode
         self.title, self.budget_label, self.budget_bytes = title, budget_label, budget_bytes
         self.log_every = log_every
+        self.micro_batches = micro_batches
+        """Micro-batches per step (gradient accumulation): each has a line, which says which."""
         self.rows = deque(maxlen=ROWS_SHOWN)
         self.total_steps = None
         self._phase = None
@@ -180,9 +183,12 @@ class ProgressView:
             self._live.update(self._render())
         elif self.mode == "plain" and (record.step % self.log_every == 0 or record.oom):
             self.message(
-                f"step {record.step}/{self.total_steps} input {_shape(record)} loss {_loss(record)} "
+                f"step {record.step}/{self.total_steps}{self._micro(record)} input {_shape(record)} loss {_loss(record)} "
                 f"{format_duration(record.iter_ms)} peak {_peak(record, self.budget_bytes)} "
                 f"ckpt {_blocks(record)} {_phase(record)} | {self.timing()}".rstrip())
+
+    def _micro(self, record: StepRecord) -> str:
+        return f" micro {record.micro_step + 1}/{self.micro_batches}" if self.micro_batches > 1 else ""
 
     def message(self, text: str) -> None:
         if self.mode == "none":

@@ -38,6 +38,19 @@ def test_pipe_gets_plain_lines_every_log_every_steps_and_on_oom():
     assert "loss OOM" in lines[-1] and "(75%)" in lines[0]
 
 
+def test_each_micro_batch_line_says_which_it_is():
+    """With gradient accumulation every micro-batch has a line: each says its place in the step."""
+    out = io.StringIO()
+    view = ProgressView("t", "40MiB", 40 * 2**20, console=Console(file=out, width=200), micro_batches=2)
+    view.begin(2)
+    for step, micro in ((0, 0), (0, 1), (1, 0)):
+        record = _record(step)
+        record.micro_step = micro
+        view.update(record)
+    assert [line.split()[1:4] for line in out.getvalue().splitlines()] == [
+        ["0/2", "micro", "1/2"], ["0/2", "micro", "2/2"], ["1/2", "micro", "1/2"]]
+
+
 def test_tables_are_not_cut_when_the_output_is_not_a_terminal(capsys):
     from mimose_cli.runs.live import PLAIN_WIDTH, new_console
 
