@@ -183,7 +183,8 @@ class ProgressView:
             self._live.update(self._render())
         elif self.mode == "plain" and (record.step % self.log_every == 0 or record.oom):
             self.message(
-                f"step {record.step}/{self.total_steps}{self._micro(record)} input {_shape(record)} loss {_loss(record)} "
+                f"step {record.step}/{self.total_steps}{self._micro(record)} input {_shape(record)} "
+                f"loss {_loss(record)} "
                 f"{format_duration(record.iter_ms)} peak {_peak(record, self.budget_bytes)} "
                 f"ckpt {_blocks(record)} {_phase(record)} | {self.timing()}".rstrip())
 
