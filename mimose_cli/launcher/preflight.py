@@ -106,7 +106,8 @@ def model_state_error(trainer, state_bytes: int) -> str | None:
     total = weights + grads + state_bytes + scratch
     if budget is None or total <= budget:
         return None
-    return (f"budget {format_bytes(budget)} cannot hold the model's state before any activation: "
+    return (f"budget {format_budget(trainer.recipe.budget, budget)} cannot hold the model's state before any "
+            "activation: "
             f"weights {format_bytes(weights)} + gradients {format_bytes(grads)} + "
             f"{type(trainer.optimizer).__name__} state {format_bytes(state_bytes)} + its step's scratch "
             f"{format_bytes(scratch)} = {format_bytes(total)}; no checkpointing plan reduces these. Raise "
@@ -119,7 +120,8 @@ def check_model_state(trainer) -> tuple[int, str | None]:
     try:
         trainer.meter.track(trainer.model, trainer.optimizer)
     except torch.OutOfMemoryError:
-        return 0, (f"budget {format_bytes(trainer.recipe.budget_bytes)} cannot hold the model's weights "
+        return 0, (f"budget {format_budget(trainer.recipe.budget, trainer.recipe.budget_bytes)} cannot hold the "
+                   "model's weights "
                    f"({format_bytes(param_bytes(trainer.model))}); raise the budget well above that "
                    "or use a smaller model")
     state_bytes = optimizer_state_bytes(trainer.optimizer)

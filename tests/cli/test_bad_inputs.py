@@ -215,7 +215,7 @@ MODEL_AND_DEVICE = [
           named="blocks='encoder.zzz.*' (model.blocks in a recipe) matches no module", stage="model"),
     train("blocks-match-nothing", "model.blocks=encoder.zzz.*", named="blocks='encoder.zzz.*' (model.blocks in a recipe) matches no module",
           stage="model"),
-    train("budget-below-the-weights", "--budget", "1", named="budget 1 B cannot hold the model's weights",
+    train("budget-below-the-weights", "--budget", "1", named="budget 1 (1 B) cannot hold the model's weights",
           code=1, stage="model"),
     train("loss-diverges", "training.lr=1e30", "training.max_steps=3",
           named="at step 2: training diverged; lower training.lr (now 1e+30)", code=1, stage="model"),
