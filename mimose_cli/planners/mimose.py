@@ -564,7 +564,7 @@ class MimosePolicy(Policy):
                 self.counts.estimate_source = "sheltered"
             return self._measuring("sheltered", context.attempt)
         if self.parts.limit_bytes is None:
-            return Decision(())
+            return Decision((), "responsive")
         key = self.cache_key(size)
         base = self._start_bytes()
         entry = self.cache.get(key)
@@ -580,7 +580,8 @@ class MimosePolicy(Policy):
             self.counts.hits += 1
         else:
             self.counts.misses += 1
-        return Decision(entry.plan, selective=entry.selective, cache_hit=hit, predicted_peak_bytes=int(base + entry.peak_bytes))
+        return Decision(entry.plan, "responsive", selective=entry.selective, cache_hit=hit,
+                        predicted_peak_bytes=int(base + entry.peak_bytes))
 
     def _measuring(self, phase: str, attempt: int) -> Decision:
         """A step the collector measures (every block checkpointed); a retry after such a step

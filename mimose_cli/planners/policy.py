@@ -22,8 +22,9 @@ class Decision:
 
     plan: tuple
     """Indices of the blocks to checkpoint (the others are kept, or offloaded: ``offload``)."""
-    phase: str = "responsive"
-    """A label for reports (Mimose: sheltered, measuring, responsive, untrusted, recovery)."""
+    phase: str | None = None
+    """A label for reports (Mimose: sheltered, measuring, responsive, untrusted; any planner:
+    recovery, a retry's plan); None: the policy has no phases."""
     cache_hit: bool | None = None
     """Whether the plan came from a cache (None: the planner has none)."""
     predicted_peak_bytes: int | None = None
@@ -69,7 +70,7 @@ class StepInfo:
     """The blocks of ``plan`` checkpointed selectively (``Decision.selective``)."""
     offload: tuple = ()
     """The blocks outside ``plan`` offloaded (``Decision.offload``)."""
-    phase: str = "responsive"
+    phase: str | None = None
     cache_hit: bool | None = None
     predicted_peak_bytes: int | None = None
     measured: bool = False

@@ -186,7 +186,7 @@ class ProgressView:
                 f"step {record.step}/{self.total_steps}{self._micro(record)} input {_shape(record)} "
                 f"loss {_loss(record)} "
                 f"{format_duration(record.iter_ms)} peak {_peak(record, self.budget_bytes)} "
-                f"ckpt {_blocks(record)} {_phase(record)} | {self.timing()}".rstrip())
+                f"ckpt {_blocks(record)} {_phase(record)}".rstrip() + f" | {self.timing()}".rstrip())
 
     def _micro(self, record: StepRecord) -> str:
         return f" micro {record.micro_step + 1}/{self.micro_batches}" if self.micro_batches > 1 else ""
