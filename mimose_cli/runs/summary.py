@@ -211,11 +211,12 @@ def summary_tables(summary: dict) -> list:
     tables = [table]
     stats = summary.get("planner") or {}
     if stats:
-        planner = Table(title=f"planner: {stats.get('planner', '?')}", title_justify="left", show_header=False)
+        planner = Table(title=f"planner: {stats.get('planner', '?')} (empty figures left out; all in summary.json)",
+                        title_justify="left", show_header=False)
         planner.add_column("what")
         planner.add_column("value", justify="right")
         for key, value in stats.items():
-            if key != "planner":
+            if key != "planner" and value not in (None, "", [], {}):
                 planner.add_row(key, _planner_value(key, value))
         tables.append(planner)
     return tables

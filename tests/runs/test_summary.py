@@ -45,3 +45,21 @@ def test_the_report_shows_the_finer_choices_a_run_made_and_only_then():
     assert "mean blocks sel" in text and "mean blocks off" in text
     plain = rendered(_records([10.0], input_size=[4, 16]))
     assert "1.00 of 2" in plain and "selective" not in plain and "mean blocks off" not in plain
+
+
+def test_the_planner_table_leaves_out_empty_figures_and_keeps_zeros():
+    """A planner's figures with nothing in them (None, {}, []) are left out of the printed table
+    (summary.json keeps them); a count of 0 is a figure and stays."""
+    from rich.console import Console
+
+    from mimose_cli.runs.summary import summary_tables
+
+    summary = summarize(_records([10.0], input_size=[4, 16]), status="completed", budget_bytes=None)
+    summary["planner"] = {"planner": "mimose", "underpredictions": 0, "recovery_margins": {}, "hit_rate": None,
+                          "probe_skipped": [], "misses": 3}
+    console = Console(width=200, record=True)
+    for table in summary_tables(summary):
+        console.print(table)
+    text = console.export_text()
+    assert "underpredictions" in text and "misses" in text
+    assert not any(key in text for key in ("recovery_margins", "hit_rate", "probe_skipped"))
