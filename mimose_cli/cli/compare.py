@@ -23,7 +23,8 @@ def compare(
         None, help=f"Comma-separated budgets (default: the recipe's). {SIZE_HELP}"),
     steps: Optional[int] = typer.Option(None, help="Steps per run (default: the recipe's)."),
     out: Optional[Path] = typer.Option(None, help="Compare directory (default runs/compare-<time>-<recipe>)."),
-    view: str = typer.Option("none", help="Each run's view: none, plain, live (a table) or auto (live on a terminal)."),
+    view: str = typer.Option("none", help="Each run's view: none, plain, live (a table) or auto "
+                                          "(live on a terminal)."),
     repeats: int = typer.Option(1, help="Runs per planner and budget, order rotated each round; "
                                                "the tables show the median (for a shared or noisy machine)."),
 ):

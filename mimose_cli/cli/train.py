@@ -27,7 +27,8 @@ def train(
     device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
     max_steps: Optional[int] = typer.Option(None, help="Stop after N steps."),
     out: Optional[Path] = typer.Option(None, help="Directory for run directories (default runs/)."),
-    view: str = typer.Option("auto", help="auto (live on a terminal, else plain), live (a table redrawn in place), plain (a line per step) or none."),
+    view: str = typer.Option("auto", help="auto (live on a terminal, else plain), live (a table redrawn "
+                                          "in place), plain (a line per step) or none."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Measure the budgets the recipe needs at its largest "
                                  "input (every block checkpointed, and none) and exit without training."),
     resume: Optional[Path] = typer.Option(
