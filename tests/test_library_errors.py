@@ -40,7 +40,7 @@ def test_planner_and_block_errors_name_the_arguments():
 
 def test_run_and_compare_errors_name_no_flag(tmp_path):
     trainer = SimpleNamespace(
-        recipe=SimpleNamespace(budget_bytes=1000, training=SimpleNamespace(gradient_accumulation_steps=1)),
+        recipe=SimpleNamespace(budget=None, budget_bytes=1000, training=SimpleNamespace(gradient_accumulation_steps=1)),
         meter=SimpleNamespace(current_bytes=lambda: 600), model=torch.nn.Linear(10, 10),
         optimizer=torch.optim.AdamW(torch.nn.Linear(10, 10).parameters()))
     messages = {
