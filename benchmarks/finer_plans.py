@@ -38,7 +38,7 @@ import tempfile
 
 import numpy as np
 import torch
-from mimose_safety import recipe_for
+from mimose_safety import FLOOR, recipe_for
 from paper_figure import CONFIGS as PAPER_CONFIGS
 from paper_figure import fastest_steps_s, make_recipe
 
@@ -130,7 +130,7 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
         full_peak, floor = full["peak_bytes"], full["preflight_full_bytes"]
         for fraction in fractions:
             # The pre-flight refuses a budget below full checkpointing's need at the largest input.
-            budget = max(int(full_peak + fraction * (none_peak - full_peak)), int(1.02 * floor))
+            budget = max(int(full_peak + fraction * (none_peak - full_peak)), int(FLOOR * floor))
             runs = {v: [] for v in variants}
             for round_ in range(rounds):
                 order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]

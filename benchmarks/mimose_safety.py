@@ -33,6 +33,9 @@ from mimose_cli.planners.options import MimoseOptions
 from _results import write_results
 
 QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
+FLOOR = 1.02
+"""No budget lower than this times what the pre-flight says full checkpointing needs at the
+recipe's largest input (it refuses any below that figure)."""
 TASKS = {"swag": "multiple_choice", "squad": "question_answering", "qqp": "sequence_classification"}
 
 
@@ -65,7 +68,7 @@ def calibrate(preset: str, steps: int, out_dir, quantile: float = 0.6) -> dict:
     sizes = [infer_input_size(batch) for batch in loader][:steps]
     mask = np.zeros(estimator.num_blocks, dtype=bool)
     none_peaks = [base + peak_timeline(estimator.predict(s), mask).max() for s in sizes]
-    floor = int(1.02 * probe.summary["preflight"]["full_bytes"])
+    floor = int(FLOOR * (probe.summary.get("preflight") or {}).get("full_bytes") or 0)
     budget = int(np.quantile(none_peaks, quantile))
     if budget < floor:
         print(f"{preset}: the {quantile:.0%} quantile of the no-checkpointing peaks, {budget / 2**20:.2f} MiB, is below "

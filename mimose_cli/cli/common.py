@@ -2,7 +2,9 @@
 place where what the library raises for a user's mistake becomes one line on stderr."""
 
 import functools
+import re
 import sys
+from pathlib import Path
 
 import typer
 
@@ -22,12 +24,22 @@ def fail(message: str, code: int):
     raise typer.Exit(code)
 
 
-def is_override(argument) -> bool:
-    """Whether a RECIPE argument is an override (``key=value``) rather than a recipe file: it
-    holds ``=`` and no such file exists."""
-    from pathlib import Path
+_DOTTED_KEY = re.compile(r"[A-Za-z_]\w*(\.[\w-]+)*")
 
-    return argument is not None and "=" in str(argument) and not Path(argument).exists()
+
+def is_override(argument) -> bool:
+    """Whether a RECIPE argument is an override (``key=value``, the key dotted words) rather than
+    a recipe file; a file of that name is a recipe (``recipes/lr=1e-3.yaml`` is a path either
+    way: its ``/`` is no key's)."""
+    if argument is None:
+        return False
+    key, equals, _ = str(argument).partition("=")
+    if not equals or not _DOTTED_KEY.fullmatch(key.strip()):
+        return False
+    try:
+        return not Path(argument).exists()
+    except OSError:  # a name too long for a file: an override's value
+        return True
 
 
 def user_errors(command):

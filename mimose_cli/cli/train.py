@@ -11,9 +11,10 @@ from mimose_cli.cli.common import fail, is_override
 from mimose_cli.cli.common import options as cli_options
 from mimose_cli.units import SIZE_HELP
 
-FLAG_NAMES = {"budget": "--budget", "planner.name": "--planner", "device": "--device",
-              "training.max_steps": "--max-steps", "out_dir": "--out"}
-"""The recipe key each of ``train``'s flags sets: an invalid value is blamed on the flag."""
+FLAG_NAMES = {"--budget": "budget", "--planner": "planner.name", "--device": "device",
+              "--max-steps": "training.max_steps", "--out": "out_dir"}
+"""The recipe key each of ``train``'s flags sets; an invalid value is blamed on the flag."""
+FLAG_OF = {key: flag for flag, key in FLAG_NAMES.items()}
 
 
 def train(
@@ -45,22 +46,23 @@ def train(
     from mimose_cli.launcher.resume import resume_recipe
     from mimose_cli.launcher.spawn import other_rank, relaunch, under_torchrun
 
-    flags = {"budget": budget, "planner.name": planner, "device": device,
-             "training.max_steps": max_steps, "out_dir": str(out) if out else None}
+    given = {"--budget": budget, "--planner": planner, "--device": device, "--max-steps": max_steps,
+             "--out": str(out) if out else None}
+    flags = {FLAG_NAMES[flag]: value for flag, value in given.items()}
     if resume is not None:
         # With --resume every positional argument is an override.
-        if recipe is not None and "=" not in str(recipe):
+        if recipe is not None and not is_override(recipe):
             raise RecipeError(f"--resume {resume} continues that run with its own recipe.yaml; "
                               f"leave out {recipe}")
         extra = [str(recipe)] if recipe is not None else []
-        resolved = resume_recipe(resume, extra + (overrides or []), flags, FLAG_NAMES)
+        resolved = resume_recipe(resume, extra + (overrides or []), flags, FLAG_OF)
     elif recipe is None:
         raise RecipeError("missing RECIPE: give a recipe file, e.g. recipes/quickstart.yaml, or --resume RUN_DIR")
     elif is_override(recipe):
         raise RecipeError(f"missing RECIPE: {str(recipe)!r} is an override (key=value); give the recipe file first, "
                           f"e.g. mimose train recipes/quickstart.yaml {recipe}")
     else:
-        resolved = load_recipe(recipe, overrides or [], flags, FLAG_NAMES)
+        resolved = load_recipe(recipe, overrides or [], flags, FLAG_OF)
     if resume is not None and not under_torchrun():
         _check_processes(resume, nproc_per_node or 1)
     if nproc_per_node is not None:  # the recipe is checked above, before any process starts

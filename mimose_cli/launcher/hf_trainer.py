@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from mimose_cli.launcher.preflight import optimizer_state_bytes
 from mimose_cli.memory import build_meter, param_bytes
 from mimose_cli.planners.base import Planner, StepInfo
-from mimose_cli.planners.inputs import infer_input_size, resized_batch
+from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.options import PLANNER_OPTIONS, OptionError, parse_options
 from mimose_cli.planners.policy import Policy
 from mimose_cli.planners.registry import PLANNERS, build_planner, library_keywords
@@ -124,7 +124,7 @@ class TrainerBudget:
         size = self.max_input_size or infer_input_size(inputs, self.planner.parts.encoder_decoder)
         optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # accelerate's wrapper
         reserve = optimizer_state_bytes(optimizer) if optimizer is not None else 0
-        self.planner.prepare(lambda s: resized_batch(inputs, s), tuple(size), reserve, step_fn=step_fn)
+        self.planner.prepare(lambda s: with_padding(resized_batch(inputs, s)), tuple(size), reserve, step_fn=step_fn)
         self._prepared = True
 
     def log(self, original, logs: dict, *args, **kwargs):

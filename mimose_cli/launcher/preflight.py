@@ -8,7 +8,8 @@ Two side-effect-free steps (``planners.trial.probe_step``: RNG forked, buffers a
 back) on a batch of the largest size, padded as real batches are (``inputs.with_padding``: a
 masked position takes the models' masked code paths, which hold more), the budget lifted for them:
 one with the planner's least-memory plan (``Policy.least_memory``: every block checkpointed, or
-with ``offload`` every block offloaded) and one with none (what runs without checkpointing).
+the one plan of ``none``, ``full`` and ``offload``) and one with none (what runs without
+checkpointing).
 Memory that the first optimizer step allocates for good (the optimizer's state, and with gradient
 accumulation the gradients set aside during a micro-batch) is added: the probes run before it
 exists. A budget below the first figure cannot run the recipe with that planner; the run ends
@@ -24,6 +25,7 @@ from mimose_cli.launcher.data.loader import make_batch, max_input_size
 from mimose_cli.memory import param_bytes
 from mimose_cli.planners.base import Planner
 from mimose_cli.planners.inputs import with_padding
+from mimose_cli.planners.policy import Decision, plan_in_words
 from mimose_cli.planners.trial import probe_with_plan
 from mimose_cli.units import format_budget, format_bytes
 
@@ -34,8 +36,9 @@ class BudgetRange:
 
     input_size: tuple
     full_bytes: int | None
-    """With the planner's least-memory plan (``least``; every block checkpointed but with
-    ``offload``): no budget below this runs the recipe with that planner."""
+    """With the planner's least-memory plan (``least``: every block checkpointed, but for
+    ``none``, ``full`` with ``selective`` and ``offload`` their one plan; the name is the
+    planners' usual one): no budget below this runs the recipe with that planner."""
     none_bytes: int | None
     """With no block checkpointed: a budget of this much needs no checkpointing."""
     least: str = "with every block checkpointed"
@@ -43,8 +46,13 @@ class BudgetRange:
 
     def describe(self) -> str:
         size = "x".join(str(d) for d in self.input_size)
+        if self.least == NO_CHECKPOINTING:  # planner none: its plan is the other figure
+            return f"at its largest input ({size}) a step needs {_fmt(self.none_bytes)} {NO_CHECKPOINTING}"
         return (f"at its largest input ({size}) a step needs {_fmt(self.full_bytes)} {self.least} "
-                f"and {_fmt(self.none_bytes)} without checkpointing")
+                f"and {_fmt(self.none_bytes)} {NO_CHECKPOINTING}")
+
+
+NO_CHECKPOINTING = "without checkpointing"  # ``plan_in_words`` of the empty plan
 
 
 def _fmt(value) -> str:
@@ -54,13 +62,14 @@ def _fmt(value) -> str:
 def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) -> BudgetRange:
     """Measure the step's peak on ``batch`` with ``planner``'s least-memory plan and with no block
     checkpointed, through its plan runner, plus ``later_bytes``."""
-    least, words = planner.policy.least_memory()
+    least = planner.policy.least_memory()
     peaks = []
     with planner.meter.unlimited():
-        for plan, offload in ((least.plan, least.offload), ((), ())):
-            peak = probe_with_plan(planner.parts, batch, plan, offload=offload)
+        for decision in (least, Decision(())):
+            peak = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective,
+                                   offload=decision.offload)
             peaks.append(None if peak is None else peak + later_bytes)
-    return BudgetRange(tuple(input_size), *peaks, least=words)
+    return BudgetRange(tuple(input_size), *peaks, least=plan_in_words(least, planner.num_blocks))
 
 
 def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:
@@ -68,8 +77,9 @@ def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | No
     planner's least-memory plan needs), or None when it can."""
     if budget_bytes is None or (needs.full_bytes is not None and budget_bytes >= needs.full_bytes):
         return None
-    return (f"budget {format_budget(written, budget_bytes)} is too small for this recipe: {needs.describe()}. "
-            f"Raise the budget to at least {_fmt(needs.full_bytes)}, or lower training.batch_size or "
+    others = "; a planner that checkpoints (mimose) needs less" if needs.least == NO_CHECKPOINTING else ""
+    return (f"budget {format_budget(written, budget_bytes)} is too small for this recipe: {needs.describe()}"
+            f"{others}. Raise the budget to at least {_fmt(needs.full_bytes)}, or lower training.batch_size or "
             "data.max_length")
 
 

@@ -5,6 +5,7 @@ and one run directory per (budget, planner) under ``runs/<budget>/``. A run that
 memory is a result (status "oom"), never a crash of the comparison.
 """
 
+import inspect
 import json
 import statistics
 import time
@@ -23,8 +24,16 @@ from mimose_cli.runs.rundir import RunLock, check_out_dir, unique_dir
 
 
 def _variants() -> list:
-    """``name:option`` of every planner with compare variants (``Policy.variant_option``)."""
-    return [f"{name}:{policy.variant_option}" for name, policy in sorted(PLANNERS.items()) if policy.variant_option]
+    """The planners with compare variants (``Policy.variant_option``), each as ``name:value``
+    with the option's values (``sublinear:greedy|sqrt|chen``)."""
+    from typing import get_args
+
+    specs = []
+    for name, policy in sorted(PLANNERS.items()):
+        if policy.variant_option:
+            values = get_args(inspect.signature(policy.__init__).parameters[policy.variant_option].annotation)
+            specs.append(f"{name}:{'|'.join(values) or policy.variant_option}")
+    return specs
 
 
 def planner_specs(baselines) -> list:
@@ -41,8 +50,8 @@ def planner_specs(baselines) -> list:
             raise ValueError(f"unknown planner {name!r} among the baselines; choose from "
                              f"{', '.join(sorted(PLANNERS))}")
         if colon and PLANNERS[name].variant_option is None:
-            raise ValueError(f"baseline {spec!r}: {name} has no variants (those that do, and the option each sets: "
-                             f"{', '.join(_variants())}); write {name} alone")
+            raise ValueError(f"baseline {spec!r}: {name} has no variants (those that do: {', '.join(_variants())}); "
+                             f"write {name} alone")
         specs.append(spec)
     return specs
 

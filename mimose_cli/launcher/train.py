@@ -492,7 +492,8 @@ def dry_run(recipe: Recipe, console=None) -> BudgetRange:
     elif recipe.budget_bytes is not None:
         enough = needs.none_bytes is not None and recipe.budget_bytes >= needs.none_bytes
         console.print(f"budget {format_budget(recipe.budget, recipe.budget_bytes)}: fits; "
-                      + ("no checkpointing needed" if enough else "the planner checkpoints the longer batches"),
+                      + ("no checkpointing needed" if enough else
+                         f"the longest batches need the {recipe.planner.name} planner to save memory"),
                       highlight=False, soft_wrap=True)
     return needs
 

@@ -313,6 +313,9 @@ class NoCheckpointingPolicy(Policy):
     def decide(self, input_size, context=NO_CONTEXT):
         return Decision(())
 
+    def least_memory(self) -> Decision:
+        return self.decide(())
+
 
 class FullCheckpointingPolicy(Policy):
     """Checkpoint every block, as ``gradient_checkpointing_enable()`` does; ``selective``: keep
@@ -334,6 +337,9 @@ class FullCheckpointingPolicy(Policy):
     def decide(self, input_size, context=NO_CONTEXT):
         every = tuple(range(self.parts.num_blocks))
         return Decision(every, selective=every if self.selective else ())
+
+    def least_memory(self) -> Decision:
+        return self.decide(())
 
 
 def NoCheckpointing(model, budget=None, **options) -> Planner:

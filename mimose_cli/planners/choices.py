@@ -18,7 +18,7 @@ back, last first, while the plan still fits without them.
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence, get_args
 
 import numpy as np
 import torch
@@ -26,6 +26,12 @@ import torch
 from mimose_cli.memory import synchronize
 from mimose_cli.planners.scaling import exponents, work_coefficients
 from mimose_cli.torch_private import UncompiledDispatchMode, without_dispatch_modes
+
+
+ChoiceSet = Literal["block", "selective"]
+CHOICE_SETS = get_args(ChoiceSet)
+"""What a plan may do with a block: ``block``, keep it or recompute it whole (the paper's); ``selective``,
+also checkpoint it selectively (``blocks.SELECTIVE``) where that costs less time for the bytes it frees."""
 
 
 class _PassThrough(UncompiledDispatchMode):

@@ -1,6 +1,7 @@
 """The input size a planner plans for, read off a batch."""
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -46,12 +47,14 @@ def with_padding(batch):
     """``batch`` with its last row's last position masked when it has an attention mask: real
     batches, padded to their longest row, take the models' masked code paths (an attention mask
     of all ones is dropped, and the fused kernel holds less), which hold more memory. What a batch
-    made for measuring (``launcher.data.loader.make_batch``, a probe's) is run as."""
-    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-    if mask is None or mask.ndim < 2 or mask.shape[-1] < 2:
+    made for measuring (``launcher.data.loader.make_batch``, a probe's) is run as. Any mapping
+    (a ``BatchEncoding``) comes back a dict; a decoder's mask, which padding collators do not
+    make, is left as it is."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.ndim < 2 or mask.shape[-1] < 2:
         return batch
     mask = mask.clone()
-    mask.view(-1, mask.shape[-1])[-1, -1] = 0
+    mask[(-1,) * mask.ndim] = 0
     return {**batch, "attention_mask": mask}
 
 

@@ -35,7 +35,14 @@ import numpy as np
 
 from mimose_cli.planners.base import Planner
 from mimose_cli.planners.blocks import first_runs_otherwise, left_out, selectable, stack_runs, twin_blocks
-from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms, probe_rates_ms
+from mimose_cli.planners.choices import (
+    CHOICE_SETS,
+    ChoiceSet,
+    ChoiceTimes,
+    choice_plan_checked,
+    dispatch_costs_ms,
+    probe_rates_ms,
+)
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, plan_peak_bytes
 from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
@@ -59,11 +66,6 @@ from mimose_cli.planners.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import probe_step, probe_with_runner, to_model_device
 from mimose_cli.planners.usage import warn_user
 from mimose_cli.torch_private import without_dispatch_modes
-
-CHOICE_SETS = ("block", "selective")
-"""What a plan may do with a block: ``block``, keep it or recompute it whole (the paper's); ``selective``,
-also checkpoint it selectively (``blocks.SELECTIVE``) where that costs less time for the bytes it frees."""
-
 
 class CachedPlan(NamedTuple):
     """A plan-cache entry: the plan, its predicted peak above the step's start, and whether that
@@ -201,7 +203,7 @@ class MimosePolicy(Policy):
 
     def __init__(self, parts, *, estimate: str = "probes", sheltered_steps: int = 5, granularity: int = 1,
                  bucket: float = 0.10,
-                 prediction_margin: float = 0.001, choices: str = "block"):
+                 prediction_margin: float = 0.001, choices: ChoiceSet = "block"):
         if estimate not in ("probes", "sheltered"):
             raise ValueError(f"estimate={estimate!r} is invalid; expected 'probes' or 'sheltered'")
         if not isinstance(sheltered_steps, int) or sheltered_steps < 1:

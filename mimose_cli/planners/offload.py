@@ -27,9 +27,10 @@ class FullOffloadPolicy(Policy):
     def decide(self, input_size, context=NO_CONTEXT):
         return Decision((), offload=tuple(range(self.parts.num_blocks)))
 
-    def least_memory(self) -> tuple:
-        """Every block offloaded holds less than every block checkpointed (whose inputs stay)."""
-        return self.decide(()), "with every block offloaded"
+    def least_memory(self) -> Decision:
+        """Its one plan: every block offloaded (which holds less than every block checkpointed,
+        whose inputs stay)."""
+        return self.decide(())
 
 
 def FullOffload(model, budget=None, **options) -> Planner:

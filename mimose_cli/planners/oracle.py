@@ -18,7 +18,7 @@ import numpy as np
 
 from mimose_cli.planners.base import Planner
 from mimose_cli.planners.blocks import selectable
-from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, dispatch_costs_ms
+from mimose_cli.planners.choices import CHOICE_SETS, ChoiceSet, ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import (
     BLOCK_QUANTITIES,
@@ -194,8 +194,8 @@ class OraclePolicy(Policy):
     name = "oracle"
     variant_option = "choices"
 
-    def __init__(self, parts, *, choices: str = "block"):
-        if choices not in ("block", "selective"):
+    def __init__(self, parts, *, choices: ChoiceSet = "block"):
+        if choices not in CHOICE_SETS:
             raise ValueError(f"choices={choices!r} is invalid; expected 'block' or 'selective'")
         super().__init__(parts)
         self.choices = choices

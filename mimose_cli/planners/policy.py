@@ -147,12 +147,12 @@ class Policy:
         checkpoints every block for that size from then on (Mimose first tries a margin)."""
         return False
 
-    def least_memory(self) -> tuple:
-        """``(decision, words)``: the plan that runs a step in the least memory this policy can,
-        which the pre-flight measures at the largest input (no budget below it runs the recipe),
-        and how it is said: every block checkpointed, unless the policy has a plan that needs
-        less (``offload``: every block offloaded)."""
-        return Decision(tuple(range(self.parts.num_blocks))), "with every block checkpointed"
+    def least_memory(self) -> Decision:
+        """The plan that runs a step in the least memory this policy can, which the pre-flight
+        measures at the largest input (no budget below it runs the recipe with this policy): every
+        block checkpointed, the planners' last resort; a policy with one plan only (``none``,
+        ``full``, ``offload``) returns that plan."""
+        return Decision(tuple(range(self.parts.num_blocks)))
 
     def predict_peak(self, size: tuple, plan: tuple) -> int | None:
         """The step peak this policy predicts for ``plan`` at ``size`` (None: it cannot say)."""
@@ -174,3 +174,14 @@ class Policy:
 
     def load_state_dict(self, state: dict) -> None:
         """Take back what ``state_dict`` gave (the planner's whole saved state)."""
+
+
+def plan_in_words(decision: Decision, num_blocks: int) -> str:
+    """How a report says ``decision``'s plan: "with every block checkpointed", "... offloaded",
+    "without checkpointing", or how many blocks it checkpoints."""
+    every = tuple(range(num_blocks))
+    if tuple(decision.plan) == every:
+        return "with every block checkpointed" + (" selectively" if tuple(decision.selective) == every else "")
+    if not decision.plan:
+        return "with every block offloaded" if tuple(decision.offload) == every else "without checkpointing"
+    return f"with {len(decision.plan)} of {num_blocks} blocks checkpointed"

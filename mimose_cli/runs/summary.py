@@ -193,6 +193,11 @@ def _planner_value(key: str, value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _empty(value) -> bool:
+    """A planner figure with nothing in it: None, or an empty text, list or mapping (0 is a figure)."""
+    return value is None or (isinstance(value, (str, list, tuple, dict)) and not value)
+
+
 def summary_tables(summary: dict) -> list:
     """The run's summary and its planner's overhead breakdown, as rich tables."""
     table = Table(title="summary", title_justify="left", show_header=False)
@@ -211,12 +216,12 @@ def summary_tables(summary: dict) -> list:
     tables = [table]
     stats = summary.get("planner") or {}
     if stats:
-        planner = Table(title=f"planner: {stats.get('planner', '?')} (empty figures left out; all in summary.json)",
-                        title_justify="left", show_header=False)
+        shown = {key: value for key, value in stats.items() if key != "planner" and not _empty(value)}
+        left_out = " (empty figures left out; all in summary.json)" if len(shown) < len(stats) - ("planner" in stats) else ""
+        planner = Table(title=f"planner: {stats.get('planner', '?')}{left_out}", title_justify="left", show_header=False)
         planner.add_column("what")
         planner.add_column("value", justify="right")
-        for key, value in stats.items():
-            if key != "planner" and value not in (None, "", [], {}):
-                planner.add_row(key, _planner_value(key, value))
+        for key, value in shown.items():
+            planner.add_row(key, _planner_value(key, value))
         tables.append(planner)
     return tables

@@ -6,18 +6,23 @@ from typer.testing import CliRunner
 from mimose_cli.cli import app
 from mimose_cli.launcher.data.loader import make_batch, max_input_size
 from mimose_cli.launcher.models import model_config
-from mimose_cli.launcher.preflight import measure_range
+from mimose_cli.launcher.preflight import measure_range, preflight
 from mimose_cli.launcher.train import build_trainer, run_training
+from mimose_cli.planners.trial import probe_with_plan
 
 from helpers import QUICKSTART
 
 
-def test_measuring_leaves_no_trace_and_brackets_the_peaks(quick_recipe):
-    recipe = quick_recipe("budget=1GB")
+def _trainer(recipe):
+    """The recipe's trainer, its model's config, its planner and the largest input size."""
     config = model_config(recipe)
     trainer = build_trainer(recipe, config, total_steps=1)
-    planner = trainer.planner
-    size = max_input_size(recipe)
+    return trainer, config, trainer.planner, max_input_size(recipe)
+
+
+def test_measuring_leaves_no_trace_and_brackets_the_peaks(quick_recipe):
+    recipe = quick_recipe("budget=1GB")
+    trainer, config, planner, size = _trainer(recipe)
     with trainer.meter.activate():
         trainer.meter.track(trainer.model)
         batch = trainer.to_device(make_batch(recipe, config, size))
@@ -75,23 +80,17 @@ def test_the_least_memory_figure_covers_a_padded_batch_of_the_largest_size(quick
     masked position takes the model's masked attention, which holds more than an all-ones mask
     (8-13 % on the quickstart's BERT), so a budget the pre-flight passes runs the largest padded
     batch with that plan."""
-    from mimose_cli.launcher.preflight import preflight
-    from mimose_cli.planners.trial import probe_with_plan
-
     figures = {}
     for planner_name in ("full", "offload"):
         recipe = quick_recipe("budget=1GB", f"planner.name={planner_name}")
-        config = model_config(recipe)
-        trainer = build_trainer(recipe, config, total_steps=1)
-        planner = trainer.planner
-        size = max_input_size(recipe)
+        trainer, config, planner, size = _trainer(recipe)
         with trainer.meter.activate():
             trainer.meter.track(trainer.model)
             needs = preflight(trainer, config, state_bytes=0)
             batch = make_batch(recipe, config, size)
             mask = batch["attention_mask"]
             mask.view(-1, mask.shape[-1])[:3, -20:] = 0  # three rows shorter than the longest
-            least, _ = planner.policy.least_memory()
+            least = planner.policy.least_memory()
             with trainer.meter.unlimited():
                 padded = probe_with_plan(planner.parts, trainer.to_device(batch), least.plan, offload=least.offload)
         planner.close()
@@ -99,3 +98,19 @@ def test_the_least_memory_figure_covers_a_padded_batch_of_the_largest_size(quick
         figures[planner_name] = needs
     assert figures["offload"].least == "with every block offloaded"
     assert figures["offload"].full_bytes < figures["full"].full_bytes
+
+
+def test_planners_with_one_plan_are_held_to_it():
+    """``none``, ``full`` with ``selective`` and ``offload`` run one plan only: the pre-flight's
+    least figure is that plan's (planner ``none``: no checkpointing, and its refusal points to a
+    planner that checkpoints)."""
+    from mimose_cli.launcher.preflight import BudgetRange, budget_error
+    from mimose_cli.planners.policy import Decision, plan_in_words
+
+    assert plan_in_words(Decision(()), 4) == "without checkpointing"
+    assert plan_in_words(Decision((0, 1, 2, 3), selective=(0, 1, 2, 3)), 4) == "with every block checkpointed selectively"
+    assert plan_in_words(Decision((), offload=(0, 1, 2, 3)), 4) == "with every block offloaded"
+    assert plan_in_words(Decision((1, 2)), 4) == "with 2 of 4 blocks checkpointed"
+    needs = BudgetRange((16, 128), 900, 900, least="without checkpointing")
+    error = budget_error(800, needs, "800")
+    assert error.count("900 B") == 2 and "without checkpointing; a planner that checkpoints (mimose) needs less" in error

@@ -97,6 +97,20 @@ def test_full_recomputes_blocks_in_backward():
     assert len(calls) == 1  # close() restored the plain forward
 
 
+@pytest.mark.parametrize("name", ["none", "full", "sublinear", "dtr", "offload"])
+def test_a_planner_without_phases_leaves_the_steps_phase_empty(name):
+    """Phases are Mimose's (sheltered, measuring, responsive, untrusted): another planner's step
+    has none, so its records and lines do not borrow Mimose's words."""
+    model = Stack()
+    planner = build_planner(name, model)
+    if name == "sublinear":
+        planner.prepare(lambda size: torch.randn(*size), (2, 16))
+    with planner.step(input_size=(2, 16)):
+        model(torch.randn(2, 16)).backward()
+    assert planner.last.phase is None
+    planner.close()
+
+
 def test_unknown_planner_lists_choices():
     with pytest.raises(ValueError, match="none"):
         build_planner("nope", Stack())
