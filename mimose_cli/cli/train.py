@@ -78,10 +78,11 @@ def train(
     from mimose_cli.launcher.train import run_training
 
     if dry_run:
-        from mimose_cli.launcher.preflight import budget_error
+        from mimose_cli.launcher.preflight import budget_error, budget_warning
 
         needs = measure_only(resolved)
-        raise typer.Exit(1 if budget_error(resolved.budget_bytes, needs) else 0)
+        fails = budget_error(resolved.budget_bytes, needs) or budget_warning(resolved.budget_bytes, needs)
+        raise typer.Exit(1 if fails else 0)
     result = run_training(resolved, view=view, recipe_name=recipe.stem if recipe else "run", resume=resume)
     if view == "none" and not other_rank():
         typer.echo(f"run directory: {result.run_dir}")  # silent, but not lost

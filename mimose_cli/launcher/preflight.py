@@ -74,13 +74,27 @@ def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) 
 
 def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:
     """Why ``budget_bytes`` (``written`` so by the user) cannot run the recipe (below what the
-    planner's least-memory plan needs), or None when it can."""
+    planner's least-memory plan needs), or None when it can. Planner ``none`` is let run: running
+    out of memory on the long batches is its answer (``budget_warning`` says so first)."""
     if budget_bytes is None or (needs.full_bytes is not None and budget_bytes >= needs.full_bytes):
         return None
-    others = "; a planner that checkpoints (mimose) needs less" if needs.least == NO_CHECKPOINTING else ""
-    return (f"budget {format_budget(written, budget_bytes)} is too small for this recipe: {needs.describe()}"
-            f"{others}. Raise the budget to at least {_fmt(needs.full_bytes)}, or lower training.batch_size or "
+    if needs.least == NO_CHECKPOINTING:
+        return None
+    return (f"budget {format_budget(written, budget_bytes)} is too small for this recipe: {needs.describe()}. "
+            f"Raise the budget to at least {_fmt(needs.full_bytes)}, or lower training.batch_size or "
             "data.max_length")
+
+
+def budget_warning(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:
+    """For planner ``none`` (which checkpoints nothing) under a budget its largest input needs
+    more than: that the longest batches will run out of memory, or None."""
+    if needs.least != NO_CHECKPOINTING or budget_bytes is None or needs.none_bytes is None:
+        return None
+    if budget_bytes >= needs.none_bytes:
+        return None
+    return (f"budget {format_budget(written, budget_bytes)} is below what the largest input needs without "
+            f"checkpointing ({_fmt(needs.none_bytes)}): planner none will run out of memory on the longest "
+            "batches; a planner that checkpoints (mimose) needs less")
 
 
 def optimizer_state_bytes(optimizer) -> int:

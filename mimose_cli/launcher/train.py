@@ -47,6 +47,7 @@ from mimose_cli.launcher.preflight import (
     BudgetRange,
     HostMemoryError,
     budget_error,
+    budget_warning,
     check_model_state,
     optimizer_state_bytes,
     preflight,
@@ -327,6 +328,9 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
                 error = budget_error(recipe.budget_bytes, run.preflight, recipe.budget)
             if error is None:  # else the error says it
                 view.setup(f"pre-flight: {run.preflight.describe()}")
+                warning = budget_warning(recipe.budget_bytes, run.preflight, recipe.budget)
+                if warning is not None:
+                    view.setup(f"pre-flight: {warning}")
         error = first_error(error, trainer.world)  # one rank that cannot train stops them all
         if error is not None:  # the run's error: the command prints it
             return LoopEnd(status="oom", at_boundary=False, error=error)
@@ -486,7 +490,8 @@ def dry_run(recipe: Recipe, console=None) -> BudgetRange:
     finally:
         trainer.planner.close()
     console.print(f"{recipe.model.type} ({recipe.model.size}): {needs.describe()}", highlight=False, soft_wrap=True)
-    error = budget_error(recipe.budget_bytes, needs, recipe.budget)
+    error = budget_error(recipe.budget_bytes, needs, recipe.budget) or budget_warning(
+        recipe.budget_bytes, needs, recipe.budget)
     if error is not None:
         console.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
     elif recipe.budget_bytes is not None:

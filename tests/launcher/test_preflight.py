@@ -102,9 +102,9 @@ def test_the_least_memory_figure_covers_a_padded_batch_of_the_largest_size(quick
 
 def test_planners_with_one_plan_are_held_to_it():
     """``none``, ``full`` with ``selective`` and ``offload`` run one plan only: the pre-flight's
-    least figure is that plan's (planner ``none``: no checkpointing, and its refusal points to a
-    planner that checkpoints)."""
-    from mimose_cli.launcher.preflight import BudgetRange, budget_error
+    least figure is that plan's. Planner ``none`` is let run (its running out of memory on the
+    long batches is its answer), with a warning that points to a planner that checkpoints."""
+    from mimose_cli.launcher.preflight import BudgetRange, budget_error, budget_warning
     from mimose_cli.planners.policy import Decision, plan_in_words
 
     assert plan_in_words(Decision(()), 4) == "without checkpointing"
@@ -112,5 +112,13 @@ def test_planners_with_one_plan_are_held_to_it():
     assert plan_in_words(Decision((), offload=(0, 1, 2, 3)), 4) == "with every block offloaded"
     assert plan_in_words(Decision((1, 2)), 4) == "with 2 of 4 blocks checkpointed"
     needs = BudgetRange((16, 128), 900, 900, least="without checkpointing")
-    error = budget_error(800, needs, "800")
-    assert error.count("900 B") == 2 and "without checkpointing; a planner that checkpoints (mimose) needs less" in error
+    assert budget_error(800, needs, "800") is None and budget_warning(900, needs) is None
+    assert "planner none will run out of memory on the longest batches" in budget_warning(800, needs, "800")
+    assert budget_warning(800, BudgetRange((16, 128), 500, 900)) is None  # a planner that checkpoints
+
+
+def test_a_dry_run_of_planner_none_under_its_need_says_it_will_run_out(tmp_path):
+    result = CliRunner().invoke(app, ["train", str(QUICKSTART), "--planner", "none", "--budget", "40MB", "--dry-run",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "planner none will run out of memory on the longest batches" in " ".join(result.output.split())
