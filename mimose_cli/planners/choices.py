@@ -27,7 +27,6 @@ from mimose_cli.memory import synchronize
 from mimose_cli.planners.scaling import exponents, work_coefficients
 from mimose_cli.torch_private import UncompiledDispatchMode, without_dispatch_modes
 
-
 ChoiceSet = Literal["block", "selective"]
 CHOICE_SETS = get_args(ChoiceSet)
 """What a plan may do with a block: ``block``, keep it or recompute it whole (the paper's); ``selective``,

@@ -67,6 +67,7 @@ from mimose_cli.planners.trial import probe_step, probe_with_runner, to_model_de
 from mimose_cli.planners.usage import warn_user
 from mimose_cli.torch_private import without_dispatch_modes
 
+
 class CachedPlan(NamedTuple):
     """A plan-cache entry: the plan, its predicted peak above the step's start, and whether that
     fits the budget."""
