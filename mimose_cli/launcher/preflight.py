@@ -8,8 +8,8 @@ Two side-effect-free steps (``planners.trial.probe_step``: RNG forked, buffers a
 back) on a batch of the largest size, padded as real batches are (``inputs.with_padding``: a
 masked position takes the models' masked code paths, which hold more), the budget lifted for them:
 one with the planner's least-memory plan (``Policy.least_memory``: every block checkpointed, or
-the one plan of ``none``, ``full`` and ``offload``) and one with none (what runs without
-checkpointing).
+the one plan of ``full`` with ``selective`` and of ``offload``) and one with none (what runs
+without checkpointing).
 Memory that the first optimizer step allocates for good (the optimizer's state, and with gradient
 accumulation the gradients set aside during a micro-batch) is added: the probes run before it
 exists. A budget below the first figure cannot run the recipe with that planner; the run ends
@@ -43,16 +43,13 @@ class BudgetRange:
     """With no block checkpointed: a budget of this much needs no checkpointing."""
     least: str = "with every block checkpointed"
     """The least-memory plan, in words (``Policy.least_memory``)."""
+    saves_memory: bool = True
+    """Whether the planner trades time for memory (``Policy.saves_memory``; not ``none``)."""
 
     def describe(self) -> str:
         size = "x".join(str(d) for d in self.input_size)
-        if self.least == NO_CHECKPOINTING:  # planner none: its plan is the other figure
-            return f"at its largest input ({size}) a step needs {_fmt(self.none_bytes)} {NO_CHECKPOINTING}"
         return (f"at its largest input ({size}) a step needs {_fmt(self.full_bytes)} {self.least} "
-                f"and {_fmt(self.none_bytes)} {NO_CHECKPOINTING}")
-
-
-NO_CHECKPOINTING = "without checkpointing"  # ``plan_in_words`` of the empty plan
+                f"and {_fmt(self.none_bytes)} without checkpointing")
 
 
 def _fmt(value) -> str:
@@ -69,16 +66,15 @@ def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) 
             peak = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective,
                                    offload=decision.offload)
             peaks.append(None if peak is None else peak + later_bytes)
-    return BudgetRange(tuple(input_size), *peaks, least=plan_in_words(least, planner.num_blocks))
+    return BudgetRange(tuple(input_size), *peaks, least=plan_in_words(least, planner.num_blocks),
+                       saves_memory=planner.policy.saves_memory)
 
 
 def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:
     """Why ``budget_bytes`` (``written`` so by the user) cannot run the recipe (below what the
-    planner's least-memory plan needs), or None when it can. Planner ``none`` is let run: running
-    out of memory on the long batches is its answer (``budget_warning`` says so first)."""
+    planner's least-memory plan needs), or None when it can. Planner ``none`` above that is let
+    run: running out of memory on the long batches is its answer (``budget_warning``)."""
     if budget_bytes is None or (needs.full_bytes is not None and budget_bytes >= needs.full_bytes):
-        return None
-    if needs.least == NO_CHECKPOINTING:
         return None
     return (f"budget {format_budget(written, budget_bytes)} is too small for this recipe: {needs.describe()}. "
             f"Raise the budget to at least {_fmt(needs.full_bytes)}, or lower training.batch_size or "
@@ -86,9 +82,9 @@ def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | No
 
 
 def budget_warning(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:
-    """For planner ``none`` (which checkpoints nothing) under a budget its largest input needs
-    more than: that the longest batches will run out of memory, or None."""
-    if needs.least != NO_CHECKPOINTING or budget_bytes is None or needs.none_bytes is None:
+    """For a planner that never saves memory (``none``) under a budget its largest input needs more
+    than: that the longest batches will run out of memory, or None."""
+    if needs.saves_memory or budget_bytes is None or needs.none_bytes is None:
         return None
     if budget_bytes >= needs.none_bytes:
         return None

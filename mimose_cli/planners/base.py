@@ -308,13 +308,11 @@ class NoCheckpointingPolicy(Policy):
 
     name = "none"
     adapts = False
+    saves_memory = False
     oom_fix = ("let a planner checkpoint (mimose), raise the budget, or lower the batch size or sequence length",)
 
     def decide(self, input_size, context=NO_CONTEXT):
         return Decision(())
-
-    def least_memory(self) -> Decision:
-        return self.decide(())
 
 
 class FullCheckpointingPolicy(Policy):

@@ -101,6 +101,9 @@ class Policy:
     builds_meter = False
     """Without a ``meter``, build one (Mimose measures every step), on only inside ``step`` and
     ``run``: code between the steps runs as if there were no planner."""
+    saves_memory = True
+    """False: the policy never trades time for memory (``none``); the pre-flight then warns when
+    its largest step needs more than the budget, and lets it run out of memory there."""
     variant_option: str | None = None
     """The option a compare baseline ``name:value`` sets (``mimose compare --baselines
     sublinear:chen,mimose:selective``); None: the planner has no variants."""
@@ -150,8 +153,8 @@ class Policy:
     def least_memory(self) -> Decision:
         """The plan that runs a step in the least memory this policy can, which the pre-flight
         measures at the largest input (no budget below it runs the recipe with this policy): every
-        block checkpointed, the planners' last resort; a policy with one plan only (``none``,
-        ``full``, ``offload``) returns that plan."""
+        block checkpointed, the planners' last resort; a policy whose one plan needs less or more
+        (``full`` with ``selective``, ``offload``) returns that plan."""
         return Decision(tuple(range(self.parts.num_blocks)))
 
     def predict_peak(self, size: tuple, plan: tuple) -> int | None:

@@ -101,9 +101,10 @@ def test_the_least_memory_figure_covers_a_padded_batch_of_the_largest_size(quick
 
 
 def test_planners_with_one_plan_are_held_to_it():
-    """``none``, ``full`` with ``selective`` and ``offload`` run one plan only: the pre-flight's
-    least figure is that plan's. Planner ``none`` is let run (its running out of memory on the
-    long batches is its answer), with a warning that points to a planner that checkpoints."""
+    """``full`` with ``selective`` and ``offload`` run one plan only: the pre-flight's least figure
+    is that plan's. Planner ``none`` is refused only below what every block checkpointed needs;
+    above, it is let run (its running out of memory on the long batches is its answer), with a
+    warning that points to a planner that checkpoints."""
     from mimose_cli.launcher.preflight import BudgetRange, budget_error, budget_warning
     from mimose_cli.planners.policy import Decision, plan_in_words
 
@@ -111,9 +112,10 @@ def test_planners_with_one_plan_are_held_to_it():
     assert plan_in_words(Decision((0, 1, 2, 3), selective=(0, 1, 2, 3)), 4) == "with every block checkpointed selectively"
     assert plan_in_words(Decision((), offload=(0, 1, 2, 3)), 4) == "with every block offloaded"
     assert plan_in_words(Decision((1, 2)), 4) == "with 2 of 4 blocks checkpointed"
-    needs = BudgetRange((16, 128), 900, 900, least="without checkpointing")
+    needs = BudgetRange((16, 128), 500, 900, saves_memory=False)
     assert budget_error(800, needs, "800") is None and budget_warning(900, needs) is None
     assert "planner none will run out of memory on the longest batches" in budget_warning(800, needs, "800")
+    assert budget_error(400, needs, "400") is not None  # below every plan: refused
     assert budget_warning(800, BudgetRange((16, 128), 500, 900)) is None  # a planner that checkpoints
 
 
