@@ -85,12 +85,14 @@ def oracles_made():
         OraclePolicy.__init__ = init
 
 
-def plan_cost_ms(plans: list, table: dict) -> float:
-    """Σ over steps of what ``table`` (input size -> per-block recompute and selective ms, the
-    oracle's measurements) says the step's plan recomputes; steps at sizes without a table entry
-    are left out (the same steps for every run of a round: the same batches)."""
+def plan_cost_ms(plans: dict, table: dict, steps=None) -> float:
+    """Σ over ``steps`` (default: all of ``plans``, step -> (size, plan, selective)) of what
+    ``table`` (input size -> per-block recompute and selective ms, the oracle's measurements) says
+    the step's plan recomputes; steps at sizes without a table entry are left out (the same steps
+    for every run of a round: the same batches)."""
     total = 0.0
-    for size, plan, selective in plans:
+    for step in plans if steps is None else steps:
+        size, plan, selective = plans[step]
         times = table.get(size)
         if times is not None:
             recompute, sel = times
@@ -118,7 +120,7 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=()) ->
             "oom_steps": sum(r.oom for r in result.records), "retries": sum(r.retries for r in result.records),
             "preflight_full_bytes": (result.summary.get("preflight") or {}).get("full_bytes"),
             # kept in memory, not written: each step's plan, and the oracle's measured table
-            "_plans": [(tuple(r.input_size or ()), frozenset(r.plan), frozenset(r.selective)) for r in records],
+            "_plans": {r.step: (tuple(r.input_size or ()), frozenset(r.plan), frozenset(r.selective)) for r in records},
             "_table": dict(oracles[-1].choice_ms) if oracles else None}
 
 
@@ -173,8 +175,9 @@ def price_rounds(rounds: list) -> None:
             entries = [t[size] for t in others if t.get(size) is not None]
             if entries:
                 table[size] = tuple(np.mean([np.asarray(e[c]) for e in entries], axis=0) for c in (0, 1))
+        steps = set.intersection(*(set(r["_plans"]) for r in round_runs))  # a step out of memory in any run: left out
         for r in round_runs:
-            r["plan_cost_ms"] = plan_cost_ms(r["_plans"], table) if others else None
+            r["plan_cost_ms"] = plan_cost_ms(r["_plans"], table, steps) if others else None
 
 
 def _ratio(a, b):
