@@ -20,8 +20,9 @@ alike blocks, the blocks that happened to time fastest), which would favour it; 
 there is no other table and the round's own is used. ``alike blocks averaged``: the same, each
 table's alike blocks (the layers of a stack, ``blocks.twin_blocks``) given their mean, so that
 which of them a plan picks no longer moves its cost by the timing noise between them. Memory is
-the exact simulated device; times are this CPU's (Python per op dominates tiny models, on which torch's selective checkpointing's
-dispatch mode costs more than the matmuls it saves, and the scheduler's time model sees it).
+the exact simulated device; times are this CPU's (Python per op dominates tiny models, on which
+torch's selective checkpointing's dispatch mode costs more than the matmuls it saves, and the
+scheduler's time model sees it).
 
 Configurations: ``swag`` (the 12-layer tiny BERT of mimose_speed.py), ``bert-base-width`` (4 layers
 of hidden 768), ``squad`` (lengths up to 384, widely varying), and the paper-figure configurations
