@@ -32,7 +32,9 @@ def compare(
     from mimose_cli.cli.recipes import DEFAULT_RECIPE
     from mimose_cli.launcher.recipe import RecipeError, load_recipe
     from mimose_cli.runs.compare import read_compare, timing_noise
+    from mimose_cli.runs.live import check_view
 
+    check_view(view, "--view")
     if is_override(recipe):  # overrides alone: of the default recipe
         recipe, overrides = None, [str(recipe), *(overrides or [])]
     if recipe is None:

@@ -45,7 +45,9 @@ def train(
     from mimose_cli.launcher.recipe import RecipeError, load_recipe
     from mimose_cli.launcher.resume import resume_recipe
     from mimose_cli.launcher.spawn import other_rank, relaunch, under_torchrun
+    from mimose_cli.runs.live import check_view
 
+    check_view(view, "--view")
     given = {"--budget": budget, "--planner": planner, "--device": device, "--max-steps": max_steps,
              "--out": str(out) if out else None}
     flags = {FLAG_NAMES[flag]: value for flag, value in given.items()}

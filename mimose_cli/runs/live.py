@@ -53,10 +53,12 @@ def new_console() -> Console:
 VIEWS = ("auto", "live", "plain", "none")
 
 
-def check_view(view: str) -> None:
-    """Raise ValueError unless ``view`` is one of ``VIEWS`` (checked before a run starts)."""
+def check_view(view: str, flag: str | None = None) -> None:
+    """Raise ValueError unless ``view`` is one of ``VIEWS`` (checked before a run starts); the
+    error names ``flag`` (a command's ``--view``) when given, else the argument."""
     if view not in VIEWS:
-        raise ValueError(f"view={view!r} is invalid; expected one of {', '.join(VIEWS)}")
+        given = f"{flag} {view!r}" if flag else f"view={view!r}"
+        raise ValueError(f"{given} is invalid; expected one of {', '.join(VIEWS)}")
 
 
 def _shape(record: StepRecord) -> str:
