@@ -46,6 +46,7 @@ def train(
     from mimose_cli.launcher.resume import resume_recipe
     from mimose_cli.launcher.spawn import other_rank, relaunch, under_torchrun
     from mimose_cli.runs.live import check_view
+    from mimose_cli.runs.rundir import check_out_dir
 
     check_view(view, "--view")
     given = {"--budget": budget, "--planner": planner, "--device": device, "--max-steps": max_steps,
@@ -85,6 +86,8 @@ def train(
         needs = measure_only(resolved)
         fails = budget_error(resolved.budget_bytes, needs) or budget_warning(resolved.budget_bytes, needs)
         raise typer.Exit(1 if fails else 0)
+    if out is not None and resume is None and not other_rank():
+        check_out_dir(out, "--out")  # as the run does, but naming the flag
     result = run_training(resolved, view=view, recipe_name=recipe.stem if recipe else "run", resume=resume)
     if view == "none" and not other_rank():
         typer.echo(f"run directory: {result.run_dir}")  # silent, but not lost

@@ -45,20 +45,22 @@ def new_run_dir(out_dir, recipe_name: str, planner: str) -> Path:
     return unique_dir(Path(out_dir) / f"{stamp}-{recipe_name}-{planner}")
 
 
-def check_out_dir(out_dir) -> Path:
+def check_out_dir(out_dir, flag: str | None = None) -> Path:
     """Create ``out_dir`` if missing and check a directory can be made in it, before anything
-    slow is built; raises ValueError naming it otherwise."""
+    slow is built; raises ValueError naming it (as ``flag``, a command's ``--out``, when given)
+    otherwise."""
     path = Path(out_dir)
+    given = f"{flag} {str(path)!r}" if flag else f"out_dir={str(path)!r}"
     if path.exists() and not path.is_dir():
-        raise ValueError(f"out_dir={str(path)!r} is a file, not a directory; choose a directory")
+        raise ValueError(f"{given} is a file, not a directory; choose a directory")
     if (path / "metrics.jsonl").exists() or (path / "compare.json").exists():
-        raise ValueError(f"out_dir={str(path)!r} is a run (or compare) directory; out_dir names where new run "
+        raise ValueError(f"{given} is a run (or compare) directory; out_dir names where new run "
                          f"directories go (e.g. {str(path.parent)!r}), and --resume {str(path)} continues that run")
     try:
         path.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=".mimose-check-", dir=path))
     except OSError as err:
-        raise ValueError(f"out_dir={str(path)!r} is not writable ({err.strerror}); "
+        raise ValueError(f"{given} is not writable ({err.strerror}); "
                          "choose a directory you can write to") from None
     return path
 

@@ -187,7 +187,7 @@ VALUES = [
 ]
 
 OUT_DIRS = [
-    train("out-is-a-file", "--out", "{tmp}/file", named="{tmp}/file' is a file", files={"file": "x"}),
+    train("out-is-a-file", "--out", "{tmp}/file", named="--out '{tmp}/file' is a file", files={"file": "x"}),
     train("out-under-a-file", "--out", "{tmp}/file/runs", named="{tmp}/file/runs' is not writable",
           files={"file": "x"}),
     train("out-unwritable", "--out", "/sys/mimose-test", named="'/sys/mimose-test' is not writable"),
