@@ -68,7 +68,7 @@ def calibrate(preset: str, steps: int, out_dir, quantile: float = 0.6) -> dict:
     sizes = [infer_input_size(batch) for batch in loader][:steps]
     mask = np.zeros(estimator.num_blocks, dtype=bool)
     none_peaks = [base + peak_timeline(estimator.predict(s), mask).max() for s in sizes]
-    floor = int(FLOOR * (probe.summary.get("preflight") or {}).get("full_bytes") or 0)
+    floor = int(FLOOR * ((probe.summary.get("preflight") or {}).get("full_bytes") or 0))
     budget = int(np.quantile(none_peaks, quantile))
     if budget < floor:
         print(f"{preset}: the {quantile:.0%} quantile of the no-checkpointing peaks, {budget / 2**20:.2f} MiB, is below "
