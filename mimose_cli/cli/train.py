@@ -81,11 +81,10 @@ def train(
     from mimose_cli.launcher.train import run_training
 
     if dry_run:
-        from mimose_cli.launcher.preflight import budget_error, budget_warning
+        from mimose_cli.launcher.preflight import budget_problem
 
         needs = measure_only(resolved)
-        fails = budget_error(resolved.budget_bytes, needs) or budget_warning(resolved.budget_bytes, needs)
-        raise typer.Exit(1 if fails else 0)
+        raise typer.Exit(1 if budget_problem(resolved.budget_bytes, needs) else 0)
     if out is not None and resume is None and not other_rank():
         check_out_dir(out, "--out")  # as the run does, but naming the flag
     result = run_training(resolved, view=view, recipe_name=recipe.stem if recipe else "run", resume=resume)

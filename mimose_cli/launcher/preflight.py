@@ -36,9 +36,9 @@ class BudgetRange:
 
     input_size: tuple
     full_bytes: int | None
-    """With the planner's least-memory plan (``least``: every block checkpointed, but for
-    ``none``, ``full`` with ``selective`` and ``offload`` their one plan; the name is the
-    planners' usual one): no budget below this runs the recipe with that planner."""
+    """With the planner's least-memory plan (``least``: every block checkpointed, but for ``full``
+    with ``selective`` and ``offload`` their one plan; the name is the planners' usual one): no
+    budget below this runs the recipe with that planner."""
     none_bytes: int | None
     """With no block checkpointed: a budget of this much needs no checkpointing."""
     least: str = "with every block checkpointed"
@@ -91,6 +91,12 @@ def budget_warning(budget_bytes: int | None, needs: BudgetRange, written: str | 
     return (f"budget {format_budget(written, budget_bytes)} is below what the largest input needs without "
             f"checkpointing ({_fmt(needs.none_bytes)}): planner none will run out of memory on the longest "
             "batches; a planner that checkpoints (mimose) needs less")
+
+
+def budget_problem(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:
+    """What a dry run reports as not fitting: ``budget_error``'s refusal, else ``budget_warning``'s
+    line for a planner that never saves memory, else None."""
+    return budget_error(budget_bytes, needs, written) or budget_warning(budget_bytes, needs, written)
 
 
 def optimizer_state_bytes(optimizer) -> int:

@@ -47,6 +47,7 @@ from mimose_cli.launcher.preflight import (
     BudgetRange,
     HostMemoryError,
     budget_error,
+    budget_problem,
     budget_warning,
     check_model_state,
     optimizer_state_bytes,
@@ -490,8 +491,7 @@ def dry_run(recipe: Recipe, console=None) -> BudgetRange:
     finally:
         trainer.planner.close()
     console.print(f"{recipe.model.type} ({recipe.model.size}): {needs.describe()}", highlight=False, soft_wrap=True)
-    error = budget_error(recipe.budget_bytes, needs, recipe.budget) or budget_warning(
-        recipe.budget_bytes, needs, recipe.budget)
+    error = budget_problem(recipe.budget_bytes, needs, recipe.budget)
     if error is not None:
         console.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
     elif recipe.budget_bytes is not None:

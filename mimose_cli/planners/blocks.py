@@ -377,9 +377,9 @@ def heavy_op_work(func, args, out) -> tuple:
     """A compute-heavy op's work as ``(dims, factor, gemm)``: its floating-point operations are
     ``factor`` times the product of ``dims`` (its output's shape and the length each element is a
     sum over: a matmul's inner dimension, a convolution's input channels and kernel; an
-    attention's key length and head dims, scores and values; a causal one does half), which grows with the input size as
-    the op's time does where the output does not (attention times values: output ``B·L·d``, work
-    ``B·L²·d``); ``gemm`` is the matmul it amounts to, ``(rows, inner, cols, dtype)``, None for
+    attention's key length and head dims, scores and values; a causal one does half), which grows
+    with the input size as the op's time does where the output does not (attention times values:
+    output ``B·L·d``, work ``B·L²·d``); ``gemm`` is the matmul it amounts to, ``(rows, inner, cols, dtype)``, None for
     an attention (whose inner length is the sequence's)."""
     first = out if isinstance(out, torch.Tensor) else next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     name = func.overloadpacket.__name__

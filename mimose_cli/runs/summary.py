@@ -216,9 +216,11 @@ def summary_tables(summary: dict) -> list:
     tables = [table]
     stats = summary.get("planner") or {}
     if stats:
-        shown = {key: value for key, value in stats.items() if key != "planner" and not _empty(value)}
-        left_out = " (empty figures left out; all in summary.json)" if len(shown) < len(stats) - ("planner" in stats) else ""
-        planner = Table(title=f"planner: {stats.get('planner', '?')}{left_out}", title_justify="left", show_header=False)
+        figures = {key: value for key, value in stats.items() if key != "planner"}
+        shown = {key: value for key, value in figures.items() if not _empty(value)}
+        left_out = " (empty figures left out; all in summary.json)" if len(shown) < len(figures) else ""
+        planner = Table(title=f"planner: {stats.get('planner', '?')}{left_out}", title_justify="left",
+                        show_header=False)
         planner.add_column("what")
         planner.add_column("value", justify="right")
         for key, value in shown.items():
