@@ -74,6 +74,18 @@ def _run_recipe(recipe: Recipe, spec: str, steps) -> Recipe:
     return recipe_from_dict(recipe_to_dict(recipe), f"compare {spec}", flags=flags, flags_from=f"compare {spec}")
 
 
+def _distinct_runs(recipes: dict, console) -> list:
+    """The specs of ``recipes`` (spec -> its run's recipe) whose runs differ: a variant that is
+    what the recipe sets already (``mimose:block`` where ``planner.mimose.choices`` is block)
+    would run the same configuration twice, so it is left out, and said."""
+    first: dict = {}
+    for spec, recipe in recipes.items():
+        same = first.setdefault(json.dumps(recipe_to_dict(recipe), sort_keys=True, default=str), spec)
+        if same != spec:
+            console.print(f"compare: {spec} is the recipe's {same} (the same planner options); run once, as {same}")
+    return list(first.values())
+
+
 def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
     stats = summary.get("planner") or {}
     recompute = summary.get("recompute_ms_total", stats.get("recompute_ms"))
@@ -125,8 +137,7 @@ def normalise(rows: list) -> str | None:
     return reference
 
 
-def _one_run(recipe: Recipe, spec: str, steps, compare_dir: Path, view: str) -> dict:
-    run = _run_recipe(recipe, spec, steps)
+def _one_run(run: Recipe, spec: str, compare_dir: Path, view: str) -> dict:
     out_dir = compare_dir / "runs" / run.budget
     try:
         result = run_training(run, out_dir=out_dir, view=view, recipe_name=spec.replace(":", "-"), save=False)
@@ -185,9 +196,11 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr", "hf-every-n"),
                          "(--repeats N runs each budget N times)")
     # Every budget and every planner's recipe checked before the first run.
     at_budgets = [_at_budget(recipe, budget) for budget in budgets]
-    for spec in specs:
-        _run_recipe(at_budgets[0], spec, steps)
+    # Built once, before the first run: a recipe's warnings (a warm-up longer than the run) are
+    # said once, not again for every run after a run's own warnings reset Python's registry.
+    recipes = {(base.budget, spec): _run_recipe(base, spec, steps) for base in at_budgets for spec in specs}
     console = console or new_console()
+    specs = _distinct_runs({spec: recipes[at_budgets[0].budget, spec] for spec in specs}, console)
     data = {"recipe": recipe_name, "planners": specs, "steps": steps or recipe.training.max_steps,
             "seed": recipe.seed, "repeats": repeats, "budgets": []}
     compare_dir = _claim_compare_dir(out, recipe, recipe_name, data)
@@ -203,7 +216,7 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr", "hf-every-n"),
                     elapsed = time.perf_counter() - started
                     console.print(f"compare [{count}/{total}, {elapsed:.0f} s]: {spec} at {base.budget}"
                                   + (f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""))
-                    done[spec].append(_one_run(base, spec, steps, compare_dir, view))
+                    done[spec].append(_one_run(recipes[base.budget, spec], spec, compare_dir, view))
                     entry["runs"] = [merge_repeats(rows) if repeats > 1 else rows[0]
                                      for rows in done.values() if rows]
                     entry["reference"] = normalise(entry["runs"])

@@ -1,6 +1,7 @@
 """mimose compare: every planner at every budget, out of memory as a result, compare.json + tables."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -93,6 +94,39 @@ def test_finer_plans_compare_beside_block_level_ones(fake_training, tmp_path):
     blocks = {line.split()[1]: line for line in result.output.splitlines() if line.startswith("│ mimose")}
     assert "1.50 (0.50 sel)" in blocks["mimose:selective"] and "sel)" not in blocks["mimose"]
     assert {c[1] for c in fake_training} == {load_recipe(str(QUICKSTART)).budget}
+
+
+def test_a_variant_the_recipe_already_sets_runs_once(fake_training, tmp_path):
+    """``mimose:block`` on a recipe whose Mimose plans by block is the same run as ``mimose``:
+    run once and said, while ``oracle:selective`` (other options) still runs beside ``oracle``."""
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines", "mimose:block,oracle:selective",
+                                      "--out", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    runs = [(c[0], c[3].get("choices", "block")) for c in fake_training if c[0] in ("mimose", "oracle")]
+    assert sorted(runs) == [("mimose", "block"), ("oracle", "block"), ("oracle", "selective")]
+    assert "mimose:block is the recipe's mimose" in " ".join(result.output.split())
+    data = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert "mimose:block" not in data["planners"] and "oracle:selective" in data["planners"]
+
+
+def test_a_recipe_warning_is_said_once_not_per_run(fake_training, monkeypatch, tmp_path):
+    """A warm-up longer than the compared steps is one warning, though each run resets Python's
+    once-per-place registry (any ``warnings.catch_warnings`` does, as training's do)."""
+    inner = mimose_cli.launcher.sweep.run_training
+
+    def run_training(recipe, **kwargs):
+        with warnings.catch_warnings():
+            return inner(recipe, **kwargs)
+
+    monkeypatch.setattr(mimose_cli.launcher.sweep, "run_training", run_training)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--steps", "2", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert len(fake_training) == 6
+    assert [str(w.message) for w in caught if "warmup_steps" in str(w.message)] == [
+        "training.warmup_steps=5 is longer than the run (training.max_steps=2): the learning rate never reaches "
+        "training.lr"]
 
 
 def test_no_reference_when_none_and_oracle_fail():
