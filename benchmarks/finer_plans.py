@@ -46,7 +46,7 @@ from paper_figure import CONFIGS as PAPER_CONFIGS
 from paper_figure import fastest_steps_s, make_recipe
 
 from mimose_cli.launcher.train import run_training
-from mimose_cli.planners.blocks import twin_blocks
+from mimose_cli.planners.blocks import alike_mean, twin_blocks
 from mimose_cli.planners.oracle import OraclePolicy
 
 from _results import write_results
@@ -184,19 +184,10 @@ def price_rounds(rounds: list) -> None:
                 table[size] = tuple(np.mean([np.asarray(e[c]) for e in entries], axis=0) for c in (0, 1))
         steps = set.intersection(*(set(r["_plans"]) for r in round_runs))  # a step out of memory in any run: left out
         twins = next((r["_twins"] for r in round_runs if r["_twins"] is not None), {})
-        alike = {size: tuple(_alike_mean(t, twins) for t in times) for size, times in table.items()}
+        alike = {size: tuple(alike_mean(t, twins) for t in times) for size, times in table.items()}
         for r in round_runs:
             r["plan_cost_ms"] = plan_cost_ms(r["_plans"], table, steps) if others else None
             r["plan_cost_alike_ms"] = plan_cost_ms(r["_plans"], alike, steps) if others else None
-
-
-def _alike_mean(times, twins: dict) -> np.ndarray:
-    """``times`` per block with each group of alike blocks (``blocks.twin_blocks``: the layers of a
-    stack, which run the same ops on the same bytes) given the group's mean: what one step's
-    timing noise left between them averaged out."""
-    times = np.asarray(times, dtype=float)
-    lead = np.array([twins.get(i, i) for i in range(len(times))])
-    return np.array([times[lead == lead[i]].mean() for i in range(len(times))])
 
 
 def _ratio(a, b):

@@ -12,6 +12,7 @@ import functools
 import math
 import time
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
@@ -132,6 +133,16 @@ def twin_blocks(blocks: list, first_leads: bool = True) -> dict:
         groups.setdefault(signature, []).append(index)
     lead = 0 if first_leads else 1
     return {index: group[lead] for group in groups.values() for index in group[lead + 1:]}
+
+
+def alike_mean(values, twins: dict) -> np.ndarray:
+    """``values`` per block with each group of alike blocks (``twin_blocks``: the layers of a
+    stack, which run the same ops on the same bytes) given the group's mean: one step's timing
+    noise between them averaged out, so that which of them a plan takes follows their order, not
+    which happened to time fastest."""
+    values = np.asarray(values, dtype=float)
+    lead = np.array([twins.get(i, i) for i in range(len(values))])
+    return np.array([values[lead == lead[i]].mean() for i in range(len(values))])
 
 
 def first_runs_otherwise(twins: dict, input_grads: dict) -> str | None:

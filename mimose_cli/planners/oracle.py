@@ -8,7 +8,11 @@ step peaks match the simulated device to < 0.01 % on the transformers tested). T
 the plan with the least recompute time (Σ measured forward ms) whose peak, on top of the bytes
 at the step's start, fits the budget: an exact search over every plan up to ``EXACT_MAX_BLOCKS``
 blocks; beyond, a knapsack DP on the blocks' savings, topped up block by block until the
-timeline fits. Measuring and searching are excluded from the step's time
+timeline fits. With finer plans (``choices="selective"``) every keep / selective / recompute plan
+up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks. The times of alike blocks (the layers of a stack,
+``blocks.twin_blocks``) are given their mean (``blocks.alike_mean``): one step's timings of
+identical layers differ by tens of percent on a busy CPU, and a plan should not take layer 7 over
+layer 2 for that. Measuring and searching are excluded from the step's time
 (``Decision.excluded_ms``); measurements are kept per input size.
 """
 
@@ -17,7 +21,7 @@ import time
 import numpy as np
 
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.blocks import selectable
+from mimose_cli.planners.blocks import alike_mean, selectable, twin_blocks
 from mimose_cli.planners.choices import CHOICE_SETS, ChoiceSet, ChoiceTimes, choice_plan_checked, dispatch_costs_ms
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import (
@@ -61,17 +65,22 @@ def plan_peak(pred: Prediction, plan, selective=()) -> float:
     return plan_peak_bytes(pred, plan, selective)
 
 
-EXACT_MAX_CHOICE_BLOCKS = 8
+EXACT_MAX_CHOICE_BLOCKS = 12
+"""Up to this many blocks the finer-plan oracle tries every plan (3^12 = 531441, in chunks of
+``_CHOICE_CHUNK``: 0.15 s per input size on this CPU, excluded from the step's time); beyond,
+Mimose's scheduler on the measurements."""
+_CHOICE_CHUNK = 3 ** 8
 
 
 def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray, selective_ms: np.ndarray,
                   selectable: np.ndarray) -> tuple:
     """Finer plans (``choices="selective"``): ``(plan, selective)`` with the least recompute time
-    whose measured peak fits, over every block kept, checkpointed selectively or recomputed: all
-    3^n plans up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks, beyond them Mimose's scheduler
+    whose measured peak fits, over every block kept, checkpointed selectively or recomputed: every
+    plan up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks, beyond them Mimose's scheduler
     (``choices.choice_plan_checked``) on the measurements. A block whose selective checkpoint
     frees nothing, or holds buffers (``selectable`` False), is not checkpointed selectively; every
-    block recomputed when nothing fits."""
+    block recomputed when nothing fits. Ties go to fewer blocks, then to the plan met first
+    (the earlier blocks upgraded: their savings last longest in backward)."""
     n = len(recompute_ms)
     every = tuple(range(n))
     extra = np.maximum(pred.blocks["selective_extra_bytes"], 0.0)
@@ -83,17 +92,32 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
             [np.zeros(n), selective_savings, savings], [np.zeros(n), selective_ms, recompute_ms],
             lambda p, sel: plan_peak(pred, p, sel), limit_bytes)
         return (plan, selective) if fits else (every, ())
-    levels = (np.arange(3 ** n)[:, None] // 3 ** np.arange(n)) % 3
-    levels = levels[~((levels == 1) & ~useful).any(axis=1)]
-    plans, chosen = levels > 0, levels == 1
-    peaks = peak_timeline(pred, plans, chosen).max(axis=-1)
-    cost = np.where(levels == 2, recompute_ms, 0.0).sum(axis=1) + np.where(chosen, selective_ms, 0.0).sum(axis=1)
-    cost = cost + plans.sum(axis=1) * 1e-9
-    cost[peaks > limit_bytes] = np.inf
-    best = int(np.argmin(cost))
-    if not np.isfinite(cost[best]):
+    # Each block's levels (0 keep, 1 selective, 2 recompute; selective only where useful), as
+    # the digits of a mixed-radix number: plan k of the search is k's digits.
+    allowed = [np.array([0, 1, 2]) if use else np.array([0, 2]) for use in useful]
+    radix = np.array([len(a) for a in allowed])
+    place = np.concatenate(([1], np.cumprod(radix)[:-1]))
+    table = np.full((n, 3), 2)
+    for i, a in enumerate(allowed):
+        table[i, :len(a)] = a
+    best, best_cost = None, np.inf
+    for start in range(0, int(np.prod(radix)), _CHOICE_CHUNK):
+        k = np.arange(start, min(start + _CHOICE_CHUNK, int(np.prod(radix))))
+        levels = table[np.arange(n), (k[:, None] // place) % radix]
+        plans, chosen = levels > 0, levels == 1
+        cost = (np.where(levels == 2, recompute_ms, 0.0).sum(axis=1) + np.where(chosen, selective_ms, 0.0).sum(axis=1)
+                + plans.sum(axis=1) * 1e-9)
+        cheaper = cost < best_cost
+        if not cheaper.any():
+            continue
+        plans, chosen, cost = plans[cheaper], chosen[cheaper], cost[cheaper]
+        cost[peak_timeline(pred, plans, chosen).max(axis=-1) > limit_bytes] = np.inf
+        at = int(np.argmin(cost))
+        if cost[at] < best_cost:
+            best, best_cost = (plans[at], chosen[at]), cost[at]
+    if best is None:
         return every, ()
-    return (tuple(int(i) for i in np.flatnonzero(plans[best])), tuple(int(i) for i in np.flatnonzero(chosen[best])))
+    return (tuple(int(i) for i in np.flatnonzero(best[0])), tuple(int(i) for i in np.flatnonzero(best[1])))
 
 
 def exact_search(pred: Prediction, limit_bytes: float) -> tuple:
@@ -202,6 +226,7 @@ class OraclePolicy(Policy):
         self.measurer = ShuttlingCollector(parts.model, parts.blocks)
         self.measurer.lifetimes = choices == "selective"  # the selective bytes (``scaling.selective_bytes``)
         self.selectable = np.array(selectable(self.parts.blocks))
+        self.twins = twin_blocks(self.parts.blocks)
         self.choice_ms: dict = {}  # input size -> (recompute ms, selective ms) per block
         self._dispatch_costs = None
         self.measured: dict = {}  # input size -> Prediction, or None when it could not be measured
@@ -241,8 +266,11 @@ class OraclePolicy(Policy):
             if raw is not None:  # the heavy outputs a selective checkpoint keeps, as Mimose's probes count them
                 keeps = selective_keeps(raw, self.parts.num_blocks, {})
                 self.parts.plan_runner.selective_keep.update({i: k for i, k in enumerate(keeps) if k is not None})
-            self.choice_ms[size] = times.at(feature_set.of(size)) if times is not None else None
+            self.choice_ms[size] = (None if times is None else
+                                    tuple(alike_mean(t, self.twins) for t in times.at(feature_set.of(size))))
         pred = None if sample is None else measured_prediction(size, sample, self.parts.num_blocks)
+        if pred is not None:
+            pred.blocks["fwd_ms"] = alike_mean(pred.blocks["fwd_ms"], self.twins)
         if pred is None:
             warn_user(f"oracle: input size {size} could not be measured (out of memory, or a "
                       "block the collector cannot attribute); checkpointing every block")

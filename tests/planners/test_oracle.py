@@ -9,8 +9,15 @@ import torch
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import Decision, build_planner
-from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction
-from mimose_cli.planners.oracle import exact_search, knapsack_plan, knapsack_search, min_cost_cover, plan_peak
+from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction, peak_timeline
+from mimose_cli.planners.oracle import (
+    choice_search,
+    exact_search,
+    knapsack_plan,
+    knapsack_search,
+    min_cost_cover,
+    plan_peak,
+)
 from mimose_cli.planners.sublinear import BlockProfile
 
 from helpers import bert_batch, tiny_bert
@@ -48,6 +55,42 @@ def test_exact_search_matches_brute_force_on_the_timeline():
         else:
             assert plan_peak(pred, plan) <= limit
             assert abs(sum(pred.blocks["fwd_ms"][list(plan)]) - best) < 1e-9
+
+
+def _every_choice_plan(pred, limit, recompute_ms, selective_ms, useful):
+    """The finer-plan search written plainly: every keep / selective / recompute plan at once,
+    the cheapest that fits, ties to fewer blocks and then to the first in enumeration order."""
+    n = len(recompute_ms)
+    levels = (np.arange(3 ** n)[:, None] // 3 ** np.arange(n)) % 3
+    levels = levels[~((levels == 1) & ~useful).any(axis=1)]
+    plans, chosen = levels > 0, levels == 1
+    cost = (np.where(levels == 2, recompute_ms, 0.0).sum(axis=1) + np.where(chosen, selective_ms, 0.0).sum(axis=1)
+            + plans.sum(axis=1) * 1e-9)
+    cost[peak_timeline(pred, plans, chosen).max(axis=-1) > limit] = np.inf
+    best = int(np.argmin(cost))
+    if not np.isfinite(cost[best]):
+        return tuple(range(n)), ()
+    return tuple(np.flatnonzero(plans[best]).tolist()), tuple(np.flatnonzero(chosen[best]).tolist())
+
+
+def test_the_finer_plan_search_in_chunks_is_every_plan_at_once():
+    """``choice_search`` walks the 3^n plans in chunks (up to 12 blocks) and skips the peaks of
+    plans no cheaper than the best so far: the same plan as evaluating them all at once, on
+    stacks of 2 to 10 blocks (3^10 = 59049 plans: nine chunks), some blocks not selectable, some
+    times alike (ties)."""
+    rng = random.Random(5)
+    for n in (2, 3, 5, 7, 9, 10):
+        for _ in range(3):
+            pred = random_prediction(rng, n)
+            recompute = np.array([rng.choice([1.0, 2.0, rng.uniform(0.5, 3.0)]) for _ in range(n)])
+            selective = recompute * np.array([rng.choice([0.3, 0.5, rng.uniform(0.1, 1.2)]) for _ in range(n)])
+            selectable = np.array([rng.random() < 0.8 for _ in range(n)])
+            none_peak, full_peak = plan_peak(pred, ()), plan_peak(pred, range(n))
+            limit = full_peak + rng.uniform(-0.05, 0.9) * (none_peak - full_peak)
+            extra = np.maximum(pred.blocks["selective_extra_bytes"], 0.0)
+            useful = (pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"]) & selectable
+            expected = _every_choice_plan(pred, limit, recompute, selective, useful)
+            assert choice_search(pred, limit, recompute, selective, selectable) == expected
 
 
 def test_knapsack_search_fits_many_blocks():
@@ -125,6 +168,11 @@ def test_oracle_plans_the_fewest_blocks_that_fit_and_predicts_the_peak():
     assert 0 < len(info.plan) < 4 and peak <= budget
     assert abs(peak - info.predicted_peak_bytes) <= 1e-3 * peak
     assert again.cache_hit and again.plan == info.plan and info.excluded_ms > 0
+    # the four layers are alike: one time for all, so the plan takes the earliest of them (whose
+    # savings last longest in backward), not those that happened to time fastest in the measuring
+    fwd_ms = oracle.policy.measured[(4, 64)].blocks["fwd_ms"]
+    assert np.all(fwd_ms == fwd_ms[0]) and fwd_ms[0] > 0
+    assert info.plan == tuple(range(len(info.plan)))
     # least recompute: dropping any block of the plan would not fit (blocks cost about the same)
     lighter = [tuple(i for i in info.plan if i != drop) for drop in info.plan]
     assert all(p > budget for p in _peaks(model, data, lighter))
