@@ -15,11 +15,12 @@ then selective / block and selective / oracle. Beside the times, what this machi
 move: each run's plans priced with one table of recompute time per block per choice at each input
 size, measured by the oracles of the *other* rounds (their mean; ``plan cost``, Σ over steps of the
 plan's blocks' recompute or selective times), so ``plan cost`` ratios compare the plans alone. Not
-the round's own oracle's table: the oracle chose its plans on that table's noise (in a stack of
-alike blocks, the blocks that happened to time fastest), which would favour it; with one round
-there is no other table and the round's own is used. ``alike blocks averaged``: the same, each
-table's alike blocks (the layers of a stack, ``blocks.twin_blocks``) given their mean, so that
-which of them a plan picks no longer moves its cost by the timing noise between them. Memory is
+the round's own oracle's table: the oracle chose its plans on that table's noise, which would
+favour it; with one round there is no other table and the round's own is used. The oracle's
+tables give alike blocks (the layers of a stack that measured the same bytes) their mean
+(``OraclePolicy.alike_at``), so which of them a plan picks does not move its cost by the timing
+noise between them (results written before that have a second figure, ``plan_cost_alike``, that
+averaged them here). Memory is
 the exact simulated device; times are this CPU's (Python per op dominates tiny models, on which
 torch's selective checkpointing's dispatch mode costs more than the matmuls it saves, and the
 scheduler's time model sees it).
@@ -46,7 +47,6 @@ from paper_figure import CONFIGS as PAPER_CONFIGS
 from paper_figure import fastest_steps_s, make_recipe
 
 from mimose_cli.launcher.train import run_training
-from mimose_cli.planners.blocks import alike_mean, twin_blocks
 from mimose_cli.planners.oracle import OraclePolicy
 
 from _results import write_results
@@ -125,8 +125,7 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=()) ->
             "preflight_full_bytes": (result.summary.get("preflight") or {}).get("full_bytes"),
             # kept in memory, not written: each step's plan, and the oracle's measured table
             "_plans": {r.step: (tuple(r.input_size or ()), frozenset(r.plan), frozenset(r.selective)) for r in records},
-            "_table": dict(oracles[-1].choice_ms) if oracles else None,
-            "_twins": twin_blocks(oracles[-1].parts.blocks) if oracles else None}
+            "_table": dict(oracles[-1].choice_ms) if oracles else None}
 
 
 def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: list) -> list:
@@ -148,8 +147,7 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
             median = {v: {"train_s": statistics.median(r["train_s"] for r in rs),
                           "time_s": fastest_steps_s([r["step_ms"] for r in rs]),
                           "recompute_ms": statistics.median(r["recompute_ms"] for r in rs),
-                          "plan_cost_ms": _median_or_none([r.get("plan_cost_ms") for r in rs]),
-                          "plan_cost_alike_ms": _median_or_none([r.get("plan_cost_alike_ms") for r in rs])}
+                          "plan_cost_ms": _median_or_none([r.get("plan_cost_ms") for r in rs])}
                       for v, rs in runs.items()}
             row = {"config": config, "fraction": fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
                    "full_peak_bytes": full_peak, "runs": runs, "median": median}
@@ -159,13 +157,12 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
                     row[f"time_vs_{other}"] = a["time_s"] / b["time_s"] if a["time_s"] and b["time_s"] else None
                     row[f"train_vs_{other}"] = a["train_s"] / b["train_s"]
                     row[f"recompute_vs_{other}"] = a["recompute_ms"] / b["recompute_ms"] if b["recompute_ms"] else None
-                    for key in ("plan_cost", "plan_cost_alike"):
-                        row[f"{key}_vs_{other}"] = _median_or_none(
-                            [_ratio(x.get(f"{key}_ms"), y.get(f"{key}_ms"))
-                             for x, y in zip(runs["selective"], runs[other])])
+                    row[f"plan_cost_vs_{other}"] = _median_or_none(
+                        [_ratio(x.get("plan_cost_ms"), y.get("plan_cost_ms"))
+                         for x, y in zip(runs["selective"], runs[other])])
             for rs in runs.values():
                 for r in rs:
-                    del r["_plans"], r["_table"], r["_twins"]
+                    del r["_plans"], r["_table"]
             rows.append(row)
             print_row(row)
     return rows
@@ -183,11 +180,8 @@ def price_rounds(rounds: list) -> None:
             if entries:
                 table[size] = tuple(np.mean([np.asarray(e[c]) for e in entries], axis=0) for c in (0, 1))
         steps = set.intersection(*(set(r["_plans"]) for r in round_runs))  # a step out of memory in any run: left out
-        twins = next((r["_twins"] for r in round_runs if r["_twins"] is not None), {})
-        alike = {size: tuple(alike_mean(t, twins) for t in times) for size, times in table.items()}
         for r in round_runs:
             r["plan_cost_ms"] = plan_cost_ms(r["_plans"], table, steps) if others else None
-            r["plan_cost_alike_ms"] = plan_cost_ms(r["_plans"], alike, steps) if others else None
 
 
 def _ratio(a, b):
@@ -216,8 +210,7 @@ def print_row(row: dict) -> None:
         if f"time_vs_{other}" in row:
             print(f"{'':16} {'':5} selective/{other}: time {_fmt(row[f'time_vs_{other}'], '.3f')} "
                   f"(medians {row[f'train_vs_{other}']:.3f}), recompute {_fmt(row[f'recompute_vs_{other}'], '.3f')}, "
-                  f"plan cost {_fmt(row[f'plan_cost_vs_{other}'], '.3f')} "
-                  f"(alike blocks averaged {_fmt(row[f'plan_cost_alike_vs_{other}'], '.3f')})", flush=True)
+                  f"plan cost {_fmt(row[f'plan_cost_vs_{other}'], '.3f')}", flush=True)
 
 
 def main():

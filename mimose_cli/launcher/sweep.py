@@ -77,13 +77,20 @@ def _run_recipe(recipe: Recipe, spec: str, steps) -> Recipe:
 def _distinct_runs(recipes: dict, console) -> list:
     """The specs of ``recipes`` (spec -> its run's recipe) whose runs differ: a variant that is
     what the recipe sets already (``mimose:block`` where ``planner.mimose.choices`` is block)
-    would run the same configuration twice, so it is left out, and said."""
-    first: dict = {}
+    would run the same configuration twice, so it runs once, under the planner's bare name (the
+    name ``none``/``oracle`` rows are found by), and this is said."""
+    kept: dict = {}  # the run's recipe as JSON -> the spec it runs as
     for spec, recipe in recipes.items():
-        same = first.setdefault(json.dumps(recipe_to_dict(recipe), sort_keys=True, default=str), spec)
-        if same != spec:
-            console.print(f"compare: {spec} is the recipe's {same} (the same planner options); run once, as {same}")
-    return list(first.values())
+        text = json.dumps(recipe_to_dict(recipe), sort_keys=True, default=str)
+        same = kept.setdefault(text, spec)
+        if same == spec:
+            continue
+        bare, variant = sorted((same, spec), key=lambda s: ":" in s)
+        kept[text] = bare
+        name, _, value = variant.partition(":")
+        console.print(f"compare: {variant} is the same run as {bare} (the recipe sets "
+                      f"planner.{name}.{PLANNERS[name].variant_option}: {value} already); it runs once, as {bare}")
+    return list(kept.values())
 
 
 def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:

@@ -10,9 +10,9 @@ at the step's start, fits the budget: an exact search over every plan up to ``EX
 blocks; beyond, a knapsack DP on the blocks' savings, topped up block by block until the
 timeline fits. With finer plans (``choices="selective"``) every keep / selective / recompute plan
 up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks. The times of alike blocks (the layers of a stack,
-``blocks.twin_blocks``) are given their mean (``blocks.alike_mean``): one step's timings of
-identical layers differ by tens of percent on a busy CPU, and a plan should not take layer 7 over
-layer 2 for that. Measuring and searching are excluded from the step's time
+``blocks.twin_blocks``) that measured the same bytes are given their mean (``alike_at``,
+``blocks.alike_mean``): one step's timings of identical layers differ by tens of percent on a
+busy CPU, and a plan should not take layer 7 over layer 2 for that. Measuring and searching are excluded from the step's time
 (``Decision.excluded_ms``); measurements are kept per input size.
 """
 
@@ -66,9 +66,10 @@ def plan_peak(pred: Prediction, plan, selective=()) -> float:
 
 
 EXACT_MAX_CHOICE_BLOCKS = 12
-"""Up to this many blocks the finer-plan oracle tries every plan (3^12 = 531441, in chunks of
-``_CHOICE_CHUNK``: 0.15 s per input size on this CPU, excluded from the step's time); beyond,
-Mimose's scheduler on the measurements."""
+"""Up to this many blocks the finer-plan oracle tries every plan (up to 3^12 = 531441, in chunks
+of ``_CHOICE_CHUNK``), the peaks only of plans no dearer than the scheduler's plan: 0.15 s per
+input size for 12 blocks on the 2-core CPU, up to ~1 s where nothing fits; excluded from the
+step's time. Beyond, Mimose's scheduler on the measurements."""
 _CHOICE_CHUNK = 3 ** 8
 
 
@@ -79,45 +80,55 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     plan up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks, beyond them Mimose's scheduler
     (``choices.choice_plan_checked``) on the measurements. A block whose selective checkpoint
     frees nothing, or holds buffers (``selectable`` False), is not checkpointed selectively; every
-    block recomputed when nothing fits. Ties go to fewer blocks, then to the plan met first
-    (the earlier blocks upgraded: their savings last longest in backward)."""
+    block recomputed when nothing fits. Ties (in whole nanoseconds, so that alike blocks' equal
+    times tie exactly) go to fewer blocks, then to the plan met first, the earlier blocks upgraded
+    (their savings last longest in backward)."""
     n = len(recompute_ms)
     every = tuple(range(n))
     extra = np.maximum(pred.blocks["selective_extra_bytes"], 0.0)
     useful = (pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"]) & selectable
+    savings = pred.savings
+    scheduled = choice_plan_checked(
+        [np.zeros(n), np.where(useful, savings - extra, np.nan), savings], [np.zeros(n), selective_ms, recompute_ms],
+        lambda p, sel: plan_peak(pred, p, sel), limit_bytes)
     if n > EXACT_MAX_CHOICE_BLOCKS:
-        savings = pred.savings
-        selective_savings = np.where(useful, savings - extra, np.nan)
-        plan, selective, _, fits = choice_plan_checked(
-            [np.zeros(n), selective_savings, savings], [np.zeros(n), selective_ms, recompute_ms],
-            lambda p, sel: plan_peak(pred, p, sel), limit_bytes)
+        plan, selective, _, fits = scheduled
         return (plan, selective) if fits else (every, ())
     # Each block's levels (0 keep, 1 selective, 2 recompute; selective only where useful), as
     # the digits of a mixed-radix number: plan k of the search is k's digits.
-    allowed = [np.array([0, 1, 2]) if use else np.array([0, 2]) for use in useful]
+    allowed = [(0, 1, 2) if use else (0, 2) for use in useful]
     radix = np.array([len(a) for a in allowed])
     place = np.concatenate(([1], np.cumprod(radix)[:-1]))
-    table = np.full((n, 3), 2)
-    for i, a in enumerate(allowed):
-        table[i, :len(a)] = a
-    best, best_cost = None, np.inf
-    for start in range(0, int(np.prod(radix)), _CHOICE_CHUNK):
-        k = np.arange(start, min(start + _CHOICE_CHUNK, int(np.prod(radix))))
+    table = np.array([a + (2,) * (3 - len(a)) for a in allowed])
+    level_ns = np.stack([np.zeros(n), selective_ms, recompute_ms], axis=1) * 1e6
+    level_ns = np.round(level_ns).astype(np.int64)
+
+    def key(levels: np.ndarray) -> np.ndarray:  # recompute ns, then the blocks upgraded
+        return level_ns[np.arange(n), levels].sum(axis=-1) * (n + 1) + (levels > 0).sum(axis=-1)
+
+    best, bound = None, np.iinfo(np.int64).max
+    plan, selective, _, fits = scheduled
+    if fits:  # no plan dearer than the scheduler's can be the least: their peaks are not needed
+        levels = np.zeros(n, dtype=int)
+        levels[list(plan)], levels[list(selective)] = 2, 1
+        bound = int(key(levels)) + 1
+    total = int(np.prod(radix))
+    for start in range(0, total, _CHOICE_CHUNK):
+        k = np.arange(start, min(start + _CHOICE_CHUNK, total))
         levels = table[np.arange(n), (k[:, None] // place) % radix]
-        plans, chosen = levels > 0, levels == 1
-        cost = (np.where(levels == 2, recompute_ms, 0.0).sum(axis=1) + np.where(chosen, selective_ms, 0.0).sum(axis=1)
-                + plans.sum(axis=1) * 1e-9)
-        cheaper = cost < best_cost
+        keys = key(levels)
+        cheaper = keys < bound
         if not cheaper.any():
             continue
-        plans, chosen, cost = plans[cheaper], chosen[cheaper], cost[cheaper]
-        cost[peak_timeline(pred, plans, chosen).max(axis=-1) > limit_bytes] = np.inf
-        at = int(np.argmin(cost))
-        if cost[at] < best_cost:
-            best, best_cost = (plans[at], chosen[at]), cost[at]
+        levels, keys = levels[cheaper], keys[cheaper]
+        fit = peak_timeline(pred, levels > 0, levels == 1).max(axis=-1) <= limit_bytes
+        if fit.any():
+            at = int(np.argmin(np.where(fit, keys, np.iinfo(np.int64).max)))
+            if keys[at] < bound:
+                best, bound = levels[at], int(keys[at])
     if best is None:
         return every, ()
-    return (tuple(int(i) for i in np.flatnonzero(best[0])), tuple(int(i) for i in np.flatnonzero(best[1])))
+    return tuple(int(i) for i in np.flatnonzero(best > 0)), tuple(int(i) for i in np.flatnonzero(best == 1))
 
 
 def exact_search(pred: Prediction, limit_bytes: float) -> tuple:
@@ -212,6 +223,10 @@ def knapsack_plan(profile: BlockProfile, limit_bytes) -> tuple:
     return best[1] if best else tuple(range(len(act)))
 
 
+_FORWARD_BYTES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "selective_extra_bytes", "fwd_peak_bytes",
+                  "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes")
+
+
 class OraclePolicy(Policy):
     """Per batch, the least-recompute plan that fits, from measurements at that input size."""
 
@@ -266,15 +281,33 @@ class OraclePolicy(Policy):
             if raw is not None:  # the heavy outputs a selective checkpoint keeps, as Mimose's probes count them
                 keeps = selective_keeps(raw, self.parts.num_blocks, {})
                 self.parts.plan_runner.selective_keep.update({i: k for i, k in enumerate(keeps) if k is not None})
-            self.choice_ms[size] = (None if times is None else
-                                    tuple(alike_mean(t, self.twins) for t in times.at(feature_set.of(size))))
+            self.choice_ms[size] = None if times is None else times.at(feature_set.of(size))
         pred = None if sample is None else measured_prediction(size, sample, self.parts.num_blocks)
         if pred is not None:
-            pred.blocks["fwd_ms"] = alike_mean(pred.blocks["fwd_ms"], self.twins)
+            alike = self.alike_at(pred)
+            pred.blocks["fwd_ms"] = alike_mean(pred.blocks["fwd_ms"], alike)
+            if self.choice_ms.get(size) is not None:
+                self.choice_ms[size] = tuple(alike_mean(t, alike) for t in self.choice_ms[size])
         if pred is None:
             warn_user(f"oracle: input size {size} could not be measured (out of memory, or a "
                       "block the collector cannot attribute); checkpointing every block")
         return pred
+
+    def alike_at(self, pred: Prediction) -> dict:
+        """``{block: the first block like it}`` among alike blocks (``blocks.twin_blocks``) whose
+        forward measured the same bytes at this size too (``_FORWARD_BYTES``): they ran the same
+        ops on the same bytes, so their forward and recompute times differ by the timing noise
+        only (``blocks.alike_mean``). A layer that runs otherwise than its twins (a pooled stage,
+        a shorter sequence) measures other bytes and keeps its own time. Backward peaks are not
+        compared: they differ between identical layers by the gradients held at the time."""
+        quantities = _FORWARD_BYTES
+        first, alike = {}, {}
+        for i in range(self.parts.num_blocks):
+            signature = (self.twins.get(i, i), tuple(float(pred.blocks[q][i]) for q in quantities))
+            lead = first.setdefault(signature, i)
+            if lead != i:
+                alike[i] = lead
+        return alike
 
     def decide(self, size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
         """The least-recompute plan that fits, from this size's measurements (taken now if new)."""

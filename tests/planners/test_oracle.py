@@ -59,38 +59,44 @@ def test_exact_search_matches_brute_force_on_the_timeline():
 
 def _every_choice_plan(pred, limit, recompute_ms, selective_ms, useful):
     """The finer-plan search written plainly: every keep / selective / recompute plan at once,
-    the cheapest that fits, ties to fewer blocks and then to the first in enumeration order."""
+    the cheapest in whole nanoseconds that fits, ties to fewer blocks and then to the first in
+    enumeration order (block 0 the fastest-changing digit)."""
     n = len(recompute_ms)
     levels = (np.arange(3 ** n)[:, None] // 3 ** np.arange(n)) % 3
     levels = levels[~((levels == 1) & ~useful).any(axis=1)]
     plans, chosen = levels > 0, levels == 1
-    cost = (np.where(levels == 2, recompute_ms, 0.0).sum(axis=1) + np.where(chosen, selective_ms, 0.0).sum(axis=1)
-            + plans.sum(axis=1) * 1e-9)
-    cost[peak_timeline(pred, plans, chosen).max(axis=-1) > limit] = np.inf
-    best = int(np.argmin(cost))
-    if not np.isfinite(cost[best]):
+    ns = np.round(np.stack([np.zeros(n), selective_ms, recompute_ms]) * 1e6).astype(np.int64)
+    cost = ns[levels, np.arange(n)].sum(axis=1)
+    fits = peak_timeline(pred, plans, chosen).max(axis=-1) <= limit
+    if not fits.any():
         return tuple(range(n)), ()
+    best = min(np.flatnonzero(fits).tolist(), key=lambda k: (cost[k], plans[k].sum(), k))
     return tuple(np.flatnonzero(plans[best]).tolist()), tuple(np.flatnonzero(chosen[best]).tolist())
 
 
 def test_the_finer_plan_search_in_chunks_is_every_plan_at_once():
-    """``choice_search`` walks the 3^n plans in chunks (up to 12 blocks) and skips the peaks of
-    plans no cheaper than the best so far: the same plan as evaluating them all at once, on
-    stacks of 2 to 10 blocks (3^10 = 59049 plans: nine chunks), some blocks not selectable, some
-    times alike (ties)."""
+    """``choice_search`` walks the plans in chunks of 3^8 (up to 12 blocks) and skips the peaks
+    of plans dearer than the scheduler's: the same plan as evaluating them all at once, on stacks
+    of 2 to 11 blocks (up to 3^11 plans, many chunks), some blocks not selectable, with times
+    drawn at random and with alike times (equal within a stack: the ties that ``alike_mean``
+    makes, which must go to fewer blocks and then the earlier ones)."""
     rng = random.Random(5)
-    for n in (2, 3, 5, 7, 9, 10):
-        for _ in range(3):
+    for n in (2, 3, 5, 7, 9, 10, 11):
+        for alike in (False, True, True, True, True):
             pred = random_prediction(rng, n)
-            recompute = np.array([rng.choice([1.0, 2.0, rng.uniform(0.5, 3.0)]) for _ in range(n)])
-            selective = recompute * np.array([rng.choice([0.3, 0.5, rng.uniform(0.1, 1.2)]) for _ in range(n)])
+            if alike:
+                recompute = np.array([rng.choice([1.0, 1.0, 2.0]) for _ in range(n)])
+                selective = recompute * 0.5
+            else:
+                recompute = np.array([rng.uniform(0.5, 3.0) for _ in range(n)])
+                selective = recompute * np.array([rng.uniform(0.1, 1.2) for _ in range(n)])
             selectable = np.array([rng.random() < 0.8 for _ in range(n)])
             none_peak, full_peak = plan_peak(pred, ()), plan_peak(pred, range(n))
             limit = full_peak + rng.uniform(-0.05, 0.9) * (none_peak - full_peak)
             extra = np.maximum(pred.blocks["selective_extra_bytes"], 0.0)
             useful = (pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"]) & selectable
             expected = _every_choice_plan(pred, limit, recompute, selective, useful)
-            assert choice_search(pred, limit, recompute, selective, selectable) == expected
+            assert choice_search(pred, limit, recompute, selective, selectable) == expected, (n, alike)
 
 
 def test_knapsack_search_fits_many_blocks():
@@ -184,6 +190,24 @@ def test_oracle_plans_the_fewest_blocks_that_fit_and_predicts_the_peak():
         free.track(model)
         assert _step(plain, free, data)[0] == loss
     plain.close()
+
+
+def test_only_alike_layers_that_measured_the_same_forward_bytes_share_a_time():
+    """``alike_at``: the four alike layers of a tiny BERT measure the same forward bytes and share
+    one time; a layer whose forward held other bytes at this size (a pooled stage, a shorter
+    sequence) keeps its own, while backward peaks (which differ between identical layers by the
+    gradients held) do not split a group."""
+    model = tiny_bert(layers=4)
+    meter = build_meter("simulated", 10**9)
+    oracle = build_planner("oracle", model, 10**9, meter=meter)
+    with meter.activate():
+        meter.track(model)
+        pred = oracle.policy.measure((4, 64), bert_batch(4, 64))
+    oracle.close()
+    assert len(set(pred.blocks["bwd_peak_bytes"].tolist())) > 1
+    assert oracle.policy.alike_at(pred) == {1: 0, 2: 0, 3: 0}
+    pred.blocks["plain_bytes"][2] += 4096
+    assert oracle.policy.alike_at(pred) == {1: 0, 3: 0}
 
 
 def test_oracle_without_room_checkpoints_everything_and_says_so():
