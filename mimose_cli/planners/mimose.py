@@ -743,6 +743,7 @@ class MimosePolicy(Policy):
     def stats(self, counted: dict) -> dict:
         c = self.counts
         lookups = c.hits + c.misses
+        # An ordinary step: the mean over responsive ones (the summary's mean iteration counts all).
         iteration_ms = c.responsive_ms / c.responsive_steps if c.responsive_steps else None
         # Probes run in ``decide`` are in the planning time already.
         overhead_ms = (self.measurer.collector_ms + c.estimator_fit_ms + counted["planning_ms_total"]
@@ -751,7 +752,7 @@ class MimosePolicy(Policy):
                 "collector_ms": self.measurer.collector_ms,
                 "scheduler_ms_mean": c.scheduler_ms / c.misses if c.misses else 0.0,
                 "hit_rate": c.hits / lookups if lookups else 0.0, "cached_plans": len(self.cache),
-                "mean_iteration_ms": iteration_ms, "overhead_ms": overhead_ms,
+                "responsive_iteration_ms": iteration_ms, "overhead_ms": overhead_ms,
                 "overhead_iterations": overhead_ms / iteration_ms if iteration_ms else None,
                 # Everything the sheltered phase cost beyond ordinary steps: the measuring passes
                 # plus checkpointing every block and the live-bytes probe while collecting.
