@@ -10,9 +10,10 @@ selective recompute costs a fraction of a full one; on tiny CPU models the dispa
 more than the heavy ops, and the scheduler sees it.
 
 ``choice_plan_checked`` is the scheduler over the three choices: a multiple-choice knapsack
-solved greedily (the upgrade that covers the excess at the least time, else the ones that free
-the most bytes per ms), each round checked on the predicted timeline, then the upgrades taken
-back, last first, while the plan still fits without them.
+solved greedily (the upgrades that free the most bytes per ms, topped up by the cheapest one that
+covers the rest, or the one upgrade that covers the excess alone where that costs less), each
+round checked on the predicted timeline, then the upgrades taken back, last first, while the plan
+still fits without them.
 """
 
 import math
@@ -232,9 +233,9 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     ``savings[level][i]`` and ``costs[level][i]`` are what block ``i`` frees and costs under each
     level (0 keep, 1 selective, 2 recompute; a level a block cannot take has NaN savings);
     ``predict_peak(plan, selective)`` is the step's predicted peak. Each round upgrades blocks
-    until their savings cover the excess, taking the upgrade that covers the rest alone at the
-    least time (ties: the earlier block, whose savings last longest in backward), else the one
-    that frees the most bytes per ms, then predicts the whole plan again; once it fits, the
+    until their savings cover the excess (``_best_upgrades``: the cheaper of the one upgrade that
+    covers it alone and the best bytes-per-ms upgrades topped up; ties: the earlier block, whose
+    savings last longest in backward), then predicts the whole plan again; once it fits, the
     upgrades are taken back, last first, while the plan still fits without them."""
     save = np.nan_to_num(np.array(savings, dtype=float), nan=-1.0)
     cost = np.array(costs, dtype=float)
@@ -288,10 +289,12 @@ _TARGETS = np.array(_TARGET_LEVELS)
 
 
 def _best_upgrades(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess: float) -> list:
-    """``[(block, level)]``: the cheapest upgrade whose extra savings cover ``excess`` alone;
-    else the upgrades with the most extra bytes per extra ms, best first (ties: the earlier
-    block, then selective), one per block, as many as leave some excess (at least one), so that
-    a caller takes them in one go; empty when no upgrade frees more."""
+    """``[(block, level)]``: the upgrades with the most extra bytes per extra ms, best first
+    (ties: the earlier block, then selective), one per block, as many as leave some excess (at
+    least one), so that a caller takes them in one go; where an upgrade covers ``excess`` alone,
+    the cheapest such one instead, unless those best-rate upgrades and the cheapest upgrade of
+    another block that covers what they leave cost less together (two blocks checkpointed
+    selectively rather than one recomputed whole). Empty when no upgrade frees more."""
     blocks = np.arange(save.shape[1])
     current_save = np.maximum(save[level, blocks], 0.0)
     current_cost = np.where(level > KEEP_LEVEL, cost[level, blocks], 0.0)
@@ -301,14 +304,10 @@ def _best_upgrades(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess
     usable = ((level[:, None] < _TARGETS) & (save[1:].T >= 0)).ravel() & (gain > 0)
     if not usable.any():
         return []
-    covers = usable & (gain >= excess)
-    if covers.any():
-        flat = int(np.argmin(np.where(covers, extra, np.inf)))
-        return [(flat // 2, _TARGET_LEVELS[flat % 2])]
     rate = np.where(usable, gain / extra, -np.inf)
     ranked = np.argsort(-rate, kind="stable")[: int(usable.sum())]
     gains = gain.tolist()
-    chosen, seen, total = [], set(), 0.0
+    chosen, seen, total, spent = [], set(), 0.0, 0.0
     for flat in ranked.tolist():
         block = flat // 2
         if block in seen:
@@ -317,5 +316,15 @@ def _best_upgrades(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess
             break
         seen.add(block)
         chosen.append((block, _TARGET_LEVELS[flat % 2]))
-        total += gains[flat]
-    return chosen
+        total, spent = total + gains[flat], spent + float(extra[flat])
+    covers = usable & (gain >= excess)
+    if not covers.any():
+        return chosen
+    single = int(np.argmin(np.where(covers, extra, np.inf)))
+    if total < excess:  # the rest covered by another block's cheapest upgrade that covers it alone
+        rest = usable & (gain >= excess - total) & ~np.isin(blocks.repeat(2), list(seen))
+        if not rest.any():
+            return [(single // 2, _TARGET_LEVELS[single % 2])]
+        last = int(np.argmin(np.where(rest, extra, np.inf)))
+        chosen, spent = chosen + [(last // 2, _TARGET_LEVELS[last % 2])], spent + float(extra[last])
+    return chosen if spent < float(extra[single]) else [(single // 2, _TARGET_LEVELS[single % 2])]
