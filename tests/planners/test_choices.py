@@ -172,7 +172,8 @@ def test_two_blocks_checkpointed_selectively_rather_than_one_recomputed_where_th
     plan, selective, predicted, fits = choice_plan_checked(
         savings, [np.zeros(4), np.full(4, 1.0), np.full(4, 5.0)], peak, 900.0)
     assert (plan, selective, predicted, fits) == ((0, 1), (0, 1), 880.0, True)
-    plan, selective, _, fits = choice_plan_checked(savings, [np.zeros(4), np.full(4, 3.0), np.full(4, 5.0)], peak, 900.0)
+    dearer = [np.zeros(4), np.full(4, 3.0), np.full(4, 5.0)]
+    plan, selective, _, fits = choice_plan_checked(savings, dearer, peak, 900.0)
     assert (plan, selective, fits) == ((0,), (), True)
 
 
