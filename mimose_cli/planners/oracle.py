@@ -12,8 +12,8 @@ timeline fits. With finer plans (``choices="selective"``) every keep / selective
 up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks. The times of alike blocks (the layers of a stack,
 ``blocks.twin_blocks``) that measured the same bytes are given their mean (``alike_at``,
 ``blocks.alike_mean``): one step's timings of identical layers differ by tens of percent on a
-busy CPU, and a plan should not take layer 7 over layer 2 for that. Measuring and searching are excluded from the step's time
-(``Decision.excluded_ms``); measurements are kept per input size.
+busy CPU, and a plan should not take layer 7 over layer 2 for that. Measuring and searching are
+excluded from the step's time (``Decision.excluded_ms``); measurements are kept per input size.
 """
 
 import time
