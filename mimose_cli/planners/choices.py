@@ -236,12 +236,13 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     until their savings cover the excess (``_best_upgrades``: the cheaper of the one upgrade that
     covers it alone and the best bytes-per-ms upgrades topped up; ties: the earlier block, whose
     savings last longest in backward), then predicts the whole plan again; once it fits, the
-    upgrades are taken back, last first, while the plan still fits without them."""
+    upgrades are taken back, last first, while the plan still fits without them, and blocks
+    recomputed whole are checkpointed selectively instead where that costs less and still fits."""
     save = np.nan_to_num(np.array(savings, dtype=float), nan=-1.0)
     cost = np.array(costs, dtype=float)
     # The per-upgrade bookkeeping reads Python lists, not numpy scalars (each read several times
     # slower), as a miss applies dozens of upgrades; the float64 arithmetic is the same.
-    rows = save.tolist()
+    rows, prices = save.tolist(), cost.tolist()
     level = [KEEP_LEVEL] * save.shape[1]
     taken: list = []
     peak = predict_peak(*_plan_of(level))
@@ -274,6 +275,18 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
         trial_peak = predict_peak(*_plan_of(trial))
         if trial_peak > limit_bytes:
             break  # the earlier upgrades were taken to cover more: as the block-level greedy
+        level, peak = trial, trial_peak
+    # The greedy takes a whole recompute where its bytes per ms are best, though the block's
+    # selective checkpoint costs less and may free enough: each such block tried selective, the
+    # one giving up the fewest bytes first, until one no longer fits.
+    whole = [i for i, at in enumerate(level)
+             if at == RECOMPUTE_LEVEL and rows[SELECTIVE_LEVEL][i] >= 0 and prices[SELECTIVE_LEVEL][i] < prices[at][i]]
+    for i in sorted(whole, key=lambda i: (rows[RECOMPUTE_LEVEL][i] - rows[SELECTIVE_LEVEL][i], i)):
+        trial = level.copy()
+        trial[i] = SELECTIVE_LEVEL
+        trial_peak = predict_peak(*_plan_of(trial))
+        if trial_peak > limit_bytes:
+            break
         level, peak = trial, trial_peak
     return (*_plan_of(level), peak, True)
 

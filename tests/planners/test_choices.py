@@ -93,7 +93,8 @@ def _reference_upgrades(save, cost, level, excess):
 
 def _reference_choice_plan(savings, costs, predict_peak, limit_bytes):
     """The scheduler written plainly (as first written in commit 6debe05, numpy arrays throughout,
-    then given the cheaper of a single covering upgrade and best-rate ones topped up), in plain
+    then given the cheaper of a single covering upgrade and best-rate ones topped up, and blocks
+    recomputed whole tried selective at the end), in plain
     Python lists: the plans ``choice_plan_checked`` must choose."""
     save = [[-1.0 if np.isnan(v) else float(v) for v in row] for row in savings]
     cost = [[float(v) for v in row] for row in costs]
@@ -123,6 +124,14 @@ def _reference_choice_plan(savings, costs, predict_peak, limit_bytes):
             continue
         trial = level.copy()
         trial[i] = before
+        trial_peak = predict_peak(*plan_of(trial))
+        if trial_peak > limit_bytes:
+            break
+        level, peak = trial, trial_peak
+    whole = [i for i, at in enumerate(level) if at == 2 and save[1][i] >= 0 and cost[1][i] < cost[2][i]]
+    for i in sorted(whole, key=lambda i: (save[2][i] - save[1][i], i)):
+        trial = level.copy()
+        trial[i] = 1
         trial_peak = predict_peak(*plan_of(trial))
         if trial_peak > limit_bytes:
             break
@@ -175,6 +184,20 @@ def test_two_blocks_checkpointed_selectively_rather_than_one_recomputed_where_th
     dearer = [np.zeros(4), np.full(4, 3.0), np.full(4, 5.0)]
     plan, selective, _, fits = choice_plan_checked(savings, dearer, peak, 900.0)
     assert (plan, selective, fits) == ((0,), (), True)
+
+
+def test_a_block_recomputed_whole_goes_selective_where_that_still_fits_and_costs_less():
+    """The greedy takes block 0 whole (the best bytes per ms) and block 1 selective for the rest;
+    block 0 selective frees enough too, for less: the plan ends with both selective (SQuAD-like
+    lengths at a roomy budget, where the oracle took both selective). Where block 0 selective no
+    longer fits, it stays recomputed."""
+    def peak(plan, selective):
+        return 1000.0 - sum(60.0 if i in selective else 100.0 for i in plan)
+
+    savings = [np.zeros(4), np.full(4, 60.0), np.full(4, 100.0)]
+    costs = [np.zeros(4), np.full(4, 9.0), np.full(4, 10.0)]
+    assert choice_plan_checked(savings, costs, peak, 885.0) == ((0, 1), (0, 1), 880.0, True)
+    assert choice_plan_checked(savings, costs, peak, 879.0) == ((0, 1), (1,), 840.0, True)
 
 
 def test_the_choice_times_say_selective_costs_the_light_ops_and_the_dispatch_modes():
