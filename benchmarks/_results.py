@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from mimose_cli.launcher import train
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -19,3 +21,13 @@ def write_results(benchmark: str, rows: list, **fields) -> Path:
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def run_training(recipe, **kwargs):
+    """``launcher.train.run_training``, but a run that a signal stopped (SIGTERM, Ctrl-C: the
+    launcher ends it cleanly and returns it with status "interrupted", as a library call should)
+    ends the benchmark too, instead of mixing a partial run into the figures and going on."""
+    result = train.run_training(recipe, **kwargs)
+    if result.summary.get("status") == "interrupted":
+        raise SystemExit(f"interrupted ({result.summary.get('signal')}): the benchmark stops here")
+    return result

@@ -46,10 +46,9 @@ from mimose_safety import FLOOR, recipe_for
 from paper_figure import CONFIGS as PAPER_CONFIGS
 from paper_figure import fastest_steps_s, make_recipe
 
-from mimose_cli.launcher.train import run_training
 from mimose_cli.planners.oracle import OraclePolicy
 
-from _results import write_results
+from _results import run_training, write_results
 
 CONFIGS = {  # name -> (the mimose_safety.py preset, overrides)
     "swag": ("swag", ("data.max_length=96",)),  # the 12-layer tiny BERT of mimose_speed.py, SWAG-like lengths up to 96

@@ -25,12 +25,11 @@ from mimose_cli.launcher.data.dataset import build_dataset
 from mimose_cli.launcher.data.loader import build_dataloader
 from mimose_cli.launcher.models import model_config
 from mimose_cli.launcher.recipe import load_recipe
-from mimose_cli.launcher.train import run_training
 from mimose_cli.planners import infer_input_size
 from mimose_cli.planners.estimator import Estimator, peak_timeline
 from mimose_cli.planners.options import MimoseOptions
 
-from _results import write_results
+from _results import run_training, write_results
 
 QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
 FLOOR = 1.02

@@ -22,9 +22,7 @@ import tempfile
 import torch
 from mimose_safety import calibrate, recipe_for
 
-from mimose_cli.launcher.train import run_training
-
-from _results import write_results
+from _results import run_training, write_results
 
 
 def epoch_s(preset: str, steps: int, out_dir, planner: str, budget) -> tuple:

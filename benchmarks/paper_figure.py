@@ -33,8 +33,9 @@ from rich.table import Table
 
 from mimose_cli.launcher.recipe import recipe_from_dict
 from mimose_cli.launcher.sweep import run_compare
-from mimose_cli.launcher.train import run_training
 from mimose_cli.runs.records import read_records
+
+from _results import run_training
 
 RESULTS = Path(__file__).parent / "results"
 PLANNERS = ("mimose", "sublinear", "dtr", "oracle", "none")

@@ -28,13 +28,12 @@ import torch
 from mimose_cli.launcher.data.loader import make_batch
 from mimose_cli.launcher.models import build_model, model_config
 from mimose_cli.launcher.recipe import load_recipe
-from mimose_cli.launcher.train import run_training
 from mimose_cli.memory import build_meter
 from mimose_cli.memory import probe as live_probe
 from mimose_cli.planners.mimose import Mimose
 from mimose_cli.planners.registry import build_planner
 
-from _results import write_results
+from _results import run_training, write_results
 
 QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
 MODEL = ["task=causal_lm", "model.type=gpt2", "model.attn_implementation=eager",
