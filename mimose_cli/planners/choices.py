@@ -317,6 +317,14 @@ def _best_upgrades(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess
     usable = ((level[:, None] < _TARGETS) & (save[1:].T >= 0)).ravel() & (gain > 0)
     if not usable.any():
         return []
+    covers = usable & (gain >= excess)
+    single = int(np.argmin(np.where(covers, extra, np.inf)))
+    if covers.any():
+        # Best-rate upgrades topped up are two blocks at least: never cheaper than the two
+        # cheapest blocks' upgrades, so where the covering one costs no more, it is the answer.
+        cheapest = np.sort(np.where(usable, extra, np.inf).reshape(-1, 2).min(axis=1))[:2]
+        if len(cheapest) < 2 or extra[single] <= cheapest.sum():
+            return [(single // 2, _TARGET_LEVELS[single % 2])]
     rate = np.where(usable, gain / extra, -np.inf)
     ranked = np.argsort(-rate, kind="stable")[: int(usable.sum())]
     gains = gain.tolist()
@@ -330,10 +338,8 @@ def _best_upgrades(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess
         seen.add(block)
         chosen.append((block, _TARGET_LEVELS[flat % 2]))
         total, spent = total + gains[flat], spent + float(extra[flat])
-    covers = usable & (gain >= excess)
     if not covers.any():
         return chosen
-    single = int(np.argmin(np.where(covers, extra, np.inf)))
     if total < excess:  # the rest covered by another block's cheapest upgrade that covers it alone
         rest = usable & (gain >= excess - total) & ~np.isin(blocks.repeat(2), list(seen))
         if not rest.any():
