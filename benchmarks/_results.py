@@ -6,8 +6,6 @@ from pathlib import Path
 
 import torch
 
-from mimose_cli.launcher import train
-
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -27,6 +25,8 @@ def run_training(recipe, **kwargs):
     """``launcher.train.run_training``, but a run that a signal stopped (SIGTERM, Ctrl-C: the
     launcher ends it cleanly and returns it with status "interrupted", as a library call should)
     ends the benchmark too, instead of mixing a partial run into the figures and going on."""
+    from mimose_cli.launcher import train  # here: scripts that only read results need no launcher
+
     result = train.run_training(recipe, **kwargs)
     if result.summary.get("status") == "interrupted":
         raise SystemExit(f"interrupted ({result.summary.get('signal')}): the benchmark stops here")

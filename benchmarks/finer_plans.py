@@ -20,10 +20,9 @@ favour it; with one round there is no other table and the round's own is used. T
 tables give alike blocks (the layers of a stack that measured the same bytes) their mean
 (``OraclePolicy.alike_at``), so which of them a plan picks does not move its cost by the timing
 noise between them (results written before that have a second figure, ``plan_cost_alike``, that
-averaged them here). Memory is
-the exact simulated device; times are this CPU's (Python per op dominates tiny models, on which
-torch's selective checkpointing's dispatch mode costs more than the matmuls it saves, and the
-scheduler's time model sees it).
+averaged them here). Memory is the exact simulated device; times are this CPU's (Python per op
+dominates tiny models, on which torch's selective checkpointing's dispatch mode costs more than the
+matmuls it saves, and the scheduler's time model sees it).
 
 Configurations: ``swag`` (the 12-layer tiny BERT of mimose_speed.py), ``bert-base-width`` (4 layers
 of hidden 768), ``squad`` (lengths up to 384, widely varying), and the paper-figure configurations

@@ -15,7 +15,7 @@ finer_plans.py reports) and the same with its plan cost (the oracle-priced recom
 machine's noise); the best time ratio at recompute 0.6x and at 0; the measured ratios of finer plans
 to block-level. Writes benchmarks/results/time_bound.json.
 
-    python benchmarks/time_bound.py [finer_plans_paper_priced finer_plans_squad_alike finer_plans_base_width]
+    python benchmarks/time_bound.py [finer_plans_paper_final finer_plans_squad_final finer_plans_base_width]
 """
 
 import argparse
@@ -35,8 +35,10 @@ def bound(share: float, recompute_ratio: float) -> float:
 def needed(share: float) -> float | None:
     """The recompute ratio at or below which time <= ``TARGET_TIME`` x block-level's becomes
     reachable; None where even no recompute at all does not reach it."""
-    ratio = 1.0 - (1.0 - TARGET_TIME) / share if share > 0 else None
-    return ratio if ratio is not None and ratio >= 0 else None
+    if share <= 0:
+        return None
+    ratio = 1.0 - (1.0 - TARGET_TIME) / share
+    return ratio if ratio >= 0 else None
 
 
 def rows_of(name: str) -> list:
@@ -67,7 +69,7 @@ def _fmt(value) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="*",
-                        default=["finer_plans_paper_priced", "finer_plans_squad_alike", "finer_plans_base_width"],
+                        default=["finer_plans_paper_final", "finer_plans_squad_final", "finer_plans_base_width"],
                         help="names of finer_plans.py results in benchmarks/results (without .json)")
     args = parser.parse_args()
     rows = [row for name in args.results for row in rows_of(name)]

@@ -300,10 +300,9 @@ class OraclePolicy(Policy):
         only (``blocks.alike_mean``). A layer that runs otherwise than its twins (a pooled stage,
         a shorter sequence) measures other bytes and keeps its own time. Backward peaks are not
         compared: they differ between identical layers by the gradients held at the time."""
-        quantities = _FORWARD_BYTES
         first, alike = {}, {}
         for i in range(self.parts.num_blocks):
-            signature = (self.twins.get(i, i), tuple(float(pred.blocks[q][i]) for q in quantities))
+            signature = (self.twins.get(i, i), tuple(float(pred.blocks[q][i]) for q in _FORWARD_BYTES))
             lead = first.setdefault(signature, i)
             if lead != i:
                 alike[i] = lead
