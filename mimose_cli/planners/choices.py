@@ -16,10 +16,11 @@ round checked on the predicted timeline, then the upgrades taken back, last firs
 still fits without them.
 """
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence, get_args
+from typing import Callable, Iterator, Literal, Sequence, get_args
 
 import numpy as np
 import torch
@@ -227,30 +228,37 @@ KEEP_LEVEL, SELECTIVE_LEVEL, RECOMPUTE_LEVEL = 0, 1, 2
 
 
 def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequence[float]],
-                        predict_peak: Callable[[tuple, tuple], float], limit_bytes: float) -> tuple:
+                        predict_peaks: Callable[[np.ndarray], np.ndarray], limit_bytes: float) -> tuple:
     """The least-recompute choices whose predicted peak fits: ``(plan, selective, peak, fits)``.
 
     ``savings[level][i]`` and ``costs[level][i]`` are what block ``i`` frees and costs under each
     level (0 keep, 1 selective, 2 recompute; a level a block cannot take has NaN savings);
-    ``predict_peak(plan, selective)`` is the step's predicted peak. Each round upgrades blocks
-    until their savings cover the excess (``_best_upgrades``: the cheaper of the one upgrade that
+    ``predict_peaks(levels)`` is the step's predicted peak for each row of ``levels`` (plans x
+    blocks, a level per block: ``estimator.Timeline.level_peaks``). Each round upgrades blocks
+    until their savings cover the excess (``_Upgrades.best``: the cheaper of the one upgrade that
     covers it alone and the best bytes-per-ms upgrades topped up; ties: the earlier block, whose
     savings last longest in backward), then predicts the whole plan again; once it fits, the
     upgrades are taken back, last first, while the plan still fits without them, and blocks
-    recomputed whole are checkpointed selectively instead where that costs less and still fits."""
+    recomputed whole are checkpointed selectively instead where that costs less and still fits.
+    Those two passes predict their plans in batches (``_while_fits``)."""
     save = np.nan_to_num(np.array(savings, dtype=float), nan=-1.0)
     cost = np.array(costs, dtype=float)
     # The per-upgrade bookkeeping reads Python lists, not numpy scalars (each read several times
     # slower), as a miss applies dozens of upgrades; the float64 arithmetic is the same.
     rows, prices = save.tolist(), cost.tolist()
+    options = _Upgrades(save, cost)
     level = [KEEP_LEVEL] * save.shape[1]
     taken: list = []
-    peak = predict_peak(*_plan_of(level))
+
+    def predict(level: list) -> float:
+        return float(predict_peaks(np.array([level]))[0])
+
+    peak = predict(level)
     while peak > limit_bytes:
         excess = peak - limit_bytes
         moved = False
         while excess > 0:
-            upgrades = _best_upgrades(save, cost, np.array(level), excess)
+            upgrades = options.best(level, excess)
             if not upgrades:
                 break
             for i, to in upgrades:
@@ -264,31 +272,59 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
                 break
             taken += [(i, level[i]) for i in rest]
             level = [RECOMPUTE_LEVEL] * len(level)
-        peak = predict_peak(*_plan_of(level))
+        peak = predict(level)
     if peak > limit_bytes:
         return (*_plan_of(level), peak, False)
-    for i, before in reversed(taken[1:]):
-        if level[i] == KEEP_LEVEL:
-            continue
-        trial = level.copy()
-        trial[i] = before
-        trial_peak = predict_peak(*_plan_of(trial))
-        if trial_peak > limit_bytes:
-            break  # the earlier upgrades were taken to cover more: as the block-level greedy
-        level, peak = trial, trial_peak
+    # Taken back last first, stopping at the first that no longer fits: the earlier upgrades were
+    # taken to cover more (as the block-level greedy).
+    level, peak = _while_fits(level, peak, _taken_back(level, taken), predict_peaks, limit_bytes)
     # The greedy takes a whole recompute where its bytes per ms are best, though the block's
     # selective checkpoint costs less and may free enough: each such block tried selective, the
     # one giving up the fewest bytes first, until one no longer fits.
     whole = [i for i, at in enumerate(level)
              if at == RECOMPUTE_LEVEL and rows[SELECTIVE_LEVEL][i] >= 0 and prices[SELECTIVE_LEVEL][i] < prices[at][i]]
-    for i in sorted(whole, key=lambda i: (rows[RECOMPUTE_LEVEL][i] - rows[SELECTIVE_LEVEL][i], i)):
-        trial = level.copy()
-        trial[i] = SELECTIVE_LEVEL
-        trial_peak = predict_peak(*_plan_of(trial))
-        if trial_peak > limit_bytes:
-            break
-        level, peak = trial, trial_peak
+    whole.sort(key=lambda i: (rows[RECOMPUTE_LEVEL][i] - rows[SELECTIVE_LEVEL][i], i))
+    level, peak = _while_fits(level, peak, _each_changed(level, [(i, SELECTIVE_LEVEL) for i in whole]),
+                              predict_peaks, limit_bytes)
     return (*_plan_of(level), peak, True)
+
+
+def _taken_back(level: list, taken: list) -> Iterator[list]:
+    """The plans with the upgrades in ``taken`` (``(block, level before)``, all but the first)
+    taken back one more each, last first (an upgrade of a block already back at keep skipped)."""
+    trial = level
+    for i, before in reversed(taken[1:]):
+        if trial[i] != KEEP_LEVEL:
+            trial = trial.copy()
+            trial[i] = before
+            yield trial
+
+
+def _each_changed(level: list, changes: list) -> Iterator[list]:
+    """The plans with ``changes`` (``(block, level)``) made one more each."""
+    trial = level
+    for i, to in changes:
+        trial = trial.copy()
+        trial[i] = to
+        yield trial
+
+
+def _while_fits(level: list, peak: float, trials: Iterator[list], predict_peaks: Callable,
+                limit_bytes: float) -> tuple:
+    """``(level, peak)``: the last of ``trials`` (each a change more on the one before, the first
+    on ``level``) before the first whose predicted peak no longer fits; ``level`` and ``peak`` when
+    the first does not. The trials are predicted in batches of 1, 4, 16...: a batch of plans costs
+    about what one does (``estimator.Timeline``), so a long run of them takes a few calls where a
+    call per trial multiplied a miss's time, and one that stops at once predicts one plan."""
+    size = 1
+    while chunk := list(itertools.islice(trials, size)):
+        peaks = predict_peaks(np.array(chunk))
+        fits = peaks <= limit_bytes
+        if not fits.all():
+            last = int(np.argmin(fits))
+            return (chunk[last - 1], float(peaks[last - 1])) if last else (level, peak)
+        level, peak, size = chunk[-1], float(peaks[-1]), 4 * size
+    return level, peak
 
 
 def _plan_of(level: list) -> tuple:
@@ -301,49 +337,65 @@ _TARGET_LEVELS = (SELECTIVE_LEVEL, RECOMPUTE_LEVEL)
 _TARGETS = np.array(_TARGET_LEVELS)
 
 
-def _best_upgrades(save: np.ndarray, cost: np.ndarray, level: np.ndarray, excess: float) -> list:
-    """``[(block, level)]``: the upgrades with the most extra bytes per extra ms, best first
-    (ties: the earlier block, then selective), one per block, as many as leave some excess (at
-    least one), so that a caller takes them in one go; where an upgrade covers ``excess`` alone,
-    the cheapest such one instead, unless those best-rate upgrades and the cheapest upgrade of
-    another block that covers what they leave cost less together (two blocks checkpointed
-    selectively rather than one recomputed whole). Empty when no upgrade frees more."""
-    blocks = np.arange(save.shape[1])
-    current_save = np.maximum(save[level, blocks], 0.0)
-    current_cost = np.where(level > KEEP_LEVEL, cost[level, blocks], 0.0)
-    # Flattened in block order, selective before recompute for a block: ties go to the first.
-    gain = (save[1:] - current_save).T.ravel()
-    extra = np.maximum(cost[1:] - current_cost, 1e-9).T.ravel()
-    usable = ((level[:, None] < _TARGETS) & (save[1:].T >= 0)).ravel() & (gain > 0)
-    if not usable.any():
-        return []
-    covers = usable & (gain >= excess)
-    single = int(np.argmin(np.where(covers, extra, np.inf)))
-    if covers.any():
-        # Best-rate upgrades topped up are two blocks at least: never cheaper than the two
-        # cheapest blocks' upgrades, so where the covering one costs no more, it is the answer.
-        cheapest = np.sort(np.where(usable, extra, np.inf).reshape(-1, 2).min(axis=1))[:2]
-        if len(cheapest) < 2 or extra[single] <= cheapest.sum():
-            return [(single // 2, _TARGET_LEVELS[single % 2])]
-    rate = np.where(usable, gain / extra, -np.inf)
-    ranked = np.argsort(-rate, kind="stable")[: int(usable.sum())]
-    gains = gain.tolist()
-    chosen, seen, total, spent = [], set(), 0.0, 0.0
-    for flat in ranked.tolist():
-        block = flat // 2
-        if block in seen:
-            continue
-        if chosen and total + gains[flat] >= excess:
-            break
-        seen.add(block)
-        chosen.append((block, _TARGET_LEVELS[flat % 2]))
-        total, spent = total + gains[flat], spent + float(extra[flat])
-    if not covers.any():
-        return chosen
-    if total < excess:  # the rest covered by another block's cheapest upgrade that covers it alone
-        rest = usable & (gain >= excess - total) & ~np.isin(blocks.repeat(2), list(seen))
-        if not rest.any():
-            return [(single // 2, _TARGET_LEVELS[single % 2])]
-        last = int(np.argmin(np.where(rest, extra, np.inf)))
-        chosen, spent = chosen + [(last // 2, _TARGET_LEVELS[last % 2])], spent + float(extra[last])
-    return chosen if spent < float(extra[single]) else [(single // 2, _TARGET_LEVELS[single % 2])]
+class _Upgrades:
+    """Every upgrade (a block to selective or to recompute) from each level a block may be at:
+    the bytes it frees more, the ms it costs more (at least 1 ns), whether it is open (to a
+    higher level the block can take, freeing more) and its bytes per ms: worked out once per
+    scheduling, as the savings and costs do not change, so that ``best`` reads a plan's upgrades
+    with one ``take``. Flattened in block order, selective before recompute for a block."""
+
+    def __init__(self, save: np.ndarray, cost: np.ndarray):
+        n = save.shape[1]
+        tables = np.empty((4, 3, n, 2))
+        for at in (KEEP_LEVEL, SELECTIVE_LEVEL, RECOMPUTE_LEVEL):
+            gain = (save[1:] - np.maximum(save[at], 0.0)).T
+            extra = np.maximum(cost[1:] - (cost[at] if at > KEEP_LEVEL else 0.0), 1e-9).T
+            usable = (at < _TARGETS) & (save[1:].T >= 0) & (gain > 0)
+            tables[:, at] = gain, extra, usable, np.where(usable, gain / extra, -np.inf)
+        self.tables = tables.reshape(4, -1)
+        self.flat, self.width = np.arange(2 * n), 2 * n
+        self.blocks = n
+
+    def best(self, level: list, excess: float) -> list:
+        """``[(block, level)]``: the upgrades with the most extra bytes per extra ms, best first
+        (ties: the earlier block, then selective), one per block, as many as leave some excess (at
+        least one), so that a caller takes them in one go; where an upgrade covers ``excess`` alone,
+        the cheapest such one instead, unless those best-rate upgrades and the cheapest upgrade of
+        another block that covers what they leave cost less together (two blocks checkpointed
+        selectively rather than one recomputed whole). Empty when no upgrade frees more."""
+        at = np.repeat(np.array(level), 2) * self.width + self.flat
+        gain, extra, usable, rate = np.take(self.tables, at, axis=1)
+        usable = usable > 0
+        if not usable.any():
+            return []
+        covers = usable & (gain >= excess)
+        single = int(np.argmin(np.where(covers, extra, np.inf)))
+        if covers.any():
+            # Best-rate upgrades topped up are two blocks at least: never cheaper than the two
+            # cheapest blocks' upgrades, so where the covering one costs no more, it is the answer.
+            cheapest = np.sort(np.where(usable, extra, np.inf).reshape(-1, 2).min(axis=1))[:2]
+            if len(cheapest) < 2 or extra[single] <= cheapest.sum():
+                return [(single // 2, _TARGET_LEVELS[single % 2])]
+        ranked = np.argsort(-rate, kind="stable")[: int(usable.sum())]
+        gains, extras = gain.tolist(), extra.tolist()
+        chosen, seen, total, spent = [], set(), 0.0, 0.0
+        for flat in ranked.tolist():
+            block = flat // 2
+            if block in seen:
+                continue
+            if chosen and total + gains[flat] >= excess:
+                break
+            seen.add(block)
+            chosen.append((block, _TARGET_LEVELS[flat % 2]))
+            total, spent = total + gains[flat], spent + extras[flat]
+        if not covers.any():
+            return chosen
+        if total < excess:  # the rest covered by another block's cheapest upgrade that covers it alone
+            others = np.ones(self.blocks, dtype=bool)
+            others[list(seen)] = False
+            rest = usable & (gain >= excess - total) & np.repeat(others, 2)
+            if not rest.any():
+                return [(single // 2, _TARGET_LEVELS[single % 2])]
+            last = int(np.argmin(np.where(rest, extra, np.inf)))
+            chosen, spent = chosen + [(last // 2, _TARGET_LEVELS[last % 2])], spent + extras[last]
+        return chosen if spent < extras[single] else [(single // 2, _TARGET_LEVELS[single % 2])]

@@ -34,7 +34,8 @@ from mimose_cli.planners.trust import Trust
 _MAX_SAMPLES = 60  # the most recent samples fitted (a bit per sample marks which are missing)
 
 __all__ = ["BLOCK_QUANTITIES", "FEATURES", "NO_EVENT", "STEP_QUANTITIES", "TIME_FEATURES", "Estimator",
-           "Prediction", "features", "least_squares", "peak_timeline", "plan_peak_bytes", "prune_ops", "select_features"]
+           "Prediction", "Timeline", "features", "least_squares", "peak_timeline", "plan_peak_bytes", "prune_ops",
+           "select_features"]
 
 
 def select_features(design: np.ndarray, candidates: tuple, names: tuple = FEATURES) -> list:
@@ -102,46 +103,17 @@ class Prediction:
 _TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "selective_extra_bytes", "resident_bytes", "gap_peak_bytes",
                         "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes", "bwd_peak_bytes",
                         "selective_bwd_peak_bytes", "recompute_peak_bytes", "selective_recompute_peak_bytes")
-"""The block quantities ``peak_timeline`` reads (``_let_go`` reads ``release_bytes`` itself)."""
+"""The block quantities ``peak_timeline`` reads (and ``release_bytes`` for what is let go of)."""
 
 
-def _let_go(pred: Prediction, plan_mask: np.ndarray, order) -> tuple:
-    """Per block in forward order, the input bytes let go of once it returns under each plan,
-    and what that takes off each block's backward: everything let go of at or after a block,
-    from the first block that took it (so it was live at that block's entry)."""
-    consumers = pred.releases
-    if consumers is None or not consumers.any():
-        return 0.0, 0.0
-    if order is not None:
-        consumers = consumers[np.ix_(order, order)]
-    release = np.maximum(pred.blocks["release_bytes"], 0.0)
-    if order is not None:
-        release = release[order]
-    active = consumers.any(axis=1)
-    blocked = (plan_mask[..., None, :] & consumers).any(axis=-1)
-    let_go = np.where(active & ~blocked, release, 0.0)
-    positions = np.arange(len(active))
-    first = np.argmax(consumers, axis=1)
-    # span[L, k]: block k's backward no longer sees what block L let go of.
-    span = active[:, None] & (first[:, None] <= positions[None, :]) & (positions[None, :] <= positions[:, None])
-    return let_go, let_go @ span
+class Timeline:
+    """``peak_timeline`` for one prediction: what does not depend on the plan (the blocks'
+    quantities in forward order, the selective peaks, which inputs are let go of where) worked
+    out once, so that a scheduler predicting many plans at one size pays for it once.
 
-
-def plan_peak_bytes(pred: Prediction, plan, selective=()) -> float:
-    """The peak of ``peak_timeline`` for ``plan`` (block indices), ``selective`` of them
-    checkpointed selectively."""
-    mask = np.zeros(len(pred.blocks["ckpt_bytes"]), dtype=bool)
-    mask[list(plan)] = True
-    chosen = None
-    if selective:
-        chosen = np.zeros(len(mask), dtype=bool)
-        chosen[list(selective)] = True
-    return float(peak_timeline(pred, mask, chosen).max())
-
-
-def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:
-    """The step's memory events above the start-of-step bytes, for one plan (a bool mask over
-    blocks) or for many at once (masks of shape ``(plans, blocks)``: events on the last axis).
+    ``events(plan_mask, selective_mask)`` is the step's memory events above the start-of-step
+    bytes, for one plan (a bool mask over blocks, in block index order) or for many at once
+    (masks of shape ``(plans, blocks)``: events on the last axis); ``peaks`` their maximum.
 
     Forward, in the blocks' forward order: each block adds its plain or checkpointed bytes; its
     forward peaks above what the blocks before it hold. Backward, block by block in reverse,
@@ -156,43 +128,130 @@ def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.nd
     recompute and the rest of their backward peak at the ``selective_*_peak_bytes`` (the kept
     outputs held until the recompute takes them back; never below the checkpointed peaks, which
     measured training steps may have raised beyond the probes' selective ones).
+
+    Inputs no plain block saves are let go of once the loop moves on (``Releases``), where a
+    checkpoint keeps them until its backward.
     """
-    b, s = pred.blocks, pred.step
-    # An index array, not a list: numpy converts a list anew for every quantity it indexes.
-    order = None if pred.order is None else np.asarray(pred.order)
-    if order is not None:
-        b = {q: b[q][order] for q in _TIMELINE_QUANTITIES}
-        plan_mask = plan_mask[..., order]
-        if selective_mask is not None:
-            selective_mask = selective_mask[..., order]
-    extra = 0.0
-    ckpt_fwd, own_bwd, recompute = b["ckpt_fwd_peak_bytes"], b["bwd_peak_bytes"], b["recompute_peak_bytes"]
-    if selective_mask is not None:
-        ckpt_fwd, own_bwd, recompute = (
-            np.where(selective_mask, np.maximum(b[f"selective_{q}"], base), base)
-            for q, base in (("fwd_peak_bytes", ckpt_fwd), ("bwd_peak_bytes", own_bwd),
-                            ("recompute_peak_bytes", recompute)))
-        extra = np.where(selective_mask & plan_mask, np.maximum(b["selective_extra_bytes"], 0.0), 0.0)
-    # Inputs no plain block saves are let go of once the loop moves on (``Releases``), where a
-    # checkpoint keeps them until its backward.
-    let_go, unseen = _let_go(pred, plan_mask, order)
-    held = np.where(plan_mask, b["ckpt_bytes"], b["plain_bytes"]) + extra - let_go
-    one = np.ones(held.shape[:-1] + (1,))
-    entry = s["pre_bytes"] + np.concatenate((0.0 * one, np.cumsum(held, axis=-1)), axis=-1)
-    at = entry[..., :-1]
-    fwd = at + np.maximum(b["gap_peak_bytes"],
-                          np.where(plan_mask, ckpt_fwd, b["fwd_peak_bytes"]))
-    own = np.maximum(np.where(plan_mask, own_bwd, b["bwd_peak_bytes"]), np.where(plan_mask, recompute, NO_EVENT))
-    top = entry[..., -1:]
-    # Samples run every block checkpointed, so what a block's run leaves until the forward ends
-    # (autocast's cached casts) is gone in their backward; a block run plainly may keep it (its
-    # graph saves the casts) until its own backward: added back, for the blocks before (out of
-    # order: all blocks) that are not in the plan. An upper bound: some ops save the fp32 weight.
-    kept = np.concatenate((0.0 * one, np.cumsum(np.where(plan_mask, 0.0, b["resident_bytes"]), axis=-1)), axis=-1)
-    bwd = (at - unseen + kept[..., :-1] if pred.backward_reversed else top + kept[..., -1:]) + own
-    tail = s["tail_peak_bytes"] + (0.0 if pred.backward_reversed else top)
-    head = top + np.maximum(s["head_peak_bytes"], s["head_bwd_peak_bytes"] + kept[..., -1:])
-    return np.concatenate((s["pre_peak_bytes"] * one, fwd, head, bwd, tail * one), axis=-1)
+
+    def __init__(self, pred: Prediction):
+        b = pred.blocks
+        # An index array, not a list: numpy converts a list anew for every quantity it indexes.
+        self.order = None if pred.order is None else np.asarray(pred.order)
+        if self.order is not None:
+            b = {q: b[q][self.order] for q in _TIMELINE_QUANTITIES}
+        self.step, self.reversed = pred.step, pred.backward_reversed
+        ckpt_fwd, bwd, recompute = b["ckpt_fwd_peak_bytes"], b["bwd_peak_bytes"], b["recompute_peak_bytes"]
+        gap = b["gap_peak_bytes"]
+        # Per quantity, its value for each level (kept, selective, recomputed) of each block: what
+        # a block holds until its backward, its forward's peak, its backward's own peak (with the
+        # recompute's) and what a plain run leaves until the forward ends; a plan picks a row per block.
+        self.tables = np.stack([
+            [b["plain_bytes"], b["ckpt_bytes"] + np.maximum(b["selective_extra_bytes"], 0.0), b["ckpt_bytes"]],
+            [np.maximum(gap, b["fwd_peak_bytes"]), np.maximum(gap, np.maximum(b["selective_fwd_peak_bytes"], ckpt_fwd)),
+             np.maximum(gap, ckpt_fwd)],
+            [np.maximum(bwd, NO_EVENT), np.maximum(np.maximum(b["selective_bwd_peak_bytes"], bwd),
+                                                   np.maximum(b["selective_recompute_peak_bytes"], recompute)),
+             np.maximum(bwd, recompute)],
+            [b["resident_bytes"], np.zeros_like(b["resident_bytes"]), np.zeros_like(b["resident_bytes"])]])
+        # Flat, so that one ``take`` of ``level * blocks + block`` reads every quantity of a plan.
+        self.blocks = self.tables.shape[-1]
+        self.tables = self.tables.reshape(len(self.tables), -1)
+        self.columns = np.arange(self.blocks)
+        self.consumers = pred.releases
+        if self.consumers is not None and not self.consumers.any():
+            self.consumers = None
+        if self.consumers is not None:
+            release = np.maximum(pred.blocks["release_bytes"], 0.0)
+            if self.order is not None:
+                self.consumers, release = self.consumers[np.ix_(self.order, self.order)], release[self.order]
+            self.active = self.consumers.any(axis=1)
+            self.release = release
+            positions = np.arange(len(self.active))
+            first = np.argmax(self.consumers, axis=1)
+            # span[L, k]: block k's backward no longer sees what block L let go of.
+            self.span = (self.active[:, None] & (first[:, None] <= positions[None, :])
+                         & (positions[None, :] <= positions[:, None])).astype(float)
+
+    def _let_go(self, plan_mask: np.ndarray) -> tuple:
+        """Per block in forward order, the input bytes let go of once it returns under each plan,
+        and what that takes off each block's backward: everything let go of at or after a block,
+        from the first block that took it (so it was live at that block's entry)."""
+        if self.consumers is None:
+            return 0.0, 0.0
+        blocked = (plan_mask[..., None, :] & self.consumers).any(axis=-1)
+        let_go = np.where(self.active & ~blocked, self.release, 0.0)
+        # A sum over the rows, not a matrix product: the same additions in the same order for one
+        # plan as for many (a product's BLAS kernel differs), so a plan's peak never depends on
+        # how many plans were predicted with it.
+        return let_go, (let_go[..., :, None] * self.span).sum(axis=-2)
+
+    def _parts(self, levels: np.ndarray) -> tuple:
+        """The events in five parts: before the blocks (a float), each block's forward, the head
+        (one per plan, shape ``(..., 1)``), each block's backward, the tail (a float, or one per
+        plan where backward runs out of order)."""
+        s = self.step
+        levels = np.asarray(levels, dtype=np.intp)  # times the blocks below: no small integer type
+        if self.order is not None:
+            levels = levels[..., self.order]
+        held, fwd, own, resident = np.take(self.tables, levels * self.blocks + self.columns, axis=1)
+        let_go, unseen = self._let_go(levels > 0)
+        # What the blocks before each one hold, and the forward's end: sums from a zero.
+        entry = np.zeros(levels.shape[:-1] + (self.blocks + 1,))
+        np.cumsum(held - let_go, axis=-1, out=entry[..., 1:])
+        entry += s["pre_bytes"]
+        at, top = entry[..., :-1], entry[..., -1:]
+        # Samples run every block checkpointed, so what a block's run leaves until the forward ends
+        # (autocast's cached casts) is gone in their backward; a block run plainly may keep it (its
+        # graph saves the casts) until its own backward: added back, for the blocks before (out of
+        # order: all blocks) that are not in the plan. An upper bound: some ops save the fp32 weight.
+        kept = np.zeros_like(entry)
+        np.cumsum(resident, axis=-1, out=kept[..., 1:])
+        bwd = (at - unseen + kept[..., :-1] if self.reversed else top + kept[..., -1:]) + own
+        tail = s["tail_peak_bytes"] + (0.0 if self.reversed else top)
+        head = top + np.maximum(s["head_peak_bytes"], s["head_bwd_peak_bytes"] + kept[..., -1:])
+        return s["pre_peak_bytes"], at + fwd, head, bwd, tail
+
+    @staticmethod
+    def levels(plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:
+        """The levels of plans given as masks: 0 kept, 1 checkpointed selectively (in both), 2
+        recomputed."""
+        levels = 2 * plan_mask.astype(np.intp)
+        return levels if selective_mask is None else levels - (plan_mask & selective_mask)
+
+    def events(self, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:
+        one = np.ones(plan_mask.shape[:-1] + (1,))
+        return np.concatenate([part * one for part in self._parts(self.levels(plan_mask, selective_mask))], axis=-1)
+
+    def peaks(self, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:
+        """The events' maximum per plan (a float for one plan, an array over plans)."""
+        return self.level_peaks(self.levels(plan_mask, selective_mask))
+
+    def level_peaks(self, levels: np.ndarray) -> np.ndarray:
+        """``peaks`` of plans given as levels per block (``(plans, blocks)`` or one plan's: 0 kept, 1
+        checkpointed selectively, 2 recomputed; ``choices.choice_plan_checked``'s)."""
+        pre, fwd, head, bwd, tail = self._parts(levels)
+        peak = np.maximum(np.maximum(fwd.max(axis=-1), bwd.max(axis=-1)), np.maximum(head, tail)[..., 0])
+        return np.maximum(peak, pre)
+
+
+def plan_peak_bytes(pred: Prediction, plan, selective=()) -> float:
+    """The peak of ``peak_timeline`` for ``plan`` (block indices), ``selective`` of them
+    checkpointed selectively."""
+    mask = np.zeros(len(pred.blocks["ckpt_bytes"]), dtype=bool)
+    mask[list(plan)] = True
+    chosen = None
+    if selective:
+        chosen = np.zeros(len(mask), dtype=bool)
+        chosen[list(selective)] = True
+    return float(Timeline(pred).peaks(mask, chosen))
+
+
+def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:
+    """The step's memory events above the start-of-step bytes, for one plan (a bool mask over
+    blocks) or for many at once (masks of shape ``(plans, blocks)``: events on the last axis);
+    ``Timeline`` says what they are. A caller predicting many plans at one size builds the
+    ``Timeline`` once."""
+    return Timeline(pred).events(plan_mask, selective_mask)
 
 
 class Estimator:

@@ -44,7 +44,7 @@ from mimose_cli.planners.choices import (
     probe_rates_ms,
 )
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
-from mimose_cli.planners.estimator import Estimator, plan_peak_bytes
+from mimose_cli.planners.estimator import Estimator, Timeline, plan_peak_bytes
 from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.scaling import (
@@ -222,6 +222,9 @@ class MimosePolicy(Policy):
         self.choices = choices
         self._selectable = np.array(selectable(self.parts.blocks))
         """Blocks that may be checkpointed selectively: those without buffers."""
+        blocks = range(self.parts.num_blocks)
+        self._selective_needs = set(blocks), {(q, i) for q in SELECTIVE_QUANTITIES for i in blocks}
+        """What ``_selective_known`` looks for: every block's heavy outputs kept, its selective bytes."""
         self.choice_times: ChoiceTimes | None = None
         """What recomputing each block costs per choice (``choices="selective"``, from the probes)."""
         self._probed = estimate != "probes"  # the probes run once, before the first step
@@ -621,22 +624,25 @@ class MimosePolicy(Policy):
     def _plan_miss(self, key: tuple, base: int) -> tuple:
         start = time.perf_counter()
         pred = self.estimator.predict(key)
+        timeline = Timeline(pred)  # the plans predicted below differ only in the blocks' choices
+        n = self.parts.num_blocks
 
         def predict_peak(plan):
-            return base + self._timeline_peak(pred, plan)
+            mask = np.zeros(n, dtype=bool)
+            mask[list(plan)] = True
+            return base + self._margined(float(timeline.peaks(mask)))
 
         limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
         selective = ()
         if self._selective_known():
             recompute_ms, selective_ms = self.choice_times.at(self.estimator.feature_set.of(key))
-            n = self.parts.num_blocks
             savings = [np.zeros(n), pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0), pred.savings]
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
             # checkpointing refuses them): not a choice for that block.
             savings[1] = np.where((savings[1] > 0) & self._selectable, savings[1], np.nan)
-            costs = [np.zeros(self.parts.num_blocks), selective_ms, recompute_ms]
+            costs = [np.zeros(n), selective_ms, recompute_ms]
             plan, selective, peak, fits = choice_plan_checked(
-                savings, costs, lambda p, sel: base + self._timeline_peak(pred, p, sel), limit)
+                savings, costs, lambda levels: base + self._margined(timeline.level_peaks(levels)), limit)
         else:
             plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak, limit, self.bucket)
         if not fits:
@@ -652,10 +658,9 @@ class MimosePolicy(Policy):
         """Whether plans may checkpoint blocks selectively: asked for, each block's selective
         bytes in the estimate (the probes measure them; measured training steps do not), how many
         heavy outputs it keeps and their recompute times known."""
-        layout, blocks = self.estimator.layout, range(self.parts.num_blocks)
+        kept, estimated = self._selective_needs
         return (self.choices == "selective" and self.choice_times is not None
-                and all(i in self.parts.plan_runner.selective_keep for i in blocks)
-                and all((q, i) in layout for q in SELECTIVE_QUANTITIES for i in blocks))
+                and self.parts.plan_runner.selective_keep.keys() >= kept and self.estimator.layout.keys() >= estimated)
 
     def size_key(self, size: tuple) -> tuple:
         return self.cache_key(size)
@@ -666,12 +671,11 @@ class MimosePolicy(Policy):
         key = self.cache_key(size)
         if not self.estimator.fitted or self.estimator.trust.reason(key) is not None:
             return None
-        return int(self._start_bytes() + self._timeline_peak(self.estimator.predict(key), plan, selective))
+        return int(self._start_bytes() + self._margined(plan_peak_bytes(self.estimator.predict(key), plan, selective)))
 
-    def _timeline_peak(self, pred, plan, selective=()) -> float:
-        """The predicted peak above the step's start for ``plan``, with the prediction margin
-        and the fit's residual (``Trust.residual_bytes``) on top."""
-        peak = plan_peak_bytes(pred, plan, selective)
+    def _margined(self, peak):
+        """A timeline's peak (or peaks) with the prediction margin and the fit's residual
+        (``Trust.residual_bytes``) on top."""
         return peak * (1.0 + self.prediction_margin) + self.estimator.trust.residual_bytes
 
     def recover(self, info: StepInfo, failures: int, reached_bytes: int) -> bool:

@@ -29,7 +29,7 @@ from mimose_cli.planners.estimator import (
     NO_EVENT,
     STEP_QUANTITIES,
     Prediction,
-    peak_timeline,
+    Timeline,
     plan_peak_bytes,
 )
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
@@ -87,10 +87,10 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     every = tuple(range(n))
     extra = np.maximum(pred.blocks["selective_extra_bytes"], 0.0)
     useful = (pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"]) & selectable
-    savings = pred.savings
+    savings, timeline = pred.savings, Timeline(pred)
     scheduled = choice_plan_checked(
         [np.zeros(n), np.where(useful, savings - extra, np.nan), savings], [np.zeros(n), selective_ms, recompute_ms],
-        lambda p, sel: plan_peak(pred, p, sel), limit_bytes)
+        timeline.level_peaks, limit_bytes)
     if n > EXACT_MAX_CHOICE_BLOCKS:
         plan, selective, _, fits = scheduled
         return (plan, selective) if fits else (every, ())
@@ -121,7 +121,7 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
         if not cheaper.any():
             continue
         levels, keys = levels[cheaper], keys[cheaper]
-        fit = peak_timeline(pred, levels > 0, levels == 1).max(axis=-1) <= limit_bytes
+        fit = timeline.level_peaks(levels) <= limit_bytes
         if fit.any():
             at = int(np.argmin(np.where(fit, keys, np.iinfo(np.int64).max)))
             if keys[at] < bound:
@@ -137,7 +137,7 @@ def exact_search(pred: Prediction, limit_bytes: float) -> tuple:
     ms = pred.blocks["fwd_ms"]
     n = len(ms)
     masks = ((np.arange(2 ** n, dtype=np.int64)[:, None] >> np.arange(n)) & 1).astype(bool)
-    peaks = peak_timeline(pred, masks).max(axis=-1)
+    peaks = Timeline(pred).peaks(masks)
     cost = masks @ ms + masks.sum(axis=1) * 1e-9
     cost[peaks > limit_bytes] = np.inf
     best = int(np.argmin(cost))

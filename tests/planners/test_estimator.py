@@ -6,8 +6,10 @@ from mimose_cli.planners.estimator import (
     STEP_QUANTITIES,
     Estimator,
     Prediction,
+    Timeline,
     features,
     peak_timeline,
+    plan_peak_bytes,
     select_features,
 )
 
@@ -147,3 +149,28 @@ def test_the_timeline_of_blocks_run_out_of_index_order_is_that_of_the_blocks_sto
     selective = plans & (rng.random((16, n)) < 0.5)
     assert np.array_equal(peak_timeline(shuffled, plans, selective),
                           peak_timeline(stored, plans[:, order], selective[:, order]))
+
+
+def test_a_plans_peak_does_not_depend_on_the_plans_predicted_with_it():
+    """A scheduler predicts a pass's plans in one batch (``choices._while_fits``) and a plan alone
+    elsewhere (``plan_peak_bytes``): each plan's events and peak are the same either way, on
+    non-integer bytes, shuffled blocks letting inputs go, backward in or out of order. Exact: the
+    batch runs the same float64 operations in the same order per plan (the inputs let go of are
+    summed over rows, not by a matrix product whose BLAS kernel differs with the batch)."""
+    rng = np.random.default_rng(2)
+    for trial in range(20):
+        n = int(rng.integers(2, 64))
+        blocks = {q: rng.uniform(0, 1e6, n) for q in BLOCK_QUANTITIES}
+        step = {q: float(rng.uniform(0, 1e6)) for q in STEP_QUANTITIES}
+        pred = Prediction((1, 1), blocks, step, tuple(rng.permutation(n).tolist()), bool(trial % 3),
+                          rng.random((n, n)) < 0.3)
+        plans = rng.random((32, n)) < 0.5
+        selective = plans & (rng.random((32, n)) < 0.5)
+        timeline = Timeline(pred)
+        events, peaks = timeline.events(plans, selective), timeline.peaks(plans, selective)
+        assert np.array_equal(peaks, events.max(axis=-1))
+        assert np.array_equal(timeline.level_peaks(Timeline.levels(plans, selective)), peaks)
+        for k in range(len(plans)):
+            assert np.array_equal(peak_timeline(pred, plans[k], selective[k]), events[k]), trial
+            plan, chosen = np.flatnonzero(plans[k]).tolist(), np.flatnonzero(selective[k]).tolist()
+            assert plan_peak_bytes(pred, plan, chosen) == peaks[k], trial

@@ -214,12 +214,12 @@ def test_a_state_saved_before_the_counters_dataclass_keeps_its_counters(sheltere
 
 def test_a_step_that_peaks_above_its_prediction_has_its_size_measured_again(sheltered, monkeypatch):
     with fitted_mimose(sheltered.state, "20MB") as (planner, meter):
-        honest = planner.policy._timeline_peak
-        monkeypatch.setattr(planner.policy, "_timeline_peak", lambda pred, plan: 0.5 * honest(pred, plan))
+        honest = planner.policy._margined
+        monkeypatch.setattr(planner.policy, "_margined", lambda peak: 0.5 * honest(peak))
         batch = bert_batch(3, 30)
         _, peak, info = run_step(planner, meter, batch)
         assert info.phase == "responsive" and peak > info.predicted_peak_bytes
-        monkeypatch.setattr(planner.policy, "_timeline_peak", honest)
+        monkeypatch.setattr(planner.policy, "_margined", honest)
         samples = len(planner.policy.estimator.sizes)
         _, _, again = run_step(planner, meter, batch)  # not the cached plan: measured, and refit
         assert again.phase == "measuring" and len(planner.policy.estimator.sizes) == samples + 1
