@@ -335,6 +335,8 @@ def _plan_of(level: list) -> tuple:
 
 _TARGET_LEVELS = (SELECTIVE_LEVEL, RECOMPUTE_LEVEL)
 _TARGETS = np.array(_TARGET_LEVELS)
+_UPWARD = (np.arange(3)[:, None] < _TARGETS)[..., None]
+"""(from level, to level, 1): whether an upgrade goes up."""
 
 
 class _Upgrades:
@@ -346,13 +348,15 @@ class _Upgrades:
 
     def __init__(self, save: np.ndarray, cost: np.ndarray):
         n = save.shape[1]
-        tables = np.empty((4, 3, n, 2))
-        for at in (KEEP_LEVEL, SELECTIVE_LEVEL, RECOMPUTE_LEVEL):
-            gain = (save[1:] - np.maximum(save[at], 0.0)).T
-            extra = np.maximum(cost[1:] - (cost[at] if at > KEEP_LEVEL else 0.0), 1e-9).T
-            usable = (at < _TARGETS) & (save[1:].T >= 0) & (gain > 0)
-            tables[:, at] = gain, extra, usable, np.where(usable, gain / extra, -np.inf)
-        self.tables = tables.reshape(4, -1)
+        # (from level, to level, block): what an upgrade frees and costs beyond what the block's
+        # level already does (a kept block costs nothing).
+        gain = save[1:] - np.maximum(save, 0.0)[:, None]
+        have = cost.copy()
+        have[KEEP_LEVEL] = 0.0
+        extra = np.maximum(cost[1:] - have[:, None], 1e-9)
+        usable = _UPWARD & (save[1:] >= 0) & (gain > 0)
+        tables = np.stack([gain, extra, usable, np.where(usable, gain / extra, -np.inf)])
+        self.tables = tables.transpose(0, 1, 3, 2).reshape(4, -1)  # block-major, selective first
         self.flat, self.width = np.arange(2 * n), 2 * n
         self.blocks = n
 
