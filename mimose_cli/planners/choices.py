@@ -20,7 +20,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Sequence, get_args
+from typing import Callable, Iterable, Iterator, Literal, Sequence, get_args
 
 import numpy as np
 import torch
@@ -276,8 +276,9 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     if peak > limit_bytes:
         return (*_plan_of(level), peak, False)
     # Taken back last first, stopping at the first that no longer fits: the earlier upgrades were
-    # taken to cover more (as the block-level greedy).
-    level, peak = _while_fits(level, peak, _taken_back(level, taken), predict_peaks, limit_bytes)
+    # taken to cover more (as the block-level greedy). A block's levels only rise, so each takes
+    # it one level lower than the one taken back before.
+    level, peak = _while_fits(level, peak, _each_changed(level, reversed(taken[1:])), predict_peaks, limit_bytes)
     # The greedy takes a whole recompute where its bytes per ms are best, though the block's
     # selective checkpoint costs less and may free enough: each such block tried selective, the
     # one giving up the fewest bytes first, until one no longer fits.
@@ -289,18 +290,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     return (*_plan_of(level), peak, True)
 
 
-def _taken_back(level: list, taken: list) -> Iterator[list]:
-    """The plans with the upgrades in ``taken`` (``(block, level before)``, all but the first)
-    taken back one more each, last first (an upgrade of a block already back at keep skipped)."""
-    trial = level
-    for i, before in reversed(taken[1:]):
-        if trial[i] != KEEP_LEVEL:
-            trial = trial.copy()
-            trial[i] = before
-            yield trial
-
-
-def _each_changed(level: list, changes: list) -> Iterator[list]:
+def _each_changed(level: list, changes: Iterable) -> Iterator[list]:
     """The plans with ``changes`` (``(block, level)``) made one more each."""
     trial = level
     for i, to in changes:
