@@ -230,7 +230,8 @@ class Timeline:
         """``peaks`` of plans given as levels per block (``(plans, blocks)`` or one plan's: 0 kept, 1
         checkpointed selectively, 2 recomputed; ``choices.choice_plan_checked``'s)."""
         pre, fwd, head, bwd, tail = self._parts(levels)
-        peak = np.maximum(np.maximum(fwd.max(axis=-1), bwd.max(axis=-1)), np.maximum(head, tail)[..., 0])
+        blocks = np.maximum(fwd.max(axis=-1, initial=NO_EVENT), bwd.max(axis=-1, initial=NO_EVENT))
+        peak = np.maximum(blocks, np.maximum(head, tail)[..., 0])
         return np.maximum(peak, pre)
 
 
