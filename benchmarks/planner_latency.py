@@ -128,7 +128,8 @@ def main():
                         help="block: the paper's plans (sheltered fit); selective: finer plans (probes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    setups = [setup(n, choices) for choices in args.choices.split(",") for n in (int(b) for b in args.blocks.split(","))]
+    blocks = [int(b) for b in args.blocks.split(",")]
+    setups = [setup(n, choices) for choices in args.choices.split(",") for n in blocks]
     rounds = [[] for _ in setups]
     for r in range(args.rounds):
         for k in range(len(setups)):
@@ -136,8 +137,8 @@ def main():
             rounds[index].append(timed(setups[index][0], args.repeat))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     rows = []
-    print(f"{'blocks':>6} {'choices':>9} {'fit us':>9} {'predict us':>10} {'miss us':>9} {'(slowest)':>9} {'hit us':>7} "
-          f"{'plan':>5} {'sel':>4} {'ops kept':>8}")
+    print(f"{'blocks':>6} {'choices':>9} {'fit us':>9} {'predict us':>10} {'miss us':>9} {'(slowest)':>9} "
+          f"{'hit us':>7} {'plan':>5} {'sel':>4} {'ops kept':>8}")
     for (planner, row), measured in zip(setups, rounds):
         planner.close()
         # The fastest round: this shared machine runs some rounds ~2x slower throughout (the hits too).

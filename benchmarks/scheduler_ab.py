@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from planner_latency import SIZE, fitted_planner
 
 from mimose_cli.planners import choices, estimator
 from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction
 
 from _results import write_results
-from planner_latency import SIZE, fitted_planner
 
 MARGIN = 1.001  # Mimose's default prediction margin, on every predicted peak
 

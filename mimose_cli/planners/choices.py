@@ -309,7 +309,7 @@ def _while_fits(level: list, peak: float, trials: Iterator[list], predict_peaks:
     size = 1
     while chunk := list(itertools.islice(trials, size)):
         peaks = predict_peaks(np.array(chunk))
-        fits = peaks <= limit_bytes
+        fits = ~(peaks > limit_bytes)  # the rounds' test, ``peak > limit_bytes``, negated
         if not fits.all():
             last = int(np.argmin(fits))
             return (chunk[last - 1], float(peaks[last - 1])) if last else (level, peak)

@@ -103,7 +103,9 @@ class Prediction:
 _TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "selective_extra_bytes", "resident_bytes", "gap_peak_bytes",
                         "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes", "bwd_peak_bytes",
                         "selective_bwd_peak_bytes", "recompute_peak_bytes", "selective_recompute_peak_bytes")
-"""The block quantities ``peak_timeline`` reads (and ``release_bytes`` for what is let go of)."""
+"""The block quantities ``Timeline`` reads (and ``release_bytes`` for what is let go of)."""
+_LET_GO_ELEMENTS = 1 << 21
+"""``Timeline._let_go``'s products, at most this many float64s at once (16 MiB)."""
 
 
 class Timeline:
@@ -182,8 +184,11 @@ class Timeline:
         let_go = np.where(self.active & ~blocked, self.release, 0.0)
         # A sum over the rows, not a matrix product: the same additions in the same order for one
         # plan as for many (a product's BLAS kernel differs), so a plan's peak never depends on
-        # how many plans were predicted with it.
-        return let_go, (let_go[..., :, None] * self.span).sum(axis=-2)
+        # how many plans were predicted with it. In chunks of plans: the products take blocks^2 each.
+        rows = let_go.reshape(-1, self.blocks)
+        chunk = max(1, _LET_GO_ELEMENTS // self.blocks ** 2)
+        unseen = [(rows[k:k + chunk, :, None] * self.span).sum(axis=-2) for k in range(0, len(rows), chunk)]
+        return let_go, np.concatenate(unseen).reshape(let_go.shape)
 
     def _parts(self, levels: np.ndarray) -> tuple:
         """The events in five parts: before the blocks (a float), each block's forward, the head
@@ -219,6 +224,8 @@ class Timeline:
         return levels if selective_mask is None else levels - (plan_mask & selective_mask)
 
     def events(self, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:
+        """The step's events for each plan (``(..., events)``): before the blocks, each block's
+        forward in forward order, the head, each block's backward, the tail."""
         one = np.ones(plan_mask.shape[:-1] + (1,))
         return np.concatenate([part * one for part in self._parts(self.levels(plan_mask, selective_mask))], axis=-1)
 

@@ -174,3 +174,26 @@ def test_a_plans_peak_does_not_depend_on_the_plans_predicted_with_it():
             assert np.array_equal(peak_timeline(pred, plans[k], selective[k]), events[k]), trial
             plan, chosen = np.flatnonzero(plans[k]).tolist(), np.flatnonzero(selective[k]).tolist()
             assert plan_peak_bytes(pred, plan, chosen) == peaks[k], trial
+
+
+def test_the_timeline_of_a_selective_block_and_an_input_let_go_of_worked_by_hand():
+    """Two blocks: block 0 selective holds its checkpoint plus the kept outputs (10 + 30) and
+    peaks at its selective forward (50) and backward (210); recomputed, at its checkpointed
+    forward (20) and the larger of backward and recompute (200). Block 1 run plainly lets go of 7
+    bytes of its input once it returns (off its backward's base too); checkpointed, it keeps them."""
+    blocks = {q: np.zeros(2) for q in BLOCK_QUANTITIES}
+    blocks.update(plain_bytes=np.array([100.0, 50.0]), ckpt_bytes=np.array([10.0, 5.0]),
+                  selective_extra_bytes=np.array([30.0, 0.0]), fwd_peak_bytes=np.array([120.0, 60.0]),
+                  ckpt_fwd_peak_bytes=np.array([20.0, 8.0]), selective_fwd_peak_bytes=np.array([50.0, 0.0]),
+                  bwd_peak_bytes=np.array([200.0, 100.0]), selective_bwd_peak_bytes=np.array([210.0, 0.0]),
+                  recompute_peak_bytes=np.array([130.0, 70.0]), selective_recompute_peak_bytes=np.array([40.0, 0.0]),
+                  release_bytes=np.array([0.0, 7.0]))
+    pred = Prediction((1, 1), blocks, {q: 0.0 for q in STEP_QUANTITIES},
+                      releases=np.array([[False, False], [False, True]]))
+    plans = np.array([[True, False], [True, False], [False, True]])
+    selective = np.array([[True, False], [False, False], [False, False]])
+    # pre, forward 0 and 1, head, backward 0 and 1, tail
+    assert peak_timeline(pred, plans, selective).tolist() == [[0, 50, 100, 83, 210, 133, 0],
+                                                                [0, 20, 70, 53, 200, 103, 0],
+                                                                [0, 120, 108, 105, 200, 200, 0]]
+    assert Timeline(pred).level_peaks(np.array([[1, 0], [2, 0], [0, 2]])).tolist() == [210, 200, 200]
