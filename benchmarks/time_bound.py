@@ -13,9 +13,9 @@ Per row of the given results (``benchmarks/results/<name>.json``): block-level's
 ``s`` (its median recompute ms over its time, the fastest round's time per step summed, as
 finer_plans.py reports) and the same with its plan cost (the oracle-priced recompute, free of this
 machine's noise); the best time ratio at recompute 0.6x and at 0; the measured ratios of finer plans
-to block-level. Writes benchmarks/results/time_bound.json.
+to block-level. Writes benchmarks/results/<--out>.json.
 
-    python benchmarks/time_bound.py [finer_plans_paper_final finer_plans_squad_final finer_plans_base_width]
+    python benchmarks/time_bound.py [finer_plans_paper_r3 finer_plans_squad_r3 finer_plans_base_width] [--out time_bound]
 """
 
 import argparse
@@ -69,8 +69,9 @@ def _fmt(value) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="*",
-                        default=["finer_plans_paper_final", "finer_plans_squad_final", "finer_plans_base_width"],
+                        default=["finer_plans_paper_r3", "finer_plans_squad_r3", "finer_plans_base_width"],
                         help="names of finer_plans.py results in benchmarks/results (without .json)")
+    parser.add_argument("--out", default="time_bound", help="the JSON's name in benchmarks/results")
     args = parser.parse_args()
     rows = [row for name in args.results for row in rows_of(name)]
     print(f"{'config':16} {'f':>5} {'share':>6} {'priced':>6} {'best@0.6':>8} {'best@0':>7} "
@@ -80,7 +81,7 @@ def main():
               f"{_fmt(row['plan_cost_share']):>6} {row['best_time_at_0.6']:8.3f} {row['best_time_at_0']:7.3f} "
               f"{_fmt(row['recompute_needed']):>6} {_fmt(row['time_vs_block']):>6} "
               f"{_fmt(row['recompute_vs_block']):>6} {_fmt(row['plan_cost_vs_block']):>6}")
-    write_results("time_bound", rows, target_recompute=TARGET_RECOMPUTE, target_time=TARGET_TIME,
+    write_results(args.out, rows, target_recompute=TARGET_RECOMPUTE, target_time=TARGET_TIME,
                   share_needed=(1 - TARGET_TIME) / (1 - TARGET_RECOMPUTE))
 
 
