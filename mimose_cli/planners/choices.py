@@ -238,9 +238,9 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     until their savings cover the excess (``_Upgrades.best``: the cheaper of the one upgrade that
     covers it alone and the best bytes-per-ms upgrades topped up; ties: the earlier block, whose
     savings last longest in backward), then predicts the whole plan again; once it fits, the
-    upgrades are taken back, last first, while the plan still fits without them, and blocks
-    recomputed whole are checkpointed selectively instead where that costs less and still fits.
-    Those two passes predict their plans in batches (``_while_fits``)."""
+    upgrades are taken back, last first, each where the plan still fits without it and that costs
+    no more, and blocks recomputed whole are checkpointed selectively instead where that costs
+    less and still fits. Those two passes predict their plans in batches (``_each_that_fits``)."""
     save = np.nan_to_num(np.array(savings, dtype=float), nan=-1.0)
     cost = np.array(costs, dtype=float)
     # The per-upgrade bookkeeping reads Python lists, not numpy scalars (each read several times
@@ -275,45 +275,46 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
         peak = predict(level)
     if peak > limit_bytes:
         return (*_plan_of(level), peak, False)
-    # Taken back last first, stopping at the first that no longer fits: the earlier upgrades were
-    # taken to cover more (as the block-level greedy). A block's levels only rise, so each takes
-    # it one level lower than the one taken back before.
-    level, peak = _while_fits(level, peak, _each_changed(level, reversed(taken[1:])), predict_peaks, limit_bytes)
+    # Taken back last first where the plan still fits without them and they cost no less (a
+    # recompute taken back to selective can cost more on a small CPU model); one that does not
+    # fit is skipped, not the end of the pass: the upgrades before it may still be given back (a
+    # base-width BERT: three layers selective and one recomputed, where one recomputed and one
+    # selective fit, as the oracle found).
+    level, peak = _each_that_fits(level, peak, reversed(taken), prices, predict_peaks, limit_bytes)
     # The greedy takes a whole recompute where its bytes per ms are best, though the block's
     # selective checkpoint costs less and may free enough: each such block tried selective, the
-    # one giving up the fewest bytes first, until one no longer fits.
+    # one giving up the fewest bytes first, where the plan still fits.
     whole = [i for i, at in enumerate(level)
              if at == RECOMPUTE_LEVEL and rows[SELECTIVE_LEVEL][i] >= 0 and prices[SELECTIVE_LEVEL][i] < prices[at][i]]
     whole.sort(key=lambda i: (rows[RECOMPUTE_LEVEL][i] - rows[SELECTIVE_LEVEL][i], i))
-    level, peak = _while_fits(level, peak, _each_changed(level, [(i, SELECTIVE_LEVEL) for i in whole]),
-                              predict_peaks, limit_bytes)
+    level, peak = _each_that_fits(level, peak, [(i, SELECTIVE_LEVEL) for i in whole], prices, predict_peaks,
+                                  limit_bytes)
     return (*_plan_of(level), peak, True)
 
 
-def _each_changed(level: list, changes: Iterable) -> Iterator[list]:
-    """The plans with ``changes`` (``(block, level)``) made one more each."""
-    trial = level
-    for i, to in changes:
-        trial = trial.copy()
-        trial[i] = to
-        yield trial
+def _each_that_fits(level: list, peak: float, changes: Iterable, prices: list, predict_peaks: Callable,
+                    limit_bytes: float) -> tuple:
+    """``(level, peak)`` after each of ``changes`` (``(block, level)``, in order) made where it
+    costs no more (``prices[level][block]``, a kept block nothing) and the plan still fits with
+    it, and skipped where not. Each call predicts every change left, each on the plan so far: the
+    first that fits is made and those before it dropped (they did not fit on the very plan a
+    change-by-change walk would have tried them on), so a walk takes one call per change made,
+    plus one, and chooses as that walk does."""
+    def price(at: int, i: int) -> float:
+        return prices[at][i] if at > KEEP_LEVEL else 0.0
 
-
-def _while_fits(level: list, peak: float, trials: Iterator[list], predict_peaks: Callable,
-                limit_bytes: float) -> tuple:
-    """``(level, peak)``: the last of ``trials`` (each a change more on the one before, the first
-    on ``level``) before the first whose predicted peak no longer fits; ``level`` and ``peak`` when
-    the first does not. The trials are predicted in batches of 1, 4, 16...: a batch of plans costs
-    about what one does (``estimator.Timeline``), so a long run of them takes a few calls where a
-    call per trial multiplied a miss's time, and one that stops at once predicts one plan."""
-    size = 1
-    while chunk := list(itertools.islice(trials, size)):
-        peaks = predict_peaks(np.array(chunk))
-        fits = ~(peaks > limit_bytes)  # the rounds' test, ``peak > limit_bytes``, negated
-        if not fits.all():
-            last = int(np.argmin(fits))
-            return (chunk[last - 1], float(peaks[last - 1])) if last else (level, peak)
-        level, peak, size = chunk[-1], float(peaks[-1]), 4 * size
+    changes = list(changes)
+    while changes := [(i, to) for i, to in changes if level[i] != to and price(to, i) <= price(level[i], i)]:
+        trials = []
+        for i, to in changes:
+            trials.append(level.copy())
+            trials[-1][i] = to
+        peaks = predict_peaks(np.array(trials))
+        fitting = np.flatnonzero(~(peaks > limit_bytes))  # the rounds' test, ``peak > limit_bytes``, negated
+        if not len(fitting):
+            break
+        first = int(fitting[0])
+        level, peak, changes = trials[first], float(peaks[first]), changes[first + 1:]
     return level, peak
 
 
