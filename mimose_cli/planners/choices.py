@@ -12,15 +12,14 @@ more than the heavy ops, and the scheduler sees it.
 ``choice_plan_checked`` is the scheduler over the three choices: a multiple-choice knapsack
 solved greedily (the upgrades that free the most bytes per ms, topped up by the cheapest one that
 covers the rest, or the one upgrade that covers the excess alone where that costs less), each
-round checked on the predicted timeline, then the upgrades taken back, last first, while the plan
-still fits without them.
+round checked on the predicted timeline, then each upgrade taken back, last first, where the plan
+still fits without it, and blocks recomputed whole checkpointed selectively where that costs less.
 """
 
-import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Literal, Sequence, get_args
+from typing import Callable, Iterable, Literal, Sequence, get_args
 
 import numpy as np
 import torch
@@ -296,26 +295,58 @@ def _each_that_fits(level: list, peak: float, changes: Iterable, prices: list, p
                     limit_bytes: float) -> tuple:
     """``(level, peak)`` after each of ``changes`` (``(block, level)``, in order) made where it
     costs no more (``prices[level][block]``, a kept block nothing) and the plan still fits with
-    it, and skipped where not. Each call predicts every change left, each on the plan so far: the
-    first that fits is made and those before it dropped (they did not fit on the very plan a
-    change-by-change walk would have tried them on), so a walk takes one call per change made,
-    plus one, and chooses as that walk does."""
-    def price(at: int, i: int) -> float:
-        return prices[at][i] if at > KEEP_LEVEL else 0.0
+    it, and skipped where not: what a walk predicting one change at a time chooses, in fewer
+    calls. Each call predicts each change left alone on the plan so far and, once a change has
+    fitted, the plans a walk would reach if the next ``_WALK`` fitted in turn: the walk goes on to
+    the first of those that does not fit (skipped), or, where the very first does not, to the first
+    of the others that fits alone (all skipped where none does). A pass where nothing fits takes one
+    call of a plan per change."""
 
-    changes = list(changes)
-    while changes := [(i, to) for i, to in changes if level[i] != to and price(to, i) <= price(level[i], i)]:
-        trials = []
-        for i, to in changes:
-            trials.append(level.copy())
-            trials[-1][i] = to
-        peaks = predict_peaks(np.array(trials))
-        fitting = np.flatnonzero(~(peaks > limit_bytes))  # the rounds' test, ``peak > limit_bytes``, negated
-        if not len(fitting):
-            break
-        first = int(fitting[0])
-        level, peak, changes = trials[first], float(peaks[first]), changes[first + 1:]
+    priced = [[0.0] * len(level)] + [list(row) for row in prices[1:]]  # a kept block costs nothing
+
+    def usable(plan: list, i: int, to: int) -> bool:
+        return plan[i] != to and priced[to][i] <= priced[plan[i]][i]
+
+    changes, walk_size = list(changes), 1
+    while changes := [(i, to) for i, to in changes if level[i] != to and priced[to][i] <= priced[level[i]][i]]:
+        head = changes[:walk_size]
+        walk, trial = [], level  # the plans if each fits in turn (None: skipped there, costs more)
+        for i, to in head:
+            if usable(trial, i, to):
+                trial = trial.copy()
+                trial[i] = to
+                walk.append(trial)
+            else:
+                walk.append(None)
+        # Each change left alone: rows of the plan so far with one level changed (built in numpy:
+        # dozens of rows converted from lists cost more than predicting them).
+        others = np.array(changes[1:], dtype=np.intp).reshape(-1, 2)
+        alone = np.tile(np.array(level, dtype=np.intp), (len(others), 1))
+        alone[np.arange(len(others)), others[:, 0]] = others[:, 1]
+        walked = [plan for plan in walk if plan is not None]
+        peaks = predict_peaks(np.concatenate((np.array(walked, dtype=np.intp), alone)))
+        fits = ~(peaks > limit_bytes)  # the rounds' test, ``peak > limit_bytes``, negated
+        done, k = len(head), 0
+        for index, plan in enumerate(walk):
+            if plan is None:
+                continue
+            if not fits[k]:
+                done = index + 1  # skipped: the plans after it were predicted on top of it
+                break
+            level, peak, k, walk_size = plan, float(peaks[k]), k + 1, _WALK
+        if k == 0:  # the first did not fit: the first of the others that fits alone
+            fitting = np.flatnonzero(fits[len(walked):])
+            done = len(changes)  # none of them fits on this plan: each skipped
+            if len(fitting):
+                first = int(fitting[0])
+                level, peak, done = alone[first].tolist(), float(peaks[len(walked) + first]), first + 2
+                walk_size = _WALK
+        changes = changes[done:]
     return level, peak
+
+
+_WALK = 8
+"""``_each_that_fits``: the changes one call walks through in turn."""
 
 
 def _plan_of(level: list) -> tuple:

@@ -152,7 +152,7 @@ def test_the_timeline_of_blocks_run_out_of_index_order_is_that_of_the_blocks_sto
 
 
 def test_a_plans_peak_does_not_depend_on_the_plans_predicted_with_it():
-    """A scheduler predicts a pass's plans in one batch (``choices._while_fits``) and a plan alone
+    """A scheduler predicts a pass's plans in batches (``choices._each_that_fits``) and a plan alone
     elsewhere (``plan_peak_bytes``): each plan's events and peak are the same either way, on
     non-integer bytes, shuffled blocks letting inputs go, backward in or out of order. Exact: the
     batch runs the same float64 operations in the same order per plan (the inputs let go of are
