@@ -7,7 +7,8 @@ timeline of that input's prediction, as a Mimose miss does, the prediction margi
 the stacks ``planner_latency.py`` plans (tiny BERTs of 12 and 48 blocks, fitted from the probes,
 budget 0.6 x none's peak) and random 48-block stacks in a shuffled forward order whose budgets
 fall halfway between every block recomputed and none (a harder case: more plans predicted).
-Both must choose the same plans. Writes benchmarks/results/scheduler_ab.json.
+How many stacks the two planned alike is in the table: where they differ, the timing compares
+different work. Writes benchmarks/results/scheduler_ab.json.
 
     git worktree add /tmp/old <revision>
     python benchmarks/scheduler_ab.py --old /tmp/old [--repeat 400] [--stacks 40]
@@ -18,7 +19,6 @@ import importlib.util
 import inspect
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -138,8 +138,10 @@ def main():
     rng = random.Random(0)
     rows.append(compare(f"{args.stacks} random 48-block", [random_case(rng, 48) for _ in range(args.stacks)],
                         schedulers, max(1, args.repeat // 40)))
-    if any(row["same_plans"] < row["cases"] for row in rows):
-        sys.exit("the two trees chose different plans: not a like-for-like timing")
+    differ = sum(row["cases"] - row["same_plans"] for row in rows)
+    if differ:
+        print(f"the trees chose different plans on {differ} stacks: there the timing compares different work "
+              "(a scheduler that plans differently predicts other plans)")
     write_results("scheduler_ab", rows, old=str(args.old))
 
 
