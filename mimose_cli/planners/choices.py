@@ -274,7 +274,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
         peak = predict(level)
     if peak > limit_bytes:
         return (*_plan_of(level), peak, False)
-    # Taken back last first where the plan still fits without them and they cost no less (a
+    # Taken back last first where the plan still fits without them and that costs no more (a
     # recompute taken back to selective can cost more on a small CPU model); one that does not
     # fit is skipped, not the end of the pass: the upgrades before it may still be given back (a
     # base-width BERT: three layers selective and one recomputed, where one recomputed and one
