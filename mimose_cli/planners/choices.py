@@ -242,6 +242,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     less and still fits. Those two passes predict their plans in batches (``_each_that_fits``)."""
     save = np.nan_to_num(np.array(savings, dtype=float), nan=-1.0)
     cost = np.array(costs, dtype=float)
+    cost[KEEP_LEVEL] = 0.0  # a kept block costs nothing, whatever ``costs`` says
     # The per-upgrade bookkeeping reads Python lists, not numpy scalars (each read several times
     # slower), as a miss applies dozens of upgrades; the float64 arithmetic is the same.
     rows, prices = save.tolist(), cost.tolist()
@@ -294,7 +295,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
 def _each_that_fits(level: list, peak: float, changes: Iterable, prices: list, predict_peaks: Callable,
                     limit_bytes: float) -> tuple:
     """``(level, peak)`` after each of ``changes`` (``(block, level)``, in order) made where it
-    costs no more (``prices[level][block]``, a kept block nothing) and the plan still fits with
+    costs no more (``prices[level][block]``, zero for a kept block) and the plan still fits with
     it, and skipped where not: what a walk predicting one change at a time chooses, in fewer
     calls. Each call predicts each change left alone on the plan so far and, once a change has
     fitted, the plans a walk would reach if the next ``_WALK`` fitted in turn: the walk goes on to
@@ -302,13 +303,11 @@ def _each_that_fits(level: list, peak: float, changes: Iterable, prices: list, p
     of the others that fits alone (all skipped where none does). A pass where nothing fits takes one
     call of a plan per change."""
 
-    priced = [[0.0] * len(level)] + [list(row) for row in prices[1:]]  # a kept block costs nothing
-
     def usable(plan: list, i: int, to: int) -> bool:
-        return plan[i] != to and priced[to][i] <= priced[plan[i]][i]
+        return plan[i] != to and prices[to][i] <= prices[plan[i]][i]
 
     changes, walk_size = list(changes), 1
-    while changes := [(i, to) for i, to in changes if level[i] != to and priced[to][i] <= priced[level[i]][i]]:
+    while changes := [(i, to) for i, to in changes if usable(level, i, to)]:
         head = changes[:walk_size]
         walk, trial = [], level  # the plans if each fits in turn (None: skipped there, costs more)
         for i, to in head:
@@ -371,11 +370,9 @@ class _Upgrades:
     def __init__(self, save: np.ndarray, cost: np.ndarray):
         n = save.shape[1]
         # (from level, to level, block): what an upgrade frees and costs beyond what the block's
-        # level already does (a kept block costs nothing).
+        # level already does (``cost[KEEP_LEVEL]`` is zero: a kept block costs nothing).
         gain = save[1:] - np.maximum(save, 0.0)[:, None]
-        have = cost.copy()
-        have[KEEP_LEVEL] = 0.0
-        extra = np.maximum(cost[1:] - have[:, None], 1e-9)
+        extra = np.maximum(cost[1:] - cost[:, None], 1e-9)
         usable = _UPWARD & (save[1:] >= 0) & (gain > 0)
         tables = np.stack([gain, extra, usable, np.where(usable, gain / extra, -np.inf)])
         self.tables = tables.transpose(0, 1, 3, 2).reshape(4, -1)  # block-major, selective first

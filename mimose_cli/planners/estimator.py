@@ -233,6 +233,13 @@ class Timeline:
         """The events' maximum per plan (a float for one plan, an array over plans)."""
         return self.level_peaks(self.levels(plan_mask, selective_mask))
 
+    def plan_peak(self, plan, selective=()) -> float:
+        """The peak for ``plan`` (block indices), ``selective`` of them checkpointed selectively
+        (a block in ``selective`` but not in ``plan`` is kept)."""
+        planned, chosen = np.zeros(self.blocks, dtype=bool), np.zeros(self.blocks, dtype=bool)
+        planned[list(plan)], chosen[list(selective)] = True, True
+        return float(self.peaks(planned, chosen))
+
     def level_peaks(self, levels: np.ndarray) -> np.ndarray:
         """``peaks`` of plans given as levels per block (``(plans, blocks)`` or one plan's: 0 kept, 1
         checkpointed selectively, 2 recomputed; ``choices.choice_plan_checked``'s)."""
@@ -244,14 +251,8 @@ class Timeline:
 
 def plan_peak_bytes(pred: Prediction, plan, selective=()) -> float:
     """The peak of ``peak_timeline`` for ``plan`` (block indices), ``selective`` of them
-    checkpointed selectively."""
-    mask = np.zeros(len(pred.blocks["ckpt_bytes"]), dtype=bool)
-    mask[list(plan)] = True
-    chosen = None
-    if selective:
-        chosen = np.zeros(len(mask), dtype=bool)
-        chosen[list(selective)] = True
-    return float(Timeline(pred).peaks(mask, chosen))
+    checkpointed selectively (``Timeline.plan_peak``)."""
+    return Timeline(pred).plan_peak(plan, selective)
 
 
 def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:

@@ -628,9 +628,7 @@ class MimosePolicy(Policy):
         n = self.parts.num_blocks
 
         def predict_peak(plan):
-            mask = np.zeros(n, dtype=bool)
-            mask[list(plan)] = True
-            return base + self._margined(float(timeline.peaks(mask)))
+            return base + self._margined(timeline.plan_peak(plan))
 
         limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
         selective = ()
