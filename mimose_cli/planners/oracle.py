@@ -149,13 +149,13 @@ def exact_search(pred: Prediction, limit_bytes: float) -> tuple:
 def knapsack_search(pred: Prediction, limit_bytes: float) -> tuple:
     """Many blocks: the knapsack DP on what checkpointing each block frees (``knapsack_plan``),
     then the largest-saving blocks left added until the timeline fits."""
-    savings = pred.savings
-    none_peak = plan_peak(pred, ())
+    savings, timeline = pred.savings, Timeline(pred)
+    none_peak = timeline.plan_peak(())
     profile = BlockProfile(pred.size, savings.tolist(), pred.blocks["fwd_ms"].tolist(),
                            fixed_bytes=none_peak - float(savings.sum()))
     plan = set(knapsack_plan(profile, limit_bytes))
     for index in sorted(range(len(savings)), key=lambda i: (-savings[i], i)):
-        if plan_peak(pred, plan) <= limit_bytes:
+        if timeline.plan_peak(plan) <= limit_bytes:
             break
         plan.add(index)
     return tuple(sorted(plan))
