@@ -35,6 +35,7 @@ Writes benchmarks/results/robustness.json.
     python benchmarks/robustness.py --quick      # a few steps of a subset, about a minute
     python benchmarks/robustness.py --jobs 2     # (model, setting) pairs in 2 processes
     python benchmarks/robustness.py --choices selective   # Mimose's finer plans (robustness_selective.json)
+    python benchmarks/robustness.py --choices offload     # offload among them too (robustness_offload.json)
 """
 
 import argparse
@@ -355,7 +356,9 @@ class Cell:
     binding_steps: int = 0
     binding_peak_mean_pct: float | None = None
     selective_steps: int = 0
-    """Steps whose plan checkpointed a block selectively (``--choices selective``)."""
+    """Steps whose plan checkpointed a block selectively (``--choices selective`` or ``offload``)."""
+    offload_steps: int = 0
+    """Steps whose plan offloaded a block (``--choices offload``)."""
     predicted_steps: int = 0
     pred_err_min_pct: float | None = None
     """Most negative (predicted - measured) / measured: the worst under-prediction."""
@@ -386,6 +389,7 @@ def summarize(cell: Cell, run: Run, reference: list) -> None:
     ratios = [r.peak_bytes / cell.budget_bytes for r in responsive if r.plan]
     cell.binding_steps = len(ratios)
     cell.selective_steps = sum(bool(r.selective) for r in records)
+    cell.offload_steps = sum(bool(r.offload) for r in records)
     cell.binding_peak_mean_pct = 100 * float(np.mean(ratios)) if ratios else None
     errors = [(r.predicted_peak_bytes - r.peak_bytes) / r.peak_bytes
               for r in responsive if r.predicted_peak_bytes is not None]
@@ -437,7 +441,7 @@ def untrusted(stats: dict):
 
 HEADER = (f"{'model':10} {'setting':8} {'bud%':>4} {'budget MB':>9} {'OOM':>4} {'shel':>4} {'opt':>3} "
           f"{'retry':>5} {'bind':>4} {'peak/bud %':>10} {'err min %':>9} {'|err| max %':>11} "
-          f"{'loss diff':>9} {'unfit':>5} {'under':>5} {'untr':>4} {'warn':>4} {'sel':>4}  first lost step")
+          f"{'loss diff':>9} {'unfit':>5} {'under':>5} {'untr':>4} {'warn':>4} {'sel':>4} {'off':>4}  first lost step")
 
 
 def table_line(row: dict) -> str:
@@ -451,7 +455,8 @@ def table_line(row: dict) -> str:
             f"{_fmt(row['binding_peak_mean_pct'], '.2f', 10)} {_fmt(row['pred_err_min_pct'], '.3f', 9)} "
             f"{_fmt(row['pred_err_max_abs_pct'], '.3f', 11)} {_fmt(row['loss_max_abs_diff'], '.1e', 9)} "
             f"{stats.get('unfit_plans', 0):5d} {stats.get('underpredictions', 0):5d} "
-            f"{_fmt(untrusted(stats), 'd', 4)} {len(stats.get('warnings', [])):4d} {row.get('selective_steps', 0):4d}  {lost}")
+            f"{_fmt(untrusted(stats), 'd', 4)} {len(stats.get('warnings', [])):4d} {row.get('selective_steps', 0):4d} "
+            f"{row.get('offload_steps', 0):4d}  {lost}")
 
 
 def target_counts(rows: list) -> dict:
@@ -507,8 +512,9 @@ def main():
     parser.add_argument("--steps", type=int, default=100, help="micro-batches per run")
     parser.add_argument("--quick", action="store_true", help="12 steps of bert and vit in fp32 and varbatch")
     parser.add_argument("--jobs", type=int, default=1, help="processes, one (model, setting) pair each")
-    parser.add_argument("--choices", default="block", choices=("block", "selective"),
-                        help="Mimose's plans (planner.mimose.choices); selective writes robustness_selective.json")
+    parser.add_argument("--choices", default="block", choices=("block", "selective", "offload"),
+                        help="Mimose's plans (planner.mimose.choices); selective writes robustness_selective.json, "
+                             "offload robustness_offload.json")
     args = parser.parse_args()
     if args.quick:
         args.models, args.settings, args.steps = "bert,vit", "fp32,varbatch", 12

@@ -132,6 +132,12 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         return torch.empty(0, dtype=dtype, device=copy.device).set_(copy.restore(), offset, size, stride)
 
 
+def round_trip(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s storage moved to host memory and back as an offloaded block's saved tensor is
+    (``_HostCopy``: the copy out, then ``restore``), uncounted: what ``choices.copy_costs_ms`` times."""
+    return _HostCopy(tensor.untyped_storage(), None).restore()
+
+
 def resident_storages(model: torch.nn.Module) -> frozenset:
     """``data_ptr``s of ``model``'s parameters' and buffers' storages (``OffloadHooks``'s
     ``resident``)."""

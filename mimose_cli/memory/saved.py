@@ -64,12 +64,15 @@ class SavedBytesCounter:
         self._seen = WeakIdKeyDictionary()
         self._hooks = None
         self.bytes = 0
+        self.storages = 0
+        """How many storages ``bytes`` counts."""
 
     def reset(self) -> None:
         """Forget what was counted, to count the next step or block from zero."""
         self._seen = WeakIdKeyDictionary()
         self._held = []
         self.bytes = 0
+        self.storages = 0
 
     def live_bytes(self) -> int:
         """Bytes of the storages counted that are still alive (held by something other than
@@ -95,6 +98,7 @@ class SavedBytesCounter:
         if id(storage) not in self._excluded_ids and storage not in self._seen:
             self._seen[storage] = True
             self.bytes += storage.nbytes()
+            self.storages += 1
         if not self._keep:
             self._held.append(tensor)
             return None

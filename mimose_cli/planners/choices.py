@@ -25,13 +25,16 @@ import numpy as np
 import torch
 
 from mimose_cli.memory import synchronize
+from mimose_cli.memory.offload import round_trip
 from mimose_cli.planners.scaling import exponents, work_coefficients
 from mimose_cli.torch_private import UncompiledDispatchMode, without_dispatch_modes
 
-ChoiceSet = Literal["block", "selective"]
+ChoiceSet = Literal["block", "selective", "offload"]
 CHOICE_SETS = get_args(ChoiceSet)
 """What a plan may do with a block: ``block``, keep it or recompute it whole (the paper's); ``selective``,
-also checkpoint it selectively (``blocks.SELECTIVE``) where that costs less time for the bytes it frees."""
+also checkpoint it selectively (``blocks.SELECTIVE``) where that costs less time for the bytes it frees;
+``offload``, also offload it (``blocks.OFFLOAD``) instead of recomputing it where its copies, timed on
+this device, cost less than its recompute (``ChoiceTimes.offload_at``)."""
 
 
 class _PassThrough(UncompiledDispatchMode):
@@ -113,6 +116,21 @@ def probe_rates_ms(raw, size: tuple, max_size: tuple, device) -> tuple | None:
     return work_rates_ms(rows, inner, cols, device, dtype if dtype.is_floating_point else torch.float32)
 
 
+def copy_costs_ms(device, small: int = 1 << 16, large: int = 1 << 23) -> tuple:
+    """``(per storage, per byte)``: the ms an offloaded block's saved storage costs to move to host
+    memory and back (``memory.offload.round_trip``: on CUDA pinned copies on the side stream, on
+    the CPU a copy in the one memory), fitted through storages of ``small`` and ``large`` bytes on
+    ``device`` (the best of three runs each). Timed back to back, so an upper bound of what a step
+    pays where the copy out overlaps the compute. Call it with no dispatch mode active."""
+    device = torch.device(device)
+    times = []
+    for nbytes in (small, large):
+        tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        times.append(_best_ms(lambda tensor=tensor: round_trip(tensor), device))
+    per_byte = max((times[1] - times[0]) / (large - small), 0.0)
+    return max(times[0] - per_byte * small, 0.0), per_byte
+
+
 RATE_ROWS, RATE_ELEMENTS = 2048, 1 << 22
 """``probe_rates_ms``'s caps: rows (a rate no longer changes past a few thousand) and elements of
 each operand (16 MiB in fp32), whatever the model's width or vocabulary."""
@@ -138,6 +156,10 @@ class ChoiceTimes:
     light_ops: np.ndarray
     meter_ms: float
     mode_ms: float
+    storages: np.ndarray | None = None
+    """Per block, the storages its measuring run saved (``choices="offload"``: each is copied)."""
+    copy_ms: tuple | None = None
+    """``copy_costs_ms`` on the training device (``choices="offload"``); None: not timed."""
 
     @classmethod
     def from_probes(cls, raws: list, sizes: list, feature_set, stand_in: dict, costs: tuple,
@@ -146,17 +168,19 @@ class ChoiceTimes:
         measured takes the values of ``stand_in[block]`` (the block like it that was). ``rates``:
         the ms per unit of work of the heavy and the light ops (``work_rates_ms``: a device's, timed
         on ops as large as training's); without them, the slope between the two probes, pooled
-        over the blocks. None when a block has no stand-in measured."""
+        over the blocks. None when a block has no stand-in measured; ``storages`` None where the
+        probes did not count them."""
         n = len(raws[0].per_block["saved_bytes"])
         values = {}
-        for quantity in ("heavy_ms", "light_ms", "ops", "heavy_ops"):
+        for quantity in ("heavy_ms", "light_ms", "ops", "heavy_ops", "saved_storages"):
             v = np.array([raw.op_ms.get(quantity, np.full(n, np.nan)) for raw in raws], dtype=float)
             for i in range(n):
                 if np.isnan(v[:, i]).any():
                     v[:, i] = v[:, stand_in.get(i, i)]
-            if np.isnan(v).any():
-                return None
-            values[quantity] = v
+            values[quantity] = None if np.isnan(v).any() else v
+        if any(values[q] is None for q in ("heavy_ms", "light_ms", "ops", "heavy_ops")):
+            return None
+        storages = values["saved_storages"]
         works = _block_works(raws, sizes, feature_set, stand_in, n)
         if works is None:
             return None
@@ -164,7 +188,8 @@ class ChoiceTimes:
         fits = [_rate_fit(values[q], f @ work.T, None if rates is None else rates[k])
                 for k, (q, work) in enumerate(zip(("heavy_ms", "light_ms"), works))]
         ops, heavy_ops = values["ops"].mean(axis=0), values["heavy_ops"].mean(axis=0)
-        return cls(fits[0], fits[1], works[0], works[1], heavy_ops, ops - heavy_ops, *costs)
+        return cls(fits[0], fits[1], works[0], works[1], heavy_ops, ops - heavy_ops, *costs,
+                   storages=None if storages is None else storages.max(axis=0))
 
     def at(self, features: np.ndarray) -> tuple:
         """``(recompute ms, selective ms)`` per block at an input size whose features
@@ -176,10 +201,22 @@ class ChoiceTimes:
         selective = light + self.light_ops * self.meter_ms + 2 * ops * self.mode_ms
         return recompute, selective
 
+    def offload_at(self, saved_bytes: np.ndarray) -> np.ndarray | None:
+        """The ms offloading each block costs where it saves ``saved_bytes`` (the estimator's
+        prediction at the input size): each of its storages moved out and back (``copy_ms``) and
+        the meter's two ops per storage; None where the copies were not timed. Every storage is
+        counted, those ``OffloadHooks`` leave on the device too: an upper bound."""
+        if self.copy_ms is None or self.storages is None:
+            return None
+        per_storage, per_byte = self.copy_ms
+        return self.storages * (per_storage + 2 * self.meter_ms) + per_byte * np.maximum(saved_bytes, 0.0)
+
     def state_dict(self) -> dict:
         return {"heavy": self.heavy.tolist(), "light": self.light.tolist(), "heavy_work": self.heavy_work.tolist(),
                 "light_work": self.light_work.tolist(), "heavy_ops": self.heavy_ops.tolist(),
-                "light_ops": self.light_ops.tolist(), "meter_ms": self.meter_ms, "mode_ms": self.mode_ms}
+                "light_ops": self.light_ops.tolist(), "meter_ms": self.meter_ms, "mode_ms": self.mode_ms,
+                "storages": None if self.storages is None else self.storages.tolist(),
+                "copy_ms": None if self.copy_ms is None else list(self.copy_ms)}
 
     @classmethod
     def from_state(cls, state: dict | None, feature_set) -> "ChoiceTimes | None":
@@ -194,8 +231,11 @@ class ChoiceTimes:
             variables, powers = exponents(feature_set)
             product = np.array([p == (1,) * len(variables) for p in powers], dtype=float)  # BL, BED
             works = np.tile(product, (len(heavy), 1)), np.tile(product, (len(light), 1))
+        storages, copy_ms = state.get("storages"), state.get("copy_ms")
         return cls(heavy, light, *works, np.array(state["heavy_ops"]), np.array(state["light_ops"]),
-                   float(state["meter_ms"]), float(state["mode_ms"]))
+                   float(state["meter_ms"]), float(state["mode_ms"]),
+                   None if storages is None else np.array(storages, dtype=float),
+                   None if copy_ms is None else tuple(float(c) for c in copy_ms))
 
 
 def _block_works(raws: list, sizes: list, feature_set, stand_in: dict, n: int):
@@ -224,6 +264,27 @@ def _rate_fit(ms: np.ndarray, work: np.ndarray, rate: float | None = None) -> np
 
 
 KEEP_LEVEL, SELECTIVE_LEVEL, RECOMPUTE_LEVEL = 0, 1, 2
+
+
+def freeing_ms(recompute_ms: np.ndarray, offload_ms: np.ndarray | None) -> tuple:
+    """``(ms, offloaded)``: per block, what freeing it whole costs (the recompute level's cost in
+    ``choice_plan_checked``): its recompute, or its offload where that is cheaper, and which
+    blocks that offloads (a bool mask; none without ``offload_ms``). The scheduler prices one
+    level for both: an offloaded block holds no more device memory at any point of the step than
+    a recomputed one (docs/MIMOSE.md, "Offload in a plan"), so the recompute level's predicted
+    peaks bound it."""
+    if offload_ms is None:
+        return recompute_ms, np.zeros(len(recompute_ms), dtype=bool)
+    offloaded = offload_ms < recompute_ms
+    return np.where(offloaded, offload_ms, recompute_ms), offloaded
+
+
+def split_offload(plan: tuple, selective: tuple, offloaded: np.ndarray) -> tuple:
+    """``(plan, offload)``: a scheduled plan's blocks recomputed whole split into those still
+    checkpointed and those offloaded (``offloaded``, ``freeing_ms``'s mask)."""
+    freed = set(plan) - set(selective)
+    offload = tuple(i for i in plan if i in freed and offloaded[i])
+    return tuple(i for i in plan if i not in offload), offload
 
 
 def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequence[float]],

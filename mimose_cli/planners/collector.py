@@ -263,7 +263,7 @@ class ShuttlingCollector(BlockRunner):
         self.saved = np.full(len(self.blocks), np.nan)
         self.resident = np.full(len(self.blocks), np.nan)
         self.release_bytes = np.full(len(self.blocks), np.nan)
-        self.op_ms = {q: np.full(len(self.blocks), np.nan) for q in OP_QUANTITIES}
+        self.op_ms = {q: np.full(len(self.blocks), np.nan) for q in (*OP_QUANTITIES, "saved_storages")}
         self.op_works: dict = {}  # block -> its measuring run's ops' work (``LiveProbe.works``)
         self.active = True
 
@@ -357,6 +357,7 @@ class ShuttlingCollector(BlockRunner):
                 self.op_ms[quantity][index] = value - then
             self.op_works[index] = self.probe.works[works:]
             self.saved[index] = self.counter.bytes
+            self.op_ms["saved_storages"][index] = self.counter.storages
             self.mark(("plain", index))
             return _first_grad_tensor(out) is not None
 
@@ -467,7 +468,8 @@ class RawStep:
     op_ms: dict = field(default_factory=dict)
     """Per block, of its measuring run (``OP_QUANTITIES``): the ms inside compute-heavy ops
     (``heavy_ms``) and inside the others (``light_ms``), and how many ops it ran (``ops``,
-    ``heavy_ops`` of them heavy); NaN for blocks not measured."""
+    ``heavy_ops`` of them heavy), and the storages it saved (``saved_storages``: an offload's
+    copies); NaN for blocks not measured."""
     op_works: dict = field(default_factory=dict)
     """``{block: [(heavy, dims, factor, gemm)]}``: the work of each op of its measuring run
     (``LiveProbe.works``; with ``lifetimes``)."""

@@ -24,7 +24,6 @@ at the budget. Code between the steps (the optimizer step, evaluation, anything 
 unmetered, uncapped and at full speed.
 """
 
-import contextlib
 import copy
 import math
 import time
@@ -40,8 +39,11 @@ from mimose_cli.planners.choices import (
     ChoiceSet,
     ChoiceTimes,
     choice_plan_checked,
+    copy_costs_ms,
     dispatch_costs_ms,
+    freeing_ms,
     probe_rates_ms,
+    split_offload,
 )
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, Timeline, plan_peak_bytes
@@ -76,7 +78,9 @@ class CachedPlan(NamedTuple):
     peak_bytes: float
     fits: bool
     selective: tuple = ()
-    """The blocks of ``plan`` checkpointed selectively (``choices="selective"``)."""
+    """The blocks of ``plan`` checkpointed selectively (``choices="selective"`` or ``"offload"``)."""
+    offload: tuple = ()
+    """The blocks outside ``plan`` offloaded (``choices="offload"``)."""
 
 
 @dataclass
@@ -198,7 +202,7 @@ class MimosePolicy(Policy):
     """Input-aware checkpointing: the paper's collector, estimator, scheduler and plan cache."""
 
     name = "mimose"
-    variant_option = "choices"  # compare mimose:selective beside mimose
+    variant_option = "choices"  # compare mimose:selective, mimose:offload beside mimose
     builds_meter = True
     state_file = "estimator.json"
 
@@ -226,7 +230,8 @@ class MimosePolicy(Policy):
         self._selective_needs = set(blocks), {(q, i) for q in SELECTIVE_QUANTITIES for i in blocks}
         """What ``_selective_known`` looks for: every block's heavy outputs kept, its selective bytes."""
         self.choice_times: ChoiceTimes | None = None
-        """What recomputing each block costs per choice (``choices="selective"``, from the probes)."""
+        """What recomputing each block costs per choice (``choices="selective"`` or ``"offload"``,
+        from the probes), and offloading it (``"offload"``)."""
         self._probed = estimate != "probes"  # the probes run once, before the first step
         self._loaded = False  # the estimator came from a saved state (no probes in this process)
         self.sheltered_steps = sheltered_steps
@@ -402,11 +407,12 @@ class MimosePolicy(Policy):
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
     def _time_choices(self, raws: list, sizes: list, max_size: tuple, twins: dict, runs: list) -> None:
-        """With ``choices="selective"``: each choice's recompute time per block from the probes'
-        measuring runs (``ChoiceTimes``), the ops' rates timed on a matmul and a pointwise op as
-        large as the largest batch's (``choices.probe_rates_ms``; the device's meter is set aside
-        here); a block run without a measuring run takes the block like it."""
-        if self.choices != "selective":
+        """With ``choices="selective"`` or ``"offload"``: each choice's recompute time per block from
+        the probes' measuring runs (``ChoiceTimes``), the ops' rates timed on a matmul and a
+        pointwise op as large as the largest batch's (``choices.probe_rates_ms``; the device's
+        meter is set aside here); a block run without a measuring run takes the block like it.
+        With ``"offload"`` also the copies' costs (``choices.copy_costs_ms``)."""
+        if self.choices == "block":
             return
         stand_in = dict(twins)
         for template, skipped in runs:
@@ -415,26 +421,31 @@ class MimosePolicy(Policy):
         self.choice_times = ChoiceTimes.from_probes(raws, sizes, self.estimator.feature_set, stand_in, (0.0, 0.0),
                                                     self._rates(raws[1], sizes[1], max_size))
         if self.choice_times is None:
-            self._warn("mimose: plans stay block-level (choices: selective asked for): the probes' ops did not "
+            self._warn(f"mimose: plans stay block-level (choices: {self.choices} asked for): the probes' ops did not "
                        "run alike at their two sizes, so each choice's recompute time cannot be scaled")
+        elif self.choices == "offload":
+            self.choice_times.copy_ms = self._timed_on_device("the copies' costs", copy_costs_ms)
+            if self.choice_times.copy_ms is None or self.choice_times.storages is None:
+                self._warn("mimose: no block is offloaded (choices: offload asked for): the copies' costs or the "
+                           "probes' saved storages are not known; plans keep, checkpoint selectively or recompute")
         keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
         self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
 
     def _rates(self, raw, size: tuple, max_size: tuple) -> tuple | None:
-        """The ops' ms per unit of work (``choices.probe_rates_ms``), timed past the budget (on
-        CUDA, the allocator's cap lifted) with the meter's peak reset after; None, with a warning,
-        where they cannot be timed: the probes' own timings stand in."""
-        meter = self.parts.meter
+        """The ops' ms per unit of work (``choices.probe_rates_ms``); None where they cannot be
+        timed: the probes' own timings stand in."""
+        rates = self._timed_on_device("the ops' rates", lambda device: probe_rates_ms(raw, size, max_size, device))
+        if rates is None:
+            self._warn("mimose: recompute times are scaled from the probes' own timings")
+        return rates
+
+    def _timed_on_device(self, what: str, timing):
+        """``timing(device)`` (``PlannerParts.timed_off_budget``); None, with a warning, where it fails."""
         try:
-            with meter.unlimited() if meter is not None else contextlib.nullcontext():
-                return probe_rates_ms(raw, size, max_size, next(self.parts.model.parameters()).device)
-        except Exception as error:  # noqa: BLE001 - the rates refine the times; the probes' stand in
-            self._warn(f"mimose: the ops' rates could not be timed ({_said(error, 120)}); recompute times are "
-                       "scaled from the probes' own timings")
+            return self.parts.timed_off_budget(timing)
+        except Exception as error:  # noqa: BLE001 - a timing refines the plans; the caller says what stands in
+            self._warn(f"mimose: {what} could not be timed ({_said(error, 120)})")
             return None
-        finally:
-            if meter is not None:
-                meter.reset_peak()
 
     def _probe_pair(self, make_batch, sizes: list, step_fn, twins: dict) -> list:
         """The two measured probe steps at ``sizes`` (``RawStep``s), the first once more when it
@@ -587,7 +598,7 @@ class MimosePolicy(Policy):
         else:
             self.counts.misses += 1
         return Decision(entry.plan, "responsive", selective=entry.selective, cache_hit=hit,
-                        predicted_peak_bytes=int(base + entry.peak_bytes))
+                        predicted_peak_bytes=int(base + entry.peak_bytes), offload=entry.offload)
 
     def _measuring(self, phase: str, attempt: int) -> Decision:
         """A step the collector measures (every block checkpointed); a retry after such a step
@@ -631,23 +642,26 @@ class MimosePolicy(Policy):
             return base + self._margined(timeline.plan_peak(plan))
 
         limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
-        selective = ()
+        selective, offload = (), ()
         if self._selective_known():
             recompute_ms, selective_ms = self.choice_times.at(self.estimator.feature_set.of(key))
+            offload_ms = self.choice_times.offload_at(pred.blocks["saved_bytes"]) if self._offload_known() else None
+            whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms)
             savings = [np.zeros(n), pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0), pred.savings]
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
             # checkpointing refuses them): not a choice for that block.
             savings[1] = np.where((savings[1] > 0) & self._selectable, savings[1], np.nan)
-            costs = [np.zeros(n), selective_ms, recompute_ms]
+            costs = [np.zeros(n), selective_ms, whole_ms]
             plan, selective, peak, fits = choice_plan_checked(
                 savings, costs, lambda levels: base + self._margined(timeline.level_peaks(levels)), limit)
+            plan, offload = split_offload(plan, selective, offloaded)
         else:
             plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak, limit, self.bucket)
         if not fits:
             self.counts.unfit_plans += 1
             self._warn(f"input size {key} is predicted not to fit the budget even with every "
                        "block checkpointed; the step may run out of memory")
-        entry = CachedPlan(plan, peak - base, fits, selective)
+        entry = CachedPlan(plan, peak - base, fits, selective, offload)
         self.cache[key] = entry
         self.counts.scheduler_ms += (time.perf_counter() - start) * 1e3
         return entry
@@ -657,19 +671,28 @@ class MimosePolicy(Policy):
         bytes in the estimate (the probes measure them; measured training steps do not), how many
         heavy outputs it keeps and their recompute times known."""
         kept, estimated = self._selective_needs
-        return (self.choices == "selective" and self.choice_times is not None
+        return (self.choices != "block" and self.choice_times is not None
                 and self.parts.plan_runner.selective_keep.keys() >= kept and self.estimator.layout.keys() >= estimated)
+
+    def _offload_known(self) -> bool:
+        """Whether plans may offload blocks: asked for (``choices="offload"``), the finer choices
+        priced (``_selective_known``), the copies timed and each block's saved storages counted."""
+        times = self.choice_times
+        return (self.choices == "offload" and self._selective_known() and times.copy_ms is not None
+                and times.storages is not None)
 
     def size_key(self, size: tuple) -> tuple:
         return self.cache_key(size)
 
-    def predict_peak(self, size: tuple, plan: tuple, selective: tuple = ()) -> int | None:
+    def predict_peak(self, size: tuple, plan: tuple, selective: tuple = (), offload: tuple = ()) -> int | None:
         """The trusted prediction for ``plan`` at ``size`` (its blocks in ``selective``
-        checkpointed selectively), or None (not fitted, not trusted)."""
+        checkpointed selectively; those in ``offload`` bounded as recomputed: ``choices.freeing_ms``),
+        or None (not fitted, not trusted)."""
         key = self.cache_key(size)
         if not self.estimator.fitted or self.estimator.trust.reason(key) is not None:
             return None
-        return int(self._start_bytes() + self._margined(plan_peak_bytes(self.estimator.predict(key), plan, selective)))
+        freed = tuple(sorted(set(plan) | set(offload)))
+        return int(self._start_bytes() + self._margined(plan_peak_bytes(self.estimator.predict(key), freed, selective)))
 
     def _margined(self, peak):
         """A timeline's peak (or peaks) with the prediction margin and the fit's residual
@@ -764,12 +787,14 @@ class MimosePolicy(Policy):
                 "fit_residual_bytes": self.estimator.trust.residual_bytes,
                 # ``choices: selective`` asked for, but block-level plans when it cannot be priced
                 "selective_in_use": self._selective_known(),
+                "offload_in_use": self._offload_known(),
                 "recovery_margins": {str(k): v for k, v in self.recovery_margins.items()}}
 
     def state_dict(self) -> dict:
         return {"num_blocks": self.parts.num_blocks, "granularity": self.granularity,
                 "estimator": self.estimator.state_dict(),
-                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits, list(v.selective)] for k, v in self.cache.items()],
+                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits, list(v.selective), list(v.offload)]
+                          for k, v in self.cache.items()],
                 "choices": self.choices,
                 "choice_times": self.choice_times.state_dict() if self.choice_times is not None else None,
                 "selective_keep": [[i, k] for i, k in self.parts.plan_runner.selective_keep.items()],
@@ -786,10 +811,10 @@ class MimosePolicy(Policy):
         self._loaded = True
         self.cache = {}
         self.choice_times = (ChoiceTimes.from_state(state.get("choice_times"), self.estimator.feature_set)
-                             if self.choices == "selective" else None)
+                             if self.choices != "block" else None)
         self.parts.plan_runner.selective_keep = {int(i): int(k) for i, k in state.get("selective_keep", [])}
         if state.get("granularity") == self.granularity and state.get("choices", "block") == self.choices:
-            self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), tuple(rest[0]) if rest else ())
+            self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), *(tuple(r) for r in rest))
                           for k, p, peak, fits, *rest in state.get("cache", [])}
         self.recovery_margins = {tuple(k): v for k, v in state.get("recovery_margins", [])}
 

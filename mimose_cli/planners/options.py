@@ -32,11 +32,14 @@ class MimoseOptions:
     """The greedy scheduler groups blocks whose predicted sizes are within this fraction."""
     prediction_margin: StrictFloat = Field(0.001, ge=0.0, lt=1.0)
     """Relative headroom on every predicted peak."""
-    choices: Literal["block", "selective"] = "block"
+    choices: Literal["block", "selective", "offload"] = "block"
     """What a plan may do with each block: ``block``, keep it or recompute it whole (the paper's
     plans); ``selective``, also checkpoint it selectively (keep its matmuls', convolutions' and
     attention kernels' outputs, recompute the rest) where the probes measure that it frees the
-    bytes needed for less recompute time. Needs ``estimate: probes``."""
+    bytes needed for less recompute time; ``offload``, also offload a block instead of recomputing
+    it where its copies to host memory and back, timed on this device before the first step, cost
+    less (off by default: no GPU has measured the copies beside training yet). Needs
+    ``estimate: probes``."""
 
 
 @dataclass(config=_STRICT, frozen=True)
@@ -63,10 +66,10 @@ class FullOptions:
 
 @dataclass(config=_STRICT, frozen=True)
 class OracleOptions:
-    choices: Literal["block", "selective"] = "block"
+    choices: Literal["block", "selective", "offload"] = "block"
     """The plans it searches: ``block``, each block kept or recomputed; ``selective``, also
-    checkpointed selectively (Mimose's ``choices: selective``, so that "x oracle" compares like
-    with like)."""
+    checkpointed selectively; ``offload``, also offloaded where that costs less than a recompute
+    (Mimose's ``choices``, so that "x oracle" compares like with like)."""
 
 
 @dataclass(config=_STRICT, frozen=True)

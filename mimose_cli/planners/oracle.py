@@ -9,7 +9,8 @@ the plan with the least recompute time (Σ measured forward ms) whose peak, on t
 at the step's start, fits the budget: an exact search over every plan up to ``EXACT_MAX_BLOCKS``
 blocks; beyond, a knapsack DP on the blocks' savings, topped up block by block until the
 timeline fits. With finer plans (``choices="selective"``) every keep / selective / recompute plan
-up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks. The times of alike blocks (the layers of a stack,
+up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks; with ``choices="offload"`` the same plans, a block freed
+whole offloaded where its copies cost less than its recompute (``choices.freeing_ms``), as Mimose's. The times of alike blocks (the layers of a stack,
 ``blocks.twin_blocks``) that measured the same bytes are given their mean (``alike_at``,
 ``blocks.alike_mean``): one step's timings of identical layers differ by tens of percent on a
 busy CPU, and a plan should not take layer 7 over layer 2 for that. Measuring and searching are
@@ -22,7 +23,16 @@ import numpy as np
 
 from mimose_cli.planners.base import Planner
 from mimose_cli.planners.blocks import alike_mean, selectable, twin_blocks
-from mimose_cli.planners.choices import CHOICE_SETS, ChoiceSet, ChoiceTimes, choice_plan_checked, dispatch_costs_ms
+from mimose_cli.planners.choices import (
+    CHOICE_SETS,
+    ChoiceSet,
+    ChoiceTimes,
+    choice_plan_checked,
+    copy_costs_ms,
+    dispatch_costs_ms,
+    freeing_ms,
+    split_offload,
+)
 from mimose_cli.planners.collector import ShuttlingCollector
 from mimose_cli.planners.estimator import (
     BLOCK_QUANTITIES,
@@ -235,15 +245,16 @@ class OraclePolicy(Policy):
 
     def __init__(self, parts, *, choices: ChoiceSet = "block"):
         if choices not in CHOICE_SETS:
-            raise ValueError(f"choices={choices!r} is invalid; expected 'block' or 'selective'")
+            raise ValueError(f"choices={choices!r} is invalid; expected one of {', '.join(map(repr, CHOICE_SETS))}")
         super().__init__(parts)
         self.choices = choices
         self.measurer = ShuttlingCollector(parts.model, parts.blocks)
-        self.measurer.lifetimes = choices == "selective"  # the selective bytes (``scaling.selective_bytes``)
+        self.measurer.lifetimes = choices != "block"  # the selective bytes (``scaling.selective_bytes``)
         self.selectable = np.array(selectable(self.parts.blocks))
         self.twins = twin_blocks(self.parts.blocks)
-        self.choice_ms: dict = {}  # input size -> (recompute ms, selective ms) per block
+        self.choice_ms: dict = {}  # input size -> (recompute ms, selective ms[, offload ms]) per block
         self._dispatch_costs = None
+        self._copy_costs = None  # ``choices.copy_costs_ms``, timed once (``choices="offload"``)
         self.measured: dict = {}  # input size -> Prediction, or None when it could not be measured
         self._make_batch = None
         self.excluded_ms_total = 0.0
@@ -269,6 +280,7 @@ class OraclePolicy(Policy):
                 ran = probe_step(self.parts, batch) is not None
         finally:
             sample = self.measurer.end() if ran else self.measurer.abort()  # abort keeps nothing
+        times = None
         if sample is not None and self.measurer.lifetimes:
             raw, sample = sample, raw_sample(sample, self.parts.num_blocks)
             if any(v is None for q in SELECTIVE_QUANTITIES for v in sample[0][q]):  # unmeasured: block-level only
@@ -283,6 +295,13 @@ class OraclePolicy(Policy):
                 self.parts.plan_runner.selective_keep.update({i: k for i, k in enumerate(keeps) if k is not None})
             self.choice_ms[size] = None if times is None else times.at(feature_set.of(size))
         pred = None if sample is None else measured_prediction(size, sample, self.parts.num_blocks)
+        if pred is not None and self.choice_ms.get(size) is not None and self.choices == "offload":
+            if self._copy_costs is None:
+                self._copy_costs = self.parts.timed_off_budget(copy_costs_ms)
+            times.copy_ms = self._copy_costs
+            offload_ms = times.offload_at(pred.blocks["saved_bytes"])
+            if offload_ms is not None:
+                self.choice_ms[size] += (offload_ms,)
         if pred is not None:
             alike = self.alike_at(pred)
             pred.blocks["fwd_ms"] = alike_mean(pred.blocks["fwd_ms"], alike)
@@ -321,14 +340,17 @@ class OraclePolicy(Policy):
         else:
             limit = None if self.parts.limit_bytes is None else self.parts.limit_bytes - self.margin_bytes - base
             plan, selective = optimal_plan(pred, limit), ()
-            times = self.choice_ms.get(size)
+            times, offloaded = self.choice_ms.get(size), np.zeros(self.parts.num_blocks, dtype=bool)
             if times is not None and limit is not None and plan_peak(pred, ()) > limit:
-                plan, selective = choice_search(pred, limit, *times, self.selectable)
-            predicted = int(base + plan_peak(pred, plan, selective))
+                recompute_ms, selective_ms, *offload_ms = times
+                whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms[0] if offload_ms else None)
+                plan, selective = choice_search(pred, limit, whole_ms, selective_ms, self.selectable)
+            predicted = int(base + plan_peak(pred, plan, selective))  # an offloaded block bounded as recomputed
+            plan, offload = split_offload(plan, selective, offloaded)
         excluded_ms = (time.perf_counter() - start) * 1e3
         self.excluded_ms_total += excluded_ms
         return Decision(plan, cache_hit=hit, predicted_peak_bytes=predicted, excluded_ms=excluded_ms,
-                        selective=selective)
+                        selective=selective, offload=offload)
 
     def observe(self, info: StepInfo, peak_bytes, sample) -> None:
         """Keep the largest measured overshoot of the measured timeline as a margin (none was

@@ -6,13 +6,17 @@ session, the block router and the plan runner.
 blocks. The probe steps of ``planners.trial`` take them too.
 """
 
+import contextlib
 import functools
+
+import torch
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import PlanRunner, RecomputeClock, StepRouter, discover_blocks
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.session import MeterSession
 from mimose_cli.planners.usage import warn_if_eager
+from mimose_cli.torch_private import without_dispatch_modes
 from mimose_cli.units import parse_size
 
 # Provisional until measured on a GPU (docs/MIMOSE.md): the caching allocator rounds requests to
@@ -101,6 +105,19 @@ class PlannerParts:
         """Checkpoint ``plan`` (``selective`` of it selectively) and offload ``offload`` until the
         next step decides again (probes, experiments)."""
         self.plan_runner.use(plan, selective, offload)
+
+    def timed_off_budget(self, timing):
+        """``timing(device)`` on the model's device as the planner's own work, not training's: no
+        dispatch mode (the simulated device's meter) sees it, it may pass the budget (on CUDA the
+        allocator's cap is lifted) and the meter's peak is reset after."""
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        meter = self.meter
+        try:
+            with without_dispatch_modes(), meter.unlimited() if meter is not None else contextlib.nullcontext():
+                return timing(device)
+        finally:
+            if meter is not None:
+                meter.reset_peak()
 
     def _offload_hooks(self):
         """For a plan that offloads: what makes the saved-tensor hooks of one offloaded block's

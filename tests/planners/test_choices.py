@@ -493,7 +493,7 @@ def test_a_recipe_chooses_the_choice_set_and_refuses_others():
     recipe = load_recipe(QUICKSTART, ["planner.mimose.choices=selective"])
     assert recipe.planner.keywords["choices"] == "selective"
     with pytest.raises(ValueError, match="choices"):
-        load_recipe(QUICKSTART, ["planner.mimose.choices=offload"])
+        load_recipe(QUICKSTART, ["planner.mimose.choices=everything"])
 
 
 def test_selective_plans_that_cannot_be_priced_say_so_and_stay_block_level(monkeypatch):

@@ -1,0 +1,150 @@
+"""Offload as one of Mimose's and the oracle's choices (``choices: offload``): a block freed whole
+is offloaded where its copies, timed on this device, cost less than its recompute; its device
+bytes are bounded by the same block recomputed, so plans stay within their predictions."""
+
+import numpy as np
+import pytest
+import torch
+from test_choices import make
+from test_scaling import HELD_OUT, metered_mimose
+
+from mimose_cli.memory import build_meter
+from mimose_cli.planners import Mimose, build_planner
+from mimose_cli.planners.choices import ChoiceTimes, copy_costs_ms, freeing_ms, split_offload
+from mimose_cli.planners.features import TOKENS
+from mimose_cli.planners.trial import probe_with_plan
+
+from helpers import bert_batch, tiny_bert
+
+
+def _middle_budget(planner, batch) -> int:
+    """Halfway between every block recomputed and none, for ``batch``, on this planner's device."""
+    none_peak = probe_with_plan(planner.parts, batch, ())
+    full_peak = probe_with_plan(planner.parts, batch, tuple(range(planner.parts.num_blocks)))
+    return int(full_peak + 0.5 * (none_peak - full_peak))
+
+
+def test_mimose_offloads_where_the_copies_cost_less_and_its_predictions_bound_the_steps():
+    """At a middle budget every block the plan frees whole is offloaded exactly where the copies'
+    modelled ms are below its recompute's; the step's measured peak is within the prediction and
+    no more than the same plan with those blocks recomputed (the bound the scheduler relies on).
+    With the copies made dear, nothing is offloaded and the plans still fit."""
+    with metered_mimose(tiny_bert(4), choices="offload") as (planner, meter):
+        planner.prepare(make, (4, 64))
+        policy = planner.policy
+        times = policy.choice_times
+        assert policy._offload_known() and planner.stats["offload_in_use"] is True
+        assert times.copy_ms[0] >= 0 and times.copy_ms[1] > 0 and (times.storages > 0).all()
+        for p in planner.model.parameters():
+            p.grad = None
+        offloaded = 0
+        for size in HELD_OUT:
+            batch = make(size)
+            planner.parts.budget_bytes = _middle_budget(planner, batch)
+            policy.cache = {}
+            decision = policy.decide(size)
+            pred = policy.estimator.predict(policy.cache_key(size))
+            recompute_ms, _ = times.at(TOKENS.of(size))
+            offload_ms = times.offload_at(pred.blocks["saved_bytes"])
+            freed = set(decision.offload) | set(decision.plan) - set(decision.selective)
+            assert set(decision.offload) == {i for i in freed if offload_ms[i] < recompute_ms[i]}, (size, decision)
+            assert not set(decision.offload) & set(decision.plan)
+            measured = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective,
+                                       offload=decision.offload)
+            recomputed = probe_with_plan(planner.parts, batch, tuple(sorted(freed | set(decision.selective))),
+                                         selective=decision.selective)
+            assert measured <= recomputed <= decision.predicted_peak_bytes <= planner.limit_bytes, (size, decision)
+            offloaded += len(decision.offload)
+        assert offloaded  # the copies cost less than some recompute here
+        times.copy_ms = (1e3, 0.0)  # a second per storage: never worth it
+        policy.cache = {}
+        decision = policy.decide(HELD_OUT[-1])  # the last size, at its middle budget
+        assert decision.offload == () and decision.plan
+        assert decision.predicted_peak_bytes <= planner.limit_bytes
+
+
+def test_the_scheduler_frees_a_block_whole_at_the_cheaper_of_its_recompute_and_offload():
+    recompute = np.array([2.0, 1.0, 3.0])
+    ms, offloaded = freeing_ms(recompute, np.array([1.0, 1.5, 3.0]))
+    assert ms.tolist() == [1.0, 1.0, 3.0] and offloaded.tolist() == [True, False, False]
+    assert freeing_ms(recompute, None)[1].tolist() == [False, False, False]
+    # a selective block is never offloaded; the others freed whole and offloaded leave the plan
+    assert split_offload((0, 1, 2), (0,), np.array([True, True, False])) == ((0, 2), (1,))
+
+
+def test_offload_times_survive_a_save_and_a_state_saved_before_them_offloads_nothing():
+    times = ChoiceTimes(np.zeros((2, 2)), np.zeros((2, 2)), np.zeros((2, 6)), np.zeros((2, 6)), np.ones(2),
+                        np.ones(2), 0.01, 0.02, storages=np.array([3.0, 5.0]), copy_ms=(0.1, 1e-6))
+    assert times.offload_at(np.array([1e6, -5.0])) == pytest.approx([3 * 0.12 + 1.0, 5 * 0.12])
+    again = ChoiceTimes.from_state(times.state_dict(), TOKENS)
+    assert again.offload_at(np.array([1e6, 0.0])) == pytest.approx(times.offload_at(np.array([1e6, 0.0])))
+    older = {k: v for k, v in times.state_dict().items() if k not in ("storages", "copy_ms")}
+    assert ChoiceTimes.from_state(older, TOKENS).offload_at(np.array([1e6, 0.0])) is None
+
+
+def test_the_copies_are_timed_off_the_budget_and_leave_the_meter_as_it_was():
+    """The copies are timed on storages of up to 8 MiB: on a 1 MiB simulated device that is the
+    planner's own work, not an out-of-memory step, and the device's bytes and peak are unchanged."""
+    model = tiny_bert(2)
+    meter = build_meter("simulated", 2**20)
+    with meter.activate():
+        meter.track(model)
+        planner = Mimose(model, 2**20, meter=meter, choices="offload")
+        before = meter.current_bytes(), meter.peak_bytes()
+        per_storage, per_byte = planner.parts.timed_off_budget(copy_costs_ms)
+        assert (meter.current_bytes(), meter.peak_bytes()) == before
+        planner.close()
+    assert per_storage >= 0 and per_byte > 0
+
+
+def test_a_saved_planner_keeps_its_offloaded_plans():
+    with metered_mimose(tiny_bert(4), choices="offload") as (planner, meter):
+        planner.prepare(make, (4, 64))
+        planner.parts.budget_bytes = _middle_budget(planner, make((8, 64)))
+        decision = planner.policy.decide((8, 64))
+        state = planner.state_dict()
+    assert decision.offload
+    with metered_mimose(tiny_bert(4), choices="offload") as (again, meter):
+        again.load_state_dict(state)
+        assert again.policy.cache[(8, 64)].offload == decision.offload
+        assert again.policy.choice_times.copy_ms == planner.policy.choice_times.copy_ms
+
+
+def test_the_oracle_searches_offload_too_and_computes_the_plain_step():
+    """``oracle`` with ``choices="offload"`` at a middle budget offloads blocks; the step fits
+    within its prediction, and its loss and gradients are plain training's bit for bit: an
+    offloaded block runs the same ops in the same order, and backward reads byte-exact copies."""
+    batch = bert_batch(4, 64)
+
+    def step(planner, meter, model):
+        torch.manual_seed(1)  # the same dropout masks in both steps
+        with meter.activate():
+            meter.track(model, batch)
+            loss = planner.run(lambda b: _backward(model, b), batch)
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return loss, grads, planner.last
+
+    model = tiny_bert(4)
+    free = build_meter("simulated", None)
+    plain = build_planner("none", model, None, meter=free)
+    plain_loss, plain_grads, _ = step(plain, free, model)
+    plain.close()
+    probe = build_planner("none", model, None, meter=build_meter("simulated", None))
+    with probe.meter.activate():
+        probe.meter.track(model)
+        budget = _middle_budget(probe, batch)
+    probe.close()
+    model.zero_grad(set_to_none=True)
+    meter = build_meter("simulated", budget)
+    oracle = build_planner("oracle", model, budget, meter=meter, choices="offload")
+    loss, grads, info = step(oracle, meter, model)
+    oracle.close()
+    assert info.offload and not set(info.offload) & set(info.plan)
+    assert meter.peak_bytes() <= info.predicted_peak_bytes <= budget
+    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+def _backward(model, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach()
