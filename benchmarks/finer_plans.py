@@ -27,7 +27,10 @@ matmuls it saves, and the scheduler's time model sees it).
 Configurations: ``swag`` (the 12-layer tiny BERT of mimose_speed.py), ``bert-base-width`` (4 layers
 of hidden 768), ``squad`` (lengths up to 384, widely varying), and the paper-figure configurations
 of paper_figure.py (``bert-qqp``, ``bert-swag``, ``roberta-mc``; their budgets there are f = 0.05,
-0.35, 0.85). Writes benchmarks/results/<--out>.json.
+0.35, 0.85). Variant ``offload`` (``--variants block,selective,offload,oracle``: Mimose's
+``choices: offload``, a block freed whole offloaded where its copies cost less than its recompute)
+gets the same time and recompute ratios; its plan cost counts its recomputes only (the oracle's
+table prices no copies), so it has no plan-cost ratio. Writes benchmarks/results/<--out>.json.
 
     python benchmarks/finer_plans.py [--configs swag,bert-base-width,squad] [--steps 40] [--rounds 3]
     python benchmarks/finer_plans.py --configs bert-qqp,bert-swag,roberta-mc --fractions 0.05,0.35,0.85 \\
@@ -60,7 +63,12 @@ VARIANTS = {  # name -> (planner, overrides)
     "block": ("mimose", ("planner.mimose.choices=block",)),
     "selective": ("mimose", ("planner.mimose.choices=selective",)),
     "oracle": ("oracle", ("planner.oracle.choices=selective",)),
+    # A block freed whole offloaded where its copies, timed on this device, cost less than its
+    # recompute (``planner.mimose.choices: offload``; the copies here are memcpys in one memory).
+    "offload": ("mimose", ("planner.mimose.choices=offload",)),
 }
+_FINER = {"selective": "", "offload": "offload_"}
+"""The variants compared with block-level Mimose and the oracle, and their keys' prefixes in a row."""
 
 
 def _recipe(config: str, steps: int, out_dir, overrides: list):
@@ -119,6 +127,7 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=()) ->
             "binding_peak_over_budget": statistics.mean(binding) if binding else None,
             "checkpointed": result.summary["mean_checkpointed_blocks"],
             "selective": result.summary.get("mean_selective_blocks"),
+            "offloaded": result.summary.get("mean_offloaded_blocks"),
             "oom_steps": sum(r.oom for r in result.records), "retries": sum(r.retries for r in result.records),
             "preflight_full_bytes": (result.summary.get("preflight") or {}).get("full_bytes"),
             # kept in memory, not written: each step's plan, and the oracle's measured table
@@ -149,15 +158,18 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
                       for v, rs in runs.items()}
             row = {"config": config, "fraction": fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
                    "full_peak_bytes": full_peak, "runs": runs, "median": median}
-            for other in ("block", "oracle"):
-                if "selective" in median and other in median:
-                    a, b = median["selective"], median[other]
-                    row[f"time_vs_{other}"] = a["time_s"] / b["time_s"] if a["time_s"] and b["time_s"] else None
-                    row[f"train_vs_{other}"] = a["train_s"] / b["train_s"]
-                    row[f"recompute_vs_{other}"] = a["recompute_ms"] / b["recompute_ms"] if b["recompute_ms"] else None
-                    row[f"plan_cost_vs_{other}"] = _median_or_none(
+            for mine, key in _FINER.items():
+                for other in ("block", "oracle"):
+                    if mine not in median or other not in median:
+                        continue
+                    a, b = median[mine], median[other]
+                    row[f"{key}time_vs_{other}"] = a["time_s"] / b["time_s"] if a["time_s"] and b["time_s"] else None
+                    row[f"{key}train_vs_{other}"] = a["train_s"] / b["train_s"]
+                    row[f"{key}recompute_vs_{other}"] = a["recompute_ms"] / b["recompute_ms"] if b["recompute_ms"] else None
+                    # The oracle's table prices recomputes, not copies: an offloading plan has no plan cost.
+                    row[f"{key}plan_cost_vs_{other}"] = None if key else _median_or_none(
                         [_ratio(x.get("plan_cost_ms"), y.get("plan_cost_ms"))
-                         for x, y in zip(runs["selective"], runs[other])])
+                         for x, y in zip(runs[mine], runs[other])])
             for rs in runs.values():
                 for r in rs:
                     del r["_plans"], r["_table"]
@@ -202,13 +214,16 @@ def print_row(row: dict) -> None:
         last, m = runs[-1], row["median"][variant]
         print(f"{row['config']:16} {row['fraction']:5.2f} {variant:9} {_fmt(m['time_s'], '8.1f')} {m['train_s']:8.1f} "
               f"{m['recompute_ms']:11.0f} {last['checkpointed']:6.2f} {last['selective'] or 0:6.2f} "
+              f"{last.get('offloaded') or 0:6.2f} "
               f"{_fmt(last['binding_peak_over_budget'], '6.3f')} "
               f"{sum(r['oom_steps'] for r in runs):4} {sum(r['retries'] for r in runs):4}", flush=True)
-    for other in ("block", "oracle"):
-        if f"time_vs_{other}" in row:
-            print(f"{'':16} {'':5} selective/{other}: time {_fmt(row[f'time_vs_{other}'], '.3f')} "
-                  f"(medians {row[f'train_vs_{other}']:.3f}), recompute {_fmt(row[f'recompute_vs_{other}'], '.3f')}, "
-                  f"plan cost {_fmt(row[f'plan_cost_vs_{other}'], '.3f')}", flush=True)
+    for mine, key in _FINER.items():
+        for other in ("block", "oracle"):
+            if f"{key}time_vs_{other}" in row:
+                print(f"{'':16} {'':5} {mine}/{other}: time {_fmt(row[f'{key}time_vs_{other}'], '.3f')} "
+                      f"(medians {row[f'{key}train_vs_{other}']:.3f}), "
+                      f"recompute {_fmt(row[f'{key}recompute_vs_{other}'], '.3f')}, "
+                      f"plan cost {_fmt(row[f'{key}plan_cost_vs_{other}'], '.3f')}", flush=True)
 
 
 def main():
@@ -228,7 +243,7 @@ def main():
         parser.error(f"unknown configuration or variant {unknown[0]!r}")
     torch.set_num_threads(1)
     print(f"{'config':16} {'f':>5} {'variant':9} {'time s':>8} {'median':>8} {'recompute ms':>11} {'ckpt':>6} {'sel':>6} "
-          f"{'peak/b':>6} {'oom':>4} {'retr':>4}")
+          f"{'off':>6} {'peak/b':>6} {'oom':>4} {'retr':>4}")
     rows = []
     for config in configs:
         rows += evaluate(config, args.steps, args.rounds, [float(f) for f in args.fractions.split(",")], variants)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Finer plans where the matmuls dominate: block-level Mimose against Mimose with finer plans
-# (`mimose:selective`) and the oracle over each choice set, on a real GPU, at three budgets between
+# (`mimose:selective`), with offload among them (`mimose:offload`: the copies over PCIe, their
+# cost timed before the first step) and the oracle over each choice set, on a real GPU, at three budgets between
 # what the recipe needs with every block checkpointed and without checkpointing (5 %, 35 %, 85 % of
 # the way, as benchmarks/finer_plans.py and paper_figure.py place them). `mimose compare` prints one
 # table per budget; the "blocks" column says how many blocks per step were checkpointed and how many
-# of them selectively, "recompute" what their recomputation took.
+# of them selectively (and offloaded), "recompute" what their recomputation took.
 #
 #   benchmarks/gpu_finer_plans.sh [STEPS] [OUT_DIR]   (defaults: 60 steps, runs/gpu_finer_plans)
 #   RECIPE=recipes/qa_bert.yaml REPEATS=3 benchmarks/gpu_finer_plans.sh
@@ -46,5 +47,5 @@ EOF
 echo "budgets (bytes): $BUDGETS"
 
 COLUMNS=180 mimose compare "$RECIPE" \
-    --baselines mimose:selective,oracle:selective --budgets "$BUDGETS" --steps "$STEPS" --repeats "$REPEATS" \
+    --baselines mimose:selective,mimose:offload,oracle:selective,oracle:offload --budgets "$BUDGETS" --steps "$STEPS" --repeats "$REPEATS" \
     --out "$OUT" "device=$DEVICE" | tee "$OUT.txt"

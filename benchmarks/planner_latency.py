@@ -7,13 +7,15 @@ blocks. Paper: fit < 1 ms, prediction ~16 us, estimator + scheduler 0.26-0.39 ms
 Targets here: miss <= 0.5 ms, hit <= 10 us. Writes benchmarks/results/planner_latency.json.
 
 With ``--choices selective`` the same for finer plans (each block kept, checkpointed selectively
-or recomputed; ``choices.choice_plan_checked``), fitted from the probes.
+or recomputed; ``choices.choice_plan_checked``), fitted from the probes; ``--choices offload``
+with offload among them (copies priced at half a block's recompute, so the blocks freed whole
+are offloaded).
 
 Every row is timed in ``--rounds`` rounds, the rows' order rotated, and its figures are those of
 its fastest round (the shared machine runs whole stretches about twice as slowly: the hits too);
 the slowest round's miss is printed beside it and every round is in the JSON.
 
-    python benchmarks/planner_latency.py [--blocks 12,24,48] [--choices block,selective] [--rounds 3]
+    python benchmarks/planner_latency.py [--blocks 12,24,48] [--choices block,selective,offload] [--rounds 3]
 """
 
 import argparse
@@ -58,8 +60,8 @@ def fitted_planner(num_blocks: int, choices: str = "block"):
     meter = build_meter("simulated", None)
     with meter.activate():
         meter.track(model)
-        if choices == "selective":
-            planner = Mimose(model, "100GB", meter=meter, choices="selective")
+        if choices in ("selective", "offload"):
+            planner = Mimose(model, "100GB", meter=meter, choices=choices)
             planner.prepare(_batch, (16, 256))
             # A time model under which selective is the cheaper way to free bytes (as on a GPU with
             # wide layers: the light ops as long as the heavy ones), so that plans mix the choices and
@@ -70,6 +72,9 @@ def fitted_planner(num_blocks: int, choices: str = "block"):
             times.heavy, times.light = np.tile([0.0, 1e-3], (num_blocks, 1)), np.tile([0.0, 1e-3], (num_blocks, 1))
             bl = (np.array(TOKENS.names) == "BL").astype(float)  # work B * L in both: the light ops as long
             times.heavy_work, times.light_work = np.tile(bl, (num_blocks, 1)), np.tile(bl, (num_blocks, 1))
+            if choices == "offload":  # copies that cost what half a recompute does at SIZE: every block freed whole offloads
+                times.storages = np.ones(num_blocks)
+                times.copy_ms = (float(times.at(TOKENS.of(SIZE))[0].mean()) / 2, 0.0)
             planner.parts.meter = None
             return planner
         planner = Mimose(model, "100GB", meter=meter, sheltered_steps=len(SHELTERED))
@@ -93,7 +98,7 @@ def setup(num_blocks: int, choices: str = "block") -> tuple:
     decision = planner.policy.decide(SIZE)
     estimator = planner.policy.estimator
     return planner, {"num_blocks": num_blocks, "choices": choices, "plan_length": len(decision.plan),
-                     "selective_blocks": len(decision.selective),
+                     "selective_blocks": len(decision.selective), "offloaded_blocks": len(decision.offload),
                      "ops_fitted": int(sum(len(a) for a in estimator.samples[0][0]["bwd_peak_bytes"] if a is not None)),
                      "ops_kept": int(estimator.coef.shape[1])}
 
@@ -125,7 +130,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over every row, the order rotated; a row's figures are its fastest round's")
     parser.add_argument("--choices", default="block,selective",
-                        help="block: the paper's plans (sheltered fit); selective: finer plans (probes)")
+                        help="block: the paper's plans (sheltered fit); selective: finer plans (probes); "
+                             "offload: finer plans with offload")
     args = parser.parse_args()
     torch.set_num_threads(1)
     blocks = [int(b) for b in args.blocks.split(",")]

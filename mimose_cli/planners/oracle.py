@@ -336,7 +336,7 @@ class OraclePolicy(Policy):
         pred = self.measured[size]
         base = self.parts.meter.current_bytes() if self.parts.meter is not None else 0
         if pred is None:
-            plan, predicted, selective = tuple(range(self.parts.num_blocks)), None, ()
+            plan, predicted, selective, offload = tuple(range(self.parts.num_blocks)), None, (), ()
         else:
             limit = None if self.parts.limit_bytes is None else self.parts.limit_bytes - self.margin_bytes - base
             plan, selective = optimal_plan(pred, limit), ()

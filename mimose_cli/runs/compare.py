@@ -50,6 +50,7 @@ class _RunRow(TypedDict, total=False):
     oom_steps: int
     mean_checkpointed_blocks: float | None
     mean_selective_blocks: float | None
+    mean_offloaded_blocks: float | None
     recompute_ms: float | None
     planning_ms_total: float | None
     hit_rate: float | None
@@ -77,11 +78,13 @@ def _fmt_ms(value) -> str:
 
 
 def _blocks(row: dict) -> str:
-    """Mean blocks checkpointed per step, and of them selectively where any were."""
-    blocks, selective = row.get("mean_checkpointed_blocks"), row.get("mean_selective_blocks")
+    """Mean blocks checkpointed per step, and of them selectively, and blocks offloaded, where any were."""
+    blocks = row.get("mean_checkpointed_blocks")
     if blocks is None:
         return "-"
-    return f"{blocks:.2f}" + (f" ({selective:.2f} sel)" if selective else "")
+    finer = [f"{row[key]:.2f} {label}" for key, label in (("mean_selective_blocks", "sel"),
+                                                           ("mean_offloaded_blocks", "off")) if row.get(key)]
+    return f"{blocks:.2f}" + (f" ({', '.join(finer)})" if finer else "")
 
 
 def compare_table(entry: dict) -> Table:

@@ -36,7 +36,8 @@ def fake_training(monkeypatch, tmp_path):
                    "oom_steps": int(oom), "train_time_s": TIMES[recipe.planner.name],
                    "peak_bytes": 900_000, "budget_bytes": 10**6, "planning_ms_total": 1.0,
                    "mean_checkpointed_blocks": 1.5,
-                   "mean_selective_blocks": 0.5 if recipe.planner.keywords.get("choices") == "selective" else 0.0,
+                   "mean_selective_blocks": 0.5 if recipe.planner.keywords.get("choices") in ("selective", "offload") else 0.0,
+                   "mean_offloaded_blocks": 0.25 if recipe.planner.keywords.get("choices") == "offload" else 0.0,
                    "planner": {"hit_rate": 0.5} if recipe.planner.name == "mimose" else {}}
         return mimose_cli.launcher.train.RunResult(run_dir, summary)
 
@@ -84,15 +85,17 @@ def test_variant_option_reaches_the_planner(fake_training, tmp_path):
 def test_finer_plans_compare_beside_block_level_ones(fake_training, tmp_path):
     """``mimose:selective`` and ``oracle:selective`` run beside the recipe's (block-level) Mimose
     and oracle, each with its ``choices``, in rows of their own."""
-    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines", "mimose:selective,oracle:selective",
-                                      "--out", str(tmp_path / "c")])
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines",
+                                      "mimose:selective,mimose:offload,oracle:selective", "--out", str(tmp_path / "c")])
     assert result.exit_code == 0, result.output
     runs = {(c[0], c[3].get("choices", "block")) for c in fake_training if c[0] in ("mimose", "oracle")}
-    assert runs == {("mimose", "block"), ("mimose", "selective"), ("oracle", "block"), ("oracle", "selective")}
+    assert runs == {("mimose", "block"), ("mimose", "selective"), ("mimose", "offload"), ("oracle", "block"),
+                    ("oracle", "selective")}
     rows = json.loads((tmp_path / "c" / "compare.json").read_text())["budgets"][0]["runs"]
-    assert {"mimose", "mimose:selective", "oracle", "oracle:selective"} <= {r["planner"] for r in rows}
+    assert {"mimose", "mimose:selective", "mimose:offload", "oracle", "oracle:selective"} <= {r["planner"] for r in rows}
     blocks = {line.split()[1]: line for line in result.output.splitlines() if line.startswith("│ mimose")}
     assert "1.50 (0.50 sel)" in blocks["mimose:selective"] and "sel)" not in blocks["mimose"]
+    assert "1.50 (0.50 sel, 0.25 off)" in blocks["mimose:offload"]
     assert {c[1] for c in fake_training} == {load_recipe(str(QUICKSTART)).budget}
 
 
