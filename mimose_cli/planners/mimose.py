@@ -48,6 +48,7 @@ from mimose_cli.planners.choices import (
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, Timeline, plan_peak_bytes
 from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
+from mimose_cli.planners.offload import check_offload_device
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.scaling import (
     SELECTIVE_QUANTITIES,
@@ -222,6 +223,8 @@ class MimosePolicy(Policy):
         if not 0.0 <= prediction_margin < 1.0:
             raise ValueError(f"prediction_margin={prediction_margin!r} is invalid; expected a fraction in [0, 1)")
         super().__init__(parts)
+        if choices == "offload":
+            check_offload_device(parts.model, "choices: offload", "use choices: selective")
         self.estimate = estimate
         self.choices = choices
         self._selectable = np.array(selectable(self.parts.blocks))

@@ -8,6 +8,16 @@ from mimose_cli.planners.base import Planner
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy
 
 
+def check_offload_device(model, who: str, instead: str) -> None:
+    """Refuse, in one line, to offload from a model on a device other than CUDA or the CPU (whose
+    simulated device counts the host copies apart): anywhere else the copies would stay on the
+    device and free nothing."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{who} moves saved tensors between a CUDA device and host memory (simulated "
+                         f"on the CPU), but the model is on {device.type}; {instead}")
+
+
 class FullOffloadPolicy(Policy):
     """Offload every block: the device holds the activations between the blocks, those under
     ``OFFLOAD_MIN_BYTES`` and the parameters; the rest waits in host memory, which the meter
@@ -19,10 +29,7 @@ class FullOffloadPolicy(Policy):
 
     def __init__(self, parts):
         super().__init__(parts)
-        device = next((p.device for p in parts.model.parameters()), torch.device("cpu"))
-        if device.type not in ("cuda", "cpu"):
-            raise ValueError(f"planner offload moves saved tensors between a CUDA device and host memory (simulated "
-                             f"on the CPU), but the model is on {device.type}; choose another planner")
+        check_offload_device(parts.model, "planner offload", "choose another planner")
 
     def decide(self, input_size, context=NO_CONTEXT):
         return Decision((), offload=tuple(range(self.parts.num_blocks)))

@@ -42,6 +42,7 @@ from mimose_cli.planners.estimator import (
     Timeline,
     plan_peak_bytes,
 )
+from mimose_cli.planners.offload import check_offload_device
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.scaling import SELECTIVE_QUANTITIES, raw_sample, selective_keeps
 from mimose_cli.planners.sublinear import BlockProfile
@@ -247,6 +248,8 @@ class OraclePolicy(Policy):
         if choices not in CHOICE_SETS:
             raise ValueError(f"choices={choices!r} is invalid; expected one of {', '.join(map(repr, CHOICE_SETS))}")
         super().__init__(parts)
+        if choices == "offload":
+            check_offload_device(parts.model, "choices: offload", "use choices: selective")
         self.choices = choices
         self.measurer = ShuttlingCollector(parts.model, parts.blocks)
         self.measurer.lifetimes = choices != "block"  # the selective bytes (``scaling.selective_bytes``)

@@ -56,6 +56,9 @@ def test_a_model_off_the_cpu_and_cuda_is_refused_in_one_line_and_left_unclaimed(
     model = _model().to("meta")
     with pytest.raises(ValueError, match=r"^planner offload .* on meta; choose another planner$"):
         build_planner("offload", model, blocks="1.*")
+    for name in ("mimose", "oracle"):  # offload among their choices: the same refusal
+        with pytest.raises(ValueError, match=r"^choices: offload .* on meta; use choices: selective$"):
+            build_planner(name, model, blocks="1.*", choices="offload")
     build_planner("none", model, blocks="1.*").close()  # not claimed by the refused planner
 
 
