@@ -165,7 +165,8 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
                     a, b = median[mine], median[other]
                     row[f"{key}time_vs_{other}"] = a["time_s"] / b["time_s"] if a["time_s"] and b["time_s"] else None
                     row[f"{key}train_vs_{other}"] = a["train_s"] / b["train_s"]
-                    row[f"{key}recompute_vs_{other}"] = a["recompute_ms"] / b["recompute_ms"] if b["recompute_ms"] else None
+                    row[f"{key}recompute_vs_{other}"] = (a["recompute_ms"] / b["recompute_ms"]
+                                                         if b["recompute_ms"] else None)
                     # The oracle's table prices recomputes, not copies: an offloading plan has no plan cost.
                     row[f"{key}plan_cost_vs_{other}"] = None if key else _median_or_none(
                         [_ratio(x.get("plan_cost_ms"), y.get("plan_cost_ms"))

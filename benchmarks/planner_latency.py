@@ -72,7 +72,7 @@ def fitted_planner(num_blocks: int, choices: str = "block"):
             times.heavy, times.light = np.tile([0.0, 1e-3], (num_blocks, 1)), np.tile([0.0, 1e-3], (num_blocks, 1))
             bl = (np.array(TOKENS.names) == "BL").astype(float)  # work B * L in both: the light ops as long
             times.heavy_work, times.light_work = np.tile(bl, (num_blocks, 1)), np.tile(bl, (num_blocks, 1))
-            if choices == "offload":  # copies that cost what half a recompute does at SIZE: every block freed whole offloads
+            if choices == "offload":  # copies at half a recompute's cost at SIZE: every block freed whole offloads
                 times.storages = np.ones(num_blocks)
                 times.copy_ms = (float(times.at(TOKENS.of(SIZE))[0].mean()) / 2, 0.0)
             planner.parts.meter = None

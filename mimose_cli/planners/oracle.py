@@ -10,11 +10,12 @@ at the step's start, fits the budget: an exact search over every plan up to ``EX
 blocks; beyond, a knapsack DP on the blocks' savings, topped up block by block until the
 timeline fits. With finer plans (``choices="selective"``) every keep / selective / recompute plan
 up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks; with ``choices="offload"`` the same plans, a block freed
-whole offloaded where its copies cost less than its recompute (``choices.freeing_ms``), as Mimose's. The times of alike blocks (the layers of a stack,
-``blocks.twin_blocks``) that measured the same bytes are given their mean (``alike_at``,
-``blocks.alike_mean``): one step's timings of identical layers differ by tens of percent on a
-busy CPU, and a plan should not take layer 7 over layer 2 for that. Measuring and searching are
-excluded from the step's time (``Decision.excluded_ms``); measurements are kept per input size.
+whole offloaded where its copies cost less than its recompute (``choices.freeing_ms``), as Mimose's.
+The times of alike blocks (the layers of a stack, ``blocks.twin_blocks``) that measured the same
+bytes are given their mean (``alike_at``, ``blocks.alike_mean``): one step's timings of identical
+layers differ by tens of percent on a busy CPU, and a plan should not take layer 7 over layer 2
+for that. Measuring and searching are excluded from the step's time (``Decision.excluded_ms``);
+measurements are kept per input size.
 """
 
 import time

@@ -32,12 +32,13 @@ def fake_training(monkeypatch, tmp_path):
         if recipe.planner.name == "sublinear" and recipe.budget == "1MB":
             raise torch.OutOfMemoryError("simulated device out of memory: in prepare")
         oom = recipe.planner.name == "none" and recipe.budget == "1MB"
+        choices = recipe.planner.keywords.get("choices")
         summary = {"status": "oom" if oom else "completed", "steps": 2 if oom else 5,
                    "oom_steps": int(oom), "train_time_s": TIMES[recipe.planner.name],
                    "peak_bytes": 900_000, "budget_bytes": 10**6, "planning_ms_total": 1.0,
                    "mean_checkpointed_blocks": 1.5,
-                   "mean_selective_blocks": 0.5 if recipe.planner.keywords.get("choices") in ("selective", "offload") else 0.0,
-                   "mean_offloaded_blocks": 0.25 if recipe.planner.keywords.get("choices") == "offload" else 0.0,
+                   "mean_selective_blocks": 0.5 if choices in ("selective", "offload") else 0.0,
+                   "mean_offloaded_blocks": 0.25 if choices == "offload" else 0.0,
                    "planner": {"hit_rate": 0.5} if recipe.planner.name == "mimose" else {}}
         return mimose_cli.launcher.train.RunResult(run_dir, summary)
 
@@ -92,7 +93,8 @@ def test_finer_plans_compare_beside_block_level_ones(fake_training, tmp_path):
     assert runs == {("mimose", "block"), ("mimose", "selective"), ("mimose", "offload"), ("oracle", "block"),
                     ("oracle", "selective")}
     rows = json.loads((tmp_path / "c" / "compare.json").read_text())["budgets"][0]["runs"]
-    assert {"mimose", "mimose:selective", "mimose:offload", "oracle", "oracle:selective"} <= {r["planner"] for r in rows}
+    planners = {r["planner"] for r in rows}
+    assert {"mimose", "mimose:selective", "mimose:offload", "oracle", "oracle:selective"} <= planners
     blocks = {line.split()[1]: line for line in result.output.splitlines() if line.startswith("│ mimose")}
     assert "1.50 (0.50 sel)" in blocks["mimose:selective"] and "sel)" not in blocks["mimose"]
     assert "1.50 (0.50 sel, 0.25 off)" in blocks["mimose:offload"]
