@@ -213,6 +213,7 @@ class StepRecord:
     error: str | None = None
     optimizer_error: str | None = None
     selective: tuple = ()
+    offload: tuple = ()
 
     @property
     def oom(self) -> bool:
@@ -295,7 +296,7 @@ def train_step(t: Trainer, spec: ModelSpec, shape: Shape, step: int) -> StepReco
     info = t.planner.last
     record = StepRecord(loss, mem.peak_bytes, info.predicted_peak_bytes if info else None,
                         tuple(info.plan) if info else (), info.phase if info else None, retries, error,
-                        selective=tuple(info.selective) if info else ())
+                        selective=tuple(info.selective) if info else (), offload=tuple(info.offload) if info else ())
     if record.oom:
         t.optimizer.zero_grad(set_to_none=True)  # the lost step's partial gradients
     elif (step + 1) % t.accumulation == 0:
@@ -386,7 +387,7 @@ def summarize(cell: Cell, run: Run, reference: list) -> None:
         cell.first_lost_where = f"{first.phase} fwd/bwd" if first.oom else "optimizer step"
         cell.first_lost_error = first.error or first.optimizer_error
     responsive = [r for r in records if r.phase == "responsive" and not r.oom]
-    ratios = [r.peak_bytes / cell.budget_bytes for r in responsive if r.plan]
+    ratios = [r.peak_bytes / cell.budget_bytes for r in responsive if r.plan or r.offload]
     cell.binding_steps = len(ratios)
     cell.selective_steps = sum(bool(r.selective) for r in records)
     cell.offload_steps = sum(bool(r.offload) for r in records)
