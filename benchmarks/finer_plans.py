@@ -119,7 +119,7 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=()) ->
         raise SystemExit(f"{config} {planner} at budget {budget}: every step ran out of memory: "
                          f"{result.records[0].error if result.records else result.summary}")
     budget = result.summary["budget_bytes"] if budget else None
-    binding = [r.peak_bytes / budget for r in records if budget and r.plan]
+    binding = [r.peak_bytes / budget for r in records if budget and (r.plan or r.offload)]
     return {"train_s": result.summary["train_time_s"], "step_ms": [r.train_ms for r in result.records],
             "recompute_ms": sum(r.recompute_ms or 0.0 for r in records),
             "peak_bytes": max(r.peak_bytes or 0 for r in records),
