@@ -16,6 +16,7 @@ round checked on the predicted timeline, then each upgrade taken back, last firs
 still fits without it, and blocks recomputed whole checkpointed selectively where that costs less.
 """
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from mimose_cli.memory import synchronize
-from mimose_cli.memory.offload import round_trip
+from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES, round_trip
 from mimose_cli.planners.scaling import exponents, work_coefficients
 from mimose_cli.torch_private import UncompiledDispatchMode, without_dispatch_modes
 
@@ -277,6 +278,24 @@ def freeing_ms(recompute_ms: np.ndarray, offload_ms: np.ndarray | None) -> tuple
         return recompute_ms, np.zeros(len(recompute_ms), dtype=bool)
     offloaded = offload_ms < recompute_ms
     return np.where(offloaded, offload_ms, recompute_ms), offloaded
+
+
+def bounded_for_offload(pred, offloaded: np.ndarray, storages: np.ndarray | None):
+    """``pred`` (an ``estimator.Prediction``) with the blocks in ``offloaded`` bounded as offloaded
+    rather than recomputed: such a block keeps on the device the saved storages ``OffloadHooks``
+    leaves there (under ``OFFLOAD_MIN_BYTES``; at most ``storages``, all it saves), from its
+    forward to its backward, where a checkpoint keeps none of them. What it holds checkpointed and
+    its checkpointed forward's peak are raised by that much (a copy; ``pred`` itself unchanged):
+    the recompute level's peaks then bound the offload at any size, the smallest too, where those
+    storages can outweigh the inputs the checkpoint holds and the offload does not. Its
+    selective level is raised as well (a few KiB per block: an upper bound)."""
+    if storages is None or not offloaded.any():
+        return pred
+    kept = np.where(offloaded, storages * (OFFLOAD_MIN_BYTES - 1), 0.0)
+    blocks = dict(pred.blocks)
+    for quantity in ("ckpt_bytes", "ckpt_fwd_peak_bytes"):
+        blocks[quantity] = blocks[quantity] + kept
+    return dataclasses.replace(pred, blocks=blocks)
 
 
 def split_offload(plan: tuple, selective: tuple, offloaded: np.ndarray) -> tuple:

@@ -39,6 +39,7 @@ from mimose_cli.planners.choices import (
     ChoiceSet,
     ChoiceTimes,
     choice_plan_checked,
+    bounded_for_offload,
     copy_costs_ms,
     dispatch_costs_ms,
     freeing_ms,
@@ -638,18 +639,15 @@ class MimosePolicy(Policy):
     def _plan_miss(self, key: tuple, base: int) -> tuple:
         start = time.perf_counter()
         pred = self.estimator.predict(key)
-        timeline = Timeline(pred)  # the plans predicted below differ only in the blocks' choices
         n = self.parts.num_blocks
-
-        def predict_peak(plan):
-            return base + self._margined(timeline.plan_peak(plan))
-
         limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
         selective, offload = (), ()
         if self._selective_known():
             recompute_ms, selective_ms = self.choice_times.at(self.estimator.feature_set.of(key))
             offload_ms = self.choice_times.offload_at(pred.blocks["saved_bytes"]) if self._offload_known() else None
             whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms)
+            pred = bounded_for_offload(pred, offloaded, self.choice_times.storages)
+            timeline = Timeline(pred)  # the plans predicted below differ only in the blocks' choices
             savings = [np.zeros(n), pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0), pred.savings]
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
             # checkpointing refuses them): not a choice for that block.
@@ -659,6 +657,11 @@ class MimosePolicy(Policy):
                 savings, costs, lambda levels: base + self._margined(timeline.level_peaks(levels)), limit)
             plan, offload = split_offload(plan, selective, offloaded)
         else:
+            timeline = Timeline(pred)
+
+            def predict_peak(plan):
+                return base + self._margined(timeline.plan_peak(plan))
+
             plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak, limit, self.bucket)
         if not fits:
             self.counts.unfit_plans += 1
@@ -689,13 +692,17 @@ class MimosePolicy(Policy):
 
     def predict_peak(self, size: tuple, plan: tuple, selective: tuple = (), offload: tuple = ()) -> int | None:
         """The trusted prediction for ``plan`` at ``size`` (its blocks in ``selective``
-        checkpointed selectively; those in ``offload`` bounded as recomputed: ``choices.freeing_ms``),
-        or None (not fitted, not trusted)."""
+        checkpointed selectively; those in ``offload`` bounded as recomputed, with what they keep on
+        the device: ``choices.bounded_for_offload``), or None (not fitted, not trusted)."""
         key = self.cache_key(size)
         if not self.estimator.fitted or self.estimator.trust.reason(key) is not None:
             return None
+        pred = self.estimator.predict(key)
+        if offload:
+            offloaded = np.isin(np.arange(self.parts.num_blocks), offload)
+            pred = bounded_for_offload(pred, offloaded, None if self.choice_times is None else self.choice_times.storages)
         freed = tuple(sorted(set(plan) | set(offload)))
-        return int(self._start_bytes() + self._margined(plan_peak_bytes(self.estimator.predict(key), freed, selective)))
+        return int(self._start_bytes() + self._margined(plan_peak_bytes(pred, freed, selective)))
 
     def _margined(self, peak):
         """A timeline's peak (or peaks) with the prediction margin and the fit's residual

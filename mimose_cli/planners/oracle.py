@@ -28,6 +28,7 @@ from mimose_cli.planners.choices import (
     CHOICE_SETS,
     ChoiceSet,
     ChoiceTimes,
+    bounded_for_offload,
     choice_plan_checked,
     copy_costs_ms,
     dispatch_costs_ms,
@@ -259,6 +260,7 @@ class OraclePolicy(Policy):
         self.choice_ms: dict = {}  # input size -> (recompute ms, selective ms[, offload ms]) per block
         self._dispatch_costs = None
         self._copy_costs = None  # ``choices.copy_costs_ms``, timed once (``choices="offload"``)
+        self.storages: dict = {}  # input size -> the storages each block saved (``choices="offload"``)
         self.measured: dict = {}  # input size -> Prediction, or None when it could not be measured
         self._make_batch = None
         self.excluded_ms_total = 0.0
@@ -306,6 +308,7 @@ class OraclePolicy(Policy):
             offload_ms = times.offload_at(pred.blocks["saved_bytes"])
             if offload_ms is not None:
                 self.choice_ms[size] += (offload_ms,)
+                self.storages[size] = times.storages
         if pred is not None:
             alike = self.alike_at(pred)
             pred.blocks["fwd_ms"] = alike_mean(pred.blocks["fwd_ms"], alike)
@@ -348,6 +351,7 @@ class OraclePolicy(Policy):
             if times is not None and limit is not None and plan_peak(pred, ()) > limit:
                 recompute_ms, selective_ms, *offload_ms = times
                 whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms[0] if offload_ms else None)
+                pred = bounded_for_offload(pred, offloaded, self.storages.get(size))
                 plan, selective = choice_search(pred, limit, whole_ms, selective_ms, self.selectable)
             predicted = int(base + plan_peak(pred, plan, selective))  # an offloaded block bounded as recomputed
             plan, offload = split_offload(plan, selective, offloaded)

@@ -10,7 +10,9 @@ from test_scaling import HELD_OUT, metered_mimose
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import Mimose, build_planner
-from mimose_cli.planners.choices import ChoiceTimes, copy_costs_ms, freeing_ms, split_offload
+from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES
+from mimose_cli.planners.choices import ChoiceTimes, bounded_for_offload, copy_costs_ms, freeing_ms, split_offload
+from mimose_cli.planners.estimator import Timeline, plan_peak_bytes
 from mimose_cli.planners.features import TOKENS
 from mimose_cli.planners.trial import probe_with_plan
 
@@ -70,6 +72,35 @@ def test_the_scheduler_frees_a_block_whole_at_the_cheaper_of_its_recompute_and_o
     assert freeing_ms(recompute, None)[1].tolist() == [False, False, False]
     # a selective block is never offloaded; the others freed whole and offloaded leave the plan
     assert split_offload((0, 1, 2), (0,), np.array([True, True, False])) == ((0, 2), (1,))
+
+
+def test_an_offloaded_block_is_bounded_with_the_small_storages_it_keeps_on_the_device():
+    """``bounded_for_offload``: an offloaded block may keep each storage it saves under
+    ``OFFLOAD_MIN_BYTES`` on the device from its forward to its backward, where a checkpoint keeps
+    none: its checkpointed bytes and forward peak are raised by that much, the other blocks' and
+    the prediction handed in are not, and a plan freeing it is predicted that much higher."""
+    with metered_mimose(tiny_bert(4), choices="offload") as (planner, meter):
+        planner.prepare(make, (4, 64))
+        pred = planner.policy.estimator.predict((4, 64))
+        storages = planner.policy.choice_times.storages
+    before = {q: v.copy() for q, v in pred.blocks.items()}
+    offloaded = np.array([False, True, False, True])
+    bounded = bounded_for_offload(pred, offloaded, storages)
+    kept = storages * (OFFLOAD_MIN_BYTES - 1)
+    for quantity in ("ckpt_bytes", "ckpt_fwd_peak_bytes"):
+        assert bounded.blocks[quantity] - before[quantity] == pytest.approx(np.where(offloaded, kept, 0.0))
+        assert (pred.blocks[quantity] == before[quantity]).all()
+    assert bounded.savings == pytest.approx(pred.savings - np.where(offloaded, kept, 0.0))
+    # Every block recomputed, event by event (before the blocks, the four forwards, the head, the
+    # four backwards, the tail): from block 1's forward on, its storages are held until its
+    # backward, and block 3's likewise; a block's own backward starts above what the blocks before
+    # it hold, so only blocks 2 and 3's backwards see block 1's.
+    every = np.ones(4, dtype=bool)
+    raised = Timeline(bounded).events(every) - Timeline(pred).events(every)
+    k1, k3 = kept[1], kept[3]
+    assert raised == pytest.approx([0, 0, k1, k1, k1 + k3, k1 + k3, 0, 0, k1, k1, 0], abs=1e-6)
+    assert plan_peak_bytes(bounded, (0, 1, 2, 3)) > plan_peak_bytes(pred, (0, 1, 2, 3))
+    assert bounded_for_offload(pred, np.zeros(4, dtype=bool), storages) is pred
 
 
 def test_offload_times_survive_a_save_and_a_state_saved_before_them_offloads_nothing():
