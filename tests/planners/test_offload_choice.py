@@ -9,8 +9,8 @@ from test_choices import make
 from test_scaling import HELD_OUT, metered_mimose
 
 from mimose_cli.memory import build_meter
-from mimose_cli.planners import Mimose, build_planner
 from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES
+from mimose_cli.planners import Mimose, build_planner
 from mimose_cli.planners.choices import ChoiceTimes, bounded_for_offload, copy_costs_ms, freeing_ms, split_offload
 from mimose_cli.planners.estimator import Timeline, plan_peak_bytes
 from mimose_cli.planners.features import TOKENS
