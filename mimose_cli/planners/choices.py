@@ -272,8 +272,8 @@ def freeing_ms(recompute_ms: np.ndarray, offload_ms: np.ndarray | None) -> tuple
     ``choice_plan_checked``): its recompute, or its offload where that is cheaper, and which
     blocks that offloads (a bool mask; none without ``offload_ms``). The scheduler prices one
     level for both: an offloaded block holds no more device memory at any point of the step than
-    a recomputed one (docs/MIMOSE.md, "Offload in a plan"), so the recompute level's predicted
-    peaks bound it."""
+    a recomputed one, but for the small storages it keeps (``bounded_for_offload`` adds them), so
+    the recompute level's predicted peaks bound it (docs/MIMOSE.md, "Offload in a plan")."""
     if offload_ms is None:
         return recompute_ms, np.zeros(len(recompute_ms), dtype=bool)
     offloaded = offload_ms < recompute_ms

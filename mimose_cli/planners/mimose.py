@@ -429,11 +429,18 @@ class MimosePolicy(Policy):
                        "run alike at their two sizes, so each choice's recompute time cannot be scaled")
         elif self.choices == "offload":
             self.choice_times.copy_ms = self._timed_on_device("the copies' costs", copy_costs_ms)
-            if self.choice_times.copy_ms is None or self.choice_times.storages is None:
-                self._warn("mimose: no block is offloaded (choices: offload asked for): the copies' costs or the "
-                           "probes' saved storages are not known; plans keep, checkpoint selectively or recompute")
+            self._warn_if_offload_unknown("the copies' costs or the probes' saved storages are not known")
         keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
         self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
+
+    def _warn_if_offload_unknown(self, why: str) -> None:
+        """With ``choices="offload"`` but the copies' costs or the blocks' saved storages unknown
+        (``choices.ChoiceTimes.offload_at`` cannot price an offload): say so once (plans still keep,
+        checkpoint selectively or recompute)."""
+        times = self.choice_times
+        if self.choices == "offload" and times is not None and (times.copy_ms is None or times.storages is None):
+            self._warn(f"mimose: no block is offloaded (choices: offload asked for): {why}; plans keep, "
+                       "checkpoint selectively or recompute")
 
     def _rates(self, raw, size: tuple, max_size: tuple) -> tuple | None:
         """The ops' ms per unit of work (``choices.probe_rates_ms``); None where they cannot be
@@ -823,6 +830,8 @@ class MimosePolicy(Policy):
         self.choice_times = (ChoiceTimes.from_state(state.get("choice_times"), self.estimator.feature_set)
                              if self.choices != "block" else None)
         self.parts.plan_runner.selective_keep = {int(i): int(k) for i, k in state.get("selective_keep", [])}
+        self._warn_if_offload_unknown("the saved estimator has no copy costs (saved without choices: offload); "
+                                      "move its estimator.json aside to probe again")
         if state.get("granularity") == self.granularity and state.get("choices", "block") == self.choices:
             self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), *(tuple(r) for r in rest))
                           for k, p, peak, fits, *rest in state.get("cache", [])}

@@ -179,3 +179,18 @@ def _backward(model, batch):
     loss = model(**batch).loss
     loss.backward()
     return loss.detach()
+
+
+def test_an_estimator_saved_without_copy_costs_offloads_nothing_and_says_so():
+    """A state saved by ``choices: selective`` loaded with ``choices: offload``: no copy costs, so
+    one warning says no block is offloaded and how to probe again; plans still fit, none offloads."""
+    with metered_mimose(tiny_bert(4), choices="selective") as (planner, meter):
+        planner.prepare(make, (4, 64))
+        state = planner.state_dict()
+    with metered_mimose(tiny_bert(4), choices="offload") as (planner, meter):
+        with pytest.warns(UserWarning, match=r"no block is offloaded .* no copy costs .* estimator.json aside"):
+            planner.load_state_dict(state)
+        assert planner.stats["offload_in_use"] is False
+        planner.parts.budget_bytes = _middle_budget(planner, make((8, 64)))
+        decision = planner.policy.decide((8, 64))
+        assert decision.plan and decision.offload == ()
