@@ -129,7 +129,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over every row, the order rotated; a row's figures are its fastest round's")
-    parser.add_argument("--choices", default="block,selective",
+    parser.add_argument("--choices", default="block,selective,offload",
                         help="block: the paper's plans (sheltered fit); selective: finer plans (probes); "
                              "offload: finer plans with offload")
     args = parser.parse_args()
