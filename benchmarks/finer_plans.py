@@ -27,10 +27,10 @@ matmuls it saves, and the scheduler's time model sees it).
 Configurations: ``swag`` (the 12-layer tiny BERT of mimose_speed.py), ``bert-base-width`` (4 layers
 of hidden 768), ``squad`` (lengths up to 384, widely varying), and the paper-figure configurations
 of paper_figure.py (``bert-qqp``, ``bert-swag``, ``roberta-mc``; their budgets there are f = 0.05,
-0.35, 0.85). Variant ``offload`` (``--variants block,selective,offload,oracle``: Mimose's
-``choices: offload``, a block freed whole offloaded where its copies cost less than its recompute)
-gets the same time and recompute ratios; its plan cost counts its recomputes only (the oracle's
-table prices no copies), so it has no plan-cost ratio. Writes benchmarks/results/<--out>.json.
+0.35, 0.85). Variant ``offload`` (Mimose's ``choices: offload``, a block freed whole offloaded
+where its copies cost less than its recompute) gets the same time and recompute ratios, against
+block-level Mimose and ``oracle-offload`` (the oracle's ``choices: offload``); its plan cost
+counts its recomputes only (the oracle's table prices no copies), so it has no plan-cost ratio. Writes benchmarks/results/<--out>.json.
 
     python benchmarks/finer_plans.py [--configs swag,bert-base-width,squad] [--steps 40] [--rounds 3]
     python benchmarks/finer_plans.py --configs bert-qqp,bert-swag,roberta-mc --fractions 0.05,0.35,0.85 \\
@@ -66,9 +66,11 @@ VARIANTS = {  # name -> (planner, overrides)
     # A block freed whole offloaded where its copies, timed on this device, cost less than its
     # recompute (``planner.mimose.choices: offload``; the copies here are memcpys in one memory).
     "offload": ("mimose", ("planner.mimose.choices=offload",)),
+    "oracle-offload": ("oracle", ("planner.oracle.choices=offload",)),
 }
-_FINER = {"selective": "", "offload": "offload_"}
-"""The variants compared with block-level Mimose and the oracle, and their keys' prefixes in a row."""
+_FINER = {"selective": ("", ("block", "oracle")), "offload": ("offload_", ("block", "oracle-offload"))}
+"""The variants compared, their keys' prefixes in a row, and what each is compared with: block-level
+Mimose and the oracle over the same choices."""
 
 
 def _recipe(config: str, steps: int, out_dir, overrides: list):
@@ -158,8 +160,8 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
                       for v, rs in runs.items()}
             row = {"config": config, "fraction": fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
                    "full_peak_bytes": full_peak, "runs": runs, "median": median}
-            for mine, key in _FINER.items():
-                for other in ("block", "oracle"):
+            for mine, (key, others) in _FINER.items():
+                for other in others:
                     if mine not in median or other not in median:
                         continue
                     a, b = median[mine], median[other]
@@ -218,8 +220,8 @@ def print_row(row: dict) -> None:
               f"{last.get('offloaded') or 0:6.2f} "
               f"{_fmt(last['binding_peak_over_budget'], '6.3f')} "
               f"{sum(r['oom_steps'] for r in runs):4} {sum(r['retries'] for r in runs):4}", flush=True)
-    for mine, key in _FINER.items():
-        for other in ("block", "oracle"):
+    for mine, (key, others) in _FINER.items():
+        for other in others:
             if f"{key}time_vs_{other}" in row:
                 print(f"{'':16} {'':5} {mine}/{other}: time {_fmt(row[f'{key}time_vs_{other}'], '.3f')} "
                       f"(medians {row[f'{key}train_vs_{other}']:.3f}), "
