@@ -378,8 +378,8 @@ COMPARES = [
     compare("compare-unknown-variant", "--baselines", "sublinear:fast",
             named="compare sublinear:fast: planner.sublinear.variant='fast'"),
     compare("compare-variant-of-a-planner-without", "--baselines", "dtr:fast",
-            named="baseline 'dtr:fast': dtr has no variants (those that do: mimose:block|selective, "
-                  "oracle:block|selective, sublinear:greedy|sqrt|chen); write dtr alone"),
+            named="baseline 'dtr:fast': dtr has no variants (those that do: mimose:block|selective|offload, "
+                  "oracle:block|selective|offload, sublinear:greedy|sqrt|chen); write dtr alone"),
     compare("compare-unknown-choice-set", "--baselines", "mimose:fancy",
             named="compare mimose:fancy: planner.mimose.choices='fancy'"),
     compare("compare-budget-text", "--budgets", "1MB,lots", named="budget='lots'"),
