@@ -29,8 +29,9 @@ of hidden 768), ``squad`` (lengths up to 384, widely varying), and the paper-fig
 of paper_figure.py (``bert-qqp``, ``bert-swag``, ``roberta-mc``; their budgets there are f = 0.05,
 0.35, 0.85). Variant ``offload`` (Mimose's ``choices: offload``, a block freed whole offloaded
 where its copies cost less than its recompute) gets the same time and recompute ratios, against
-block-level Mimose and ``oracle-offload`` (the oracle's ``choices: offload``); its plan cost
-counts its recomputes only (the oracle's table prices no copies), so it has no plan-cost ratio. Writes benchmarks/results/<--out>.json.
+block-level Mimose and ``oracle-offload`` (the oracle's ``choices: offload``); a run that offloaded
+has no plan cost (the oracle's table prices no copies; results written before 2026-12-03's second
+session give it the cost of its recomputes alone, 0.0 where it offloaded every freed block). Writes benchmarks/results/<--out>.json.
 
     python benchmarks/finer_plans.py [--configs swag,bert-base-width,squad] [--steps 40] [--rounds 3]
     python benchmarks/finer_plans.py --configs bert-qqp,bert-swag,roberta-mc --fractions 0.05,0.35,0.85 \\
@@ -193,8 +194,8 @@ def price_rounds(rounds: list) -> None:
             if entries:
                 table[size] = tuple(np.mean([np.asarray(e[c]) for e in entries], axis=0) for c in (0, 1))
         steps = set.intersection(*(set(r["_plans"]) for r in round_runs))  # a step out of memory in any run: left out
-        for r in round_runs:
-            r["plan_cost_ms"] = plan_cost_ms(r["_plans"], table, steps) if others else None
+        for r in round_runs:  # a run that offloaded: its copies are in no table, so no plan cost
+            r["plan_cost_ms"] = plan_cost_ms(r["_plans"], table, steps) if others and not r["offloaded"] else None
 
 
 def _ratio(a, b):

@@ -76,15 +76,25 @@ def _copy_in(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class _HostCopy:
-    """One device storage's bytes in host memory; ``restore()`` brings them back once for all the
-    views backward unpacks while the restored copy lives."""
+    """One device storage's bytes in host memory. ``restore()`` hands backward the device storage
+    itself while something else still holds it (a kept block whose ReLU saved the output this
+    block saves as its input, an encoder output every decoder layer saves, shared rotary tables):
+    a copy brought back beside it would hold its bytes twice, more than the block recomputed
+    would. Else it brings the bytes back, once for all the views backward unpacks while that copy
+    lives. (A storage changed in place after it was saved fails a plain run's backward; saved-tensor
+    hooks turn that check off, so a program that passes it sees the same bytes either way.)
+    ``keep_original=False``: always the copy (``round_trip`` times it)."""
 
-    def __init__(self, storage, meter):
+    def __init__(self, storage, meter, keep_original: bool = True):
         self.device = storage.device
         self.host = meter.host_copy(lambda: _copy_out(storage)) if meter is not None else _copy_out(storage)
+        self._original = weakref.ref(storage) if keep_original else (lambda: None)
         self._restored = lambda: None  # a weak reference to the restored storage
 
     def restore(self):
+        storage = self._original()
+        if storage is not None:
+            return storage
         storage = self._restored()
         if storage is None:
             storage = _copy_in(self.host, self.device).untyped_storage()
@@ -135,7 +145,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 def round_trip(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s storage moved to host memory and back as an offloaded block's saved tensor is
     (``_HostCopy``: the copy out, then ``restore``), uncounted: what ``choices.copy_costs_ms`` times."""
-    return _HostCopy(tensor.untyped_storage(), None).restore()
+    return _HostCopy(tensor.untyped_storage(), None, keep_original=False).restore()
 
 
 def resident_storages(model: torch.nn.Module) -> frozenset:

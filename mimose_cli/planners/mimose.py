@@ -221,6 +221,10 @@ class MimosePolicy(Policy):
             raise ValueError(f"bucket={bucket!r} is invalid; expected a fraction in [0, 1)")
         if choices not in CHOICE_SETS:
             raise ValueError(f"choices={choices!r} is invalid; expected one of {', '.join(map(repr, CHOICE_SETS))}")
+        if choices != "block" and estimate != "probes":
+            raise ValueError(f"choices={choices!r} needs estimate='probes' (only the probes measure what a block "
+                             f"holds checkpointed selectively and what it saves); set estimate: probes or "
+                             f"choices: block")
         if not 0.0 <= prediction_margin < 1.0:
             raise ValueError(f"prediction_margin={prediction_margin!r} is invalid; expected a fraction in [0, 1)")
         super().__init__(parts)
@@ -830,8 +834,8 @@ class MimosePolicy(Policy):
         self.choice_times = (ChoiceTimes.from_state(state.get("choice_times"), self.estimator.feature_set)
                              if self.choices != "block" else None)
         self.parts.plan_runner.selective_keep = {int(i): int(k) for i, k in state.get("selective_keep", [])}
-        self._warn_if_offload_unknown("the saved estimator has no copy costs (saved without choices: offload); "
-                                      "move its estimator.json aside to probe again")
+        self._warn_if_offload_unknown("the saved estimator has no copy costs (saved without choices: offload, "
+                                      "or their timing failed); move its estimator.json aside to probe again")
         if state.get("granularity") == self.granularity and state.get("choices", "block") == self.choices:
             self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), *(tuple(r) for r in rest))
                           for k, p, peak, fits, *rest in state.get("cache", [])}

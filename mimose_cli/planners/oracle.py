@@ -303,12 +303,15 @@ class OraclePolicy(Policy):
         pred = None if sample is None else measured_prediction(size, sample, self.parts.num_blocks)
         if pred is not None and self.choice_ms.get(size) is not None and self.choices == "offload":
             if self._copy_costs is None:
-                self._copy_costs = self.parts.timed_off_budget(copy_costs_ms)
-            times.copy_ms = self._copy_costs
+                self._copy_costs = self._timed_copies()
+            times.copy_ms = self._copy_costs or None  # False: their timing failed (said once)
             offload_ms = times.offload_at(pred.blocks["saved_bytes"])
             if offload_ms is not None:
                 self.choice_ms[size] += (offload_ms,)
                 self.storages[size] = times.storages
+            elif self._copy_costs:
+                warn_user("oracle: a size's blocks are not offloaded (choices: offload asked for): the probe did "
+                          "not count the storages they save")
         if pred is not None:
             alike = self.alike_at(pred)
             pred.blocks["fwd_ms"] = alike_mean(pred.blocks["fwd_ms"], alike)
@@ -318,6 +321,16 @@ class OraclePolicy(Policy):
             warn_user(f"oracle: input size {size} could not be measured (out of memory, or a "
                       "block the collector cannot attribute); checkpointing every block")
         return pred
+
+    def _timed_copies(self) -> tuple | bool:
+        """``choices.copy_costs_ms`` on the model's device, off the budget; False, with a warning,
+        where the copies cannot be timed (then nothing is offloaded, and they are not timed again)."""
+        try:
+            return self.parts.timed_off_budget(copy_costs_ms)
+        except Exception as error:  # noqa: BLE001 - offload is priced from these; without them, none
+            warn_user(f"oracle: the copies' costs could not be timed ({str(error).splitlines()[0][:120]}); "
+                      "no block is offloaded")
+            return False
 
     def alike_at(self, pred: Prediction) -> dict:
         """``{block: the first block like it}`` among alike blocks (``blocks.twin_blocks``) whose
@@ -372,5 +385,5 @@ class OraclePolicy(Policy):
 
 
 def Oracle(model, budget=None, **options) -> Planner:
-    """``Planner(model, OraclePolicy, budget, **options)`` (``choices``: block or selective)."""
+    """``Planner(model, OraclePolicy, budget, **options)`` (``choices``: block, selective or offload)."""
     return Planner(model, OraclePolicy, budget, **options)
