@@ -195,7 +195,8 @@ def price_rounds(rounds: list) -> None:
                 table[size] = tuple(np.mean([np.asarray(e[c]) for e in entries], axis=0) for c in (0, 1))
         steps = set.intersection(*(set(r["_plans"]) for r in round_runs))  # a step out of memory in any run: left out
         for r in round_runs:  # a run that offloaded: its copies are in no table, so no plan cost
-            r["plan_cost_ms"] = plan_cost_ms(r["_plans"], table, steps) if others and not r["offloaded"] else None
+            priced = others and not r["offloaded"]
+            r["plan_cost_ms"] = plan_cost_ms(r["_plans"], table, steps) if priced else None
 
 
 def _ratio(a, b):

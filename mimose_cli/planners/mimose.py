@@ -711,7 +711,8 @@ class MimosePolicy(Policy):
         pred = self.estimator.predict(key)
         if offload:
             offloaded = np.isin(np.arange(self.parts.num_blocks), offload)
-            pred = bounded_for_offload(pred, offloaded, None if self.choice_times is None else self.choice_times.storages)
+            storages = None if self.choice_times is None else self.choice_times.storages
+            pred = bounded_for_offload(pred, offloaded, storages)
         freed = tuple(sorted(set(plan) | set(offload)))
         return int(self._start_bytes() + self._margined(plan_peak_bytes(pred, freed, selective)))
 

@@ -222,8 +222,9 @@ def test_a_storage_still_held_elsewhere_comes_back_as_itself_not_as_a_second_cop
     offloads with (a second copy held it 2 MB higher here), and the gradients are the same (float
     tolerance: a recompute's matmul and the forward's need not round alike)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU()),
-                                torch.nn.Sequential(torch.nn.Linear(256, 128)), torch.nn.Linear(128, 1))
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(256, 256), nn.Sequential(nn.Linear(256, 256), nn.ReLU()),
+                          nn.Sequential(nn.Linear(256, 128)), nn.Linear(128, 1))
     x = torch.randn(4096, 256, generator=torch.Generator().manual_seed(1))
 
     def step_fn(batch):
