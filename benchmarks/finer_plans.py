@@ -31,7 +31,8 @@ of paper_figure.py (``bert-qqp``, ``bert-swag``, ``roberta-mc``; their budgets t
 where its copies cost less than its recompute) gets the same time and recompute ratios, against
 block-level Mimose and ``oracle-offload`` (the oracle's ``choices: offload``); a run that offloaded
 has no plan cost (the oracle's table prices no copies; results written before 2026-12-03's second
-session give it the cost of its recomputes alone, 0.0 where it offloaded every freed block). Writes benchmarks/results/<--out>.json.
+session give it the cost of its recomputes alone, 0.0 where it offloaded every freed block).
+Writes benchmarks/results/<--out>.json.
 
     python benchmarks/finer_plans.py [--configs swag,bert-base-width,squad] [--steps 40] [--rounds 3]
     python benchmarks/finer_plans.py --configs bert-qqp,bert-swag,roberta-mc --fractions 0.05,0.35,0.85 \\
@@ -170,8 +171,8 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
                     row[f"{key}train_vs_{other}"] = a["train_s"] / b["train_s"]
                     row[f"{key}recompute_vs_{other}"] = (a["recompute_ms"] / b["recompute_ms"]
                                                          if b["recompute_ms"] else None)
-                    # The oracle's table prices recomputes, not copies: an offloading plan has no plan cost.
-                    row[f"{key}plan_cost_vs_{other}"] = None if key else _median_or_none(
+                    # a run that offloaded has no plan cost (``price_rounds``): no ratio
+                    row[f"{key}plan_cost_vs_{other}"] = _median_or_none(
                         [_ratio(x.get("plan_cost_ms"), y.get("plan_cost_ms"))
                          for x, y in zip(runs[mine], runs[other])])
             for rs in runs.values():

@@ -68,7 +68,7 @@ from mimose_cli.planners.scaling import (
 )
 from mimose_cli.planners.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import probe_step, probe_with_runner, to_model_device
-from mimose_cli.planners.usage import warn_user
+from mimose_cli.planners.usage import said, warn_user
 from mimose_cli.torch_private import without_dispatch_modes
 
 
@@ -189,15 +189,9 @@ def _first_twin(mismatch, twins: dict) -> bool:
     return mismatch is not None and mismatch.block == min(i for i, t in twins.items() if t == mismatch.twin)
 
 
-def _said(error: Exception, limit: int) -> str:
-    """An error in one line: its type and its message's first line, cut at ``limit``."""
-    first = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {first[:limit]}"
-
-
 def _probe_failed(what: str, size: tuple, error: Exception) -> ScalingError:
     """A probe step that raised, in one line (the planner then learns from measured steps)."""
-    return ScalingError(f"the {what} at input size {size} failed ({_said(error, 160)})")
+    return ScalingError(f"the {what} at input size {size} failed ({said(error, 160)})")
 
 
 class MimosePolicy(Policy):
@@ -432,7 +426,8 @@ class MimosePolicy(Policy):
             self._warn(f"mimose: plans stay block-level (choices: {self.choices} asked for): the probes' ops did not "
                        "run alike at their two sizes, so each choice's recompute time cannot be scaled")
         elif self.choices == "offload":
-            self.choice_times.copy_ms = self._timed_on_device("the copies' costs", copy_costs_ms)
+            self.choice_times.copy_ms = self.parts.timed_or_warned(copy_costs_ms, "mimose: the copies' costs",
+                                                                   self._warn)
             self._warn_if_offload_unknown("the copies' costs or the probes' saved storages are not known")
         keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
         self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
@@ -449,18 +444,11 @@ class MimosePolicy(Policy):
     def _rates(self, raw, size: tuple, max_size: tuple) -> tuple | None:
         """The ops' ms per unit of work (``choices.probe_rates_ms``); None where they cannot be
         timed: the probes' own timings stand in."""
-        rates = self._timed_on_device("the ops' rates", lambda device: probe_rates_ms(raw, size, max_size, device))
+        rates = self.parts.timed_or_warned(lambda device: probe_rates_ms(raw, size, max_size, device),
+                                           "mimose: the ops' rates", self._warn)
         if rates is None:
             self._warn("mimose: recompute times are scaled from the probes' own timings")
         return rates
-
-    def _timed_on_device(self, what: str, timing):
-        """``timing(device)`` (``PlannerParts.timed_off_budget``); None, with a warning, where it fails."""
-        try:
-            return self.parts.timed_off_budget(timing)
-        except Exception as error:  # noqa: BLE001 - a timing refines the plans; the caller says what stands in
-            self._warn(f"mimose: {what} could not be timed ({_said(error, 120)})")
-            return None
 
     def _probe_pair(self, make_batch, sizes: list, step_fn, twins: dict) -> list:
         """The two measured probe steps at ``sizes`` (``RawStep``s), the first once more when it

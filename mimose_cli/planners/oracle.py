@@ -325,12 +325,9 @@ class OraclePolicy(Policy):
     def _timed_copies(self) -> tuple | bool:
         """``choices.copy_costs_ms`` on the model's device, off the budget; False, with a warning,
         where the copies cannot be timed (then nothing is offloaded, and they are not timed again)."""
-        try:
-            return self.parts.timed_off_budget(copy_costs_ms)
-        except Exception as error:  # noqa: BLE001 - offload is priced from these; without them, none
-            warn_user(f"oracle: the copies' costs could not be timed ({str(error).splitlines()[0][:120]}); "
-                      "no block is offloaded")
-            return False
+        costs = self.parts.timed_or_warned(copy_costs_ms, "oracle: the copies' costs",
+                                           lambda message: warn_user(f"{message}; no block is offloaded"))
+        return False if costs is None else costs
 
     def alike_at(self, pred: Prediction) -> dict:
         """``{block: the first block like it}`` among alike blocks (``blocks.twin_blocks``) whose

@@ -9,13 +9,12 @@ blocks. The probe steps of ``planners.trial`` take them too.
 import contextlib
 import functools
 
-import torch
-
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import PlanRunner, RecomputeClock, StepRouter, discover_blocks
 from mimose_cli.planners.features import SEQ2SEQ, TOKENS
 from mimose_cli.planners.session import MeterSession
-from mimose_cli.planners.usage import warn_if_eager
+from mimose_cli.planners.trial import model_device
+from mimose_cli.planners.usage import said, warn_if_eager
 from mimose_cli.torch_private import without_dispatch_modes
 from mimose_cli.units import parse_size
 
@@ -110,14 +109,23 @@ class PlannerParts:
         """``timing(device)`` on the model's device as the planner's own work, not training's: no
         dispatch mode (the simulated device's meter) sees it, it may pass the budget (on CUDA the
         allocator's cap is lifted) and the meter's peak is reset after."""
-        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         meter = self.meter
         try:
             with without_dispatch_modes(), meter.unlimited() if meter is not None else contextlib.nullcontext():
-                return timing(device)
+                return timing(model_device(self.model))
         finally:
             if meter is not None:
                 meter.reset_peak()
+
+    def timed_or_warned(self, timing, what: str, warn):
+        """``timed_off_budget(timing)``, or None where it raises, after ``warn`` is told that
+        ``what`` could not be timed and why, in one line: a timing refines a plan, and the caller
+        says what stands in."""
+        try:
+            return self.timed_off_budget(timing)
+        except Exception as error:  # noqa: BLE001 - any failure: the caller's stand-in, said
+            warn(f"{what} could not be timed ({said(error, 120)})")
+            return None
 
     def _offload_hooks(self):
         """For a plan that offloads: what makes the saved-tensor hooks of one offloaded block's

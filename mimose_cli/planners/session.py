@@ -3,9 +3,8 @@ that lives between the steps (``track``)."""
 
 import contextlib
 
-import torch
-
 from mimose_cli.memory import build_meter
+from mimose_cli.planners.trial import model_device
 from mimose_cli.planners.usage import check_trackable
 
 
@@ -20,8 +19,7 @@ class MeterSession:
         self.model = model
         self.owned = meter is None and build
         if self.owned:
-            device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            meter = build_meter("auto", budget_bytes, device)
+            meter = build_meter("auto", budget_bytes, model_device(model))
         self.meter = meter
         self.tracked: list = []  # what ``track`` was given: counted again at every step's start
         self._counting = False  # inside a step or ``run``: what exists has been counted

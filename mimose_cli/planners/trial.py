@@ -26,7 +26,8 @@ def loss_of(output) -> torch.Tensor:
 
 
 def model_device(model) -> torch.device:
-    return next(model.parameters()).device
+    """The device of the model's parameters (the CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def to_model_device(model, batch):

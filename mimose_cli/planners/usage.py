@@ -22,6 +22,12 @@ _PASSED_THROUGH = (str(Path(__file__).resolve().parent) + os.sep, str(Path(conte
 """The planners' own files, and contextlib's (``with planner.step(batch):`` enters through it)."""
 
 
+def said(error: Exception, limit: int) -> str:
+    """An error in one line: its type and its message's first line, cut at ``limit``."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first[:limit]}"
+
+
 def warn_user(message: str, category=UserWarning) -> None:
     """``warnings.warn`` pointing at the first line outside ``mimose_cli/planners`` (and the
     ``with`` machinery): the user's ``Mimose(...)``, ``planner.prepare(...)`` or
