@@ -50,6 +50,8 @@ from mimose_safety import FLOOR, recipe_for
 from paper_figure import CONFIGS as PAPER_CONFIGS
 from paper_figure import fastest_steps_s, make_recipe
 
+from mimose_cli.planners.choices import ChoiceTimes
+from mimose_cli.planners.features import PARTIAL_LEVELS
 from mimose_cli.planners.oracle import OraclePolicy
 
 from _results import run_training, write_results
@@ -65,12 +67,19 @@ VARIANTS = {  # name -> (planner, overrides)
     "block": ("mimose", ("planner.mimose.choices=block",)),
     "selective": ("mimose", ("planner.mimose.choices=selective",)),
     "oracle": ("oracle", ("planner.oracle.choices=selective",)),
+    # The same without the partial levels (``features.PARTIAL_LEVELS``): a selective checkpoint
+    # keeps every heavy output its recompute takes back, or the block is recomputed whole.
+    "selective-whole": ("mimose", ("planner.mimose.choices=selective",)),
+    "oracle-whole": ("oracle", ("planner.oracle.choices=selective",)),
     # A block freed whole offloaded where its copies, timed on this device, cost less than its
     # recompute (``planner.mimose.choices: offload``; the copies here are memcpys in one memory).
     "offload": ("mimose", ("planner.mimose.choices=offload",)),
     "oracle-offload": ("oracle", ("planner.oracle.choices=offload",)),
 }
-_FINER = {"selective": ("", ("block", "oracle")), "offload": ("offload_", ("block", "oracle-offload"))}
+_FINER = {"selective": ("", ("block", "oracle", "selective-whole")), "offload": ("offload_", ("block", "oracle-offload")),
+          "selective-whole": ("whole_", ("block", "oracle-whole"))}
+_WHOLE = {"selective-whole", "oracle-whole"}
+"""Variants run with no partial level priced (``ChoiceTimes.partial_at`` says none is known)."""
 """The variants compared, their keys' prefixes in a row, and what each is compared with: block-level
 Mimose and the oracle over the same choices."""
 
@@ -80,6 +89,18 @@ def _recipe(config: str, steps: int, out_dir, overrides: list):
         preset, config_overrides = CONFIGS[config]
         return recipe_for(preset, steps, out_dir, *config_overrides, *overrides)
     return make_recipe(PAPER_CONFIGS[config], steps, out_dir, sheltered=5, overrides=overrides)
+
+
+@contextlib.contextmanager
+def without_partial_levels(off: bool):
+    """With ``off``, no block may take a partial level (their times unknown), else as it is."""
+    partial_at = ChoiceTimes.partial_at
+    if off:
+        ChoiceTimes.partial_at = lambda self, *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ChoiceTimes.partial_at = partial_at
 
 
 @contextlib.contextmanager
@@ -99,24 +120,35 @@ def oracles_made():
         OraclePolicy.__init__ = init
 
 
-def plan_cost_ms(plans: dict, table: dict, steps=None) -> float:
-    """Σ over ``steps`` (default: all of ``plans``, step -> (size, plan, selective)) of what
-    ``table`` (input size -> per-block recompute and selective ms, the oracle's measurements) says
-    the step's plan recomputes; steps at sizes without a table entry are left out (the same steps
-    for every run of a round: the same batches)."""
+def plan_cost_ms(plans: dict, table: dict, steps=None) -> float | None:
+    """Σ over ``steps`` (default: all of ``plans``, step -> (size, plan, selective[, partial])) of
+    what ``table`` (input size -> per-block recompute and selective ms[, each partial level's ms
+    per block], the oracle's measurements) says the step's plan recomputes; steps at sizes without
+    a table entry are left out (the same steps for every run of a round: the same batches). None
+    where a block's partial level has no price in the table."""
     total = 0.0
     for step in plans if steps is None else steps:
-        size, plan, selective = plans[step]
+        size, plan, selective, *rest = plans[step]
+        partial = dict(rest[0]) if rest else {}
         times = table.get(size)
         if times is not None:
-            recompute, sel = times
-            total += sum(float(sel[i]) if i in selective else float(recompute[i]) for i in plan)
+            recompute, sel, *partial_ms = times
+            for i in plan:
+                if i in partial:
+                    if not partial_ms or partial_ms[0] is None:
+                        return None
+                    cost = float(partial_ms[0][i, PARTIAL_LEVELS.index(partial[i])])
+                else:
+                    cost = float(sel[i]) if i in selective else float(recompute[i])
+                if np.isnan(cost):
+                    return None
+                total += cost
     return total
 
 
-def run(config: str, steps: int, out_dir, planner: str, budget, overrides=()) -> dict:
+def run(config: str, steps: int, out_dir, planner: str, budget, overrides=(), whole: bool = False) -> dict:
     recipe = _recipe(config, steps, out_dir, [f"planner.name={planner}", f"budget={budget or 'null'}", *overrides])
-    with oracles_made() as oracles:
+    with oracles_made() as oracles, without_partial_levels(whole):
         result = run_training(recipe, view="none", recipe_name=f"finer-{config}")
     records = [r for r in result.records if not r.oom]
     if not records:
@@ -131,12 +163,15 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=()) ->
             "binding_peak_over_budget": statistics.mean(binding) if binding else None,
             "checkpointed": result.summary["mean_checkpointed_blocks"],
             "selective": result.summary.get("mean_selective_blocks"),
+            "partial": result.summary.get("mean_partial_blocks"),
             "offloaded": result.summary.get("mean_offloaded_blocks"),
             "oom_steps": sum(r.oom for r in result.records), "retries": sum(r.retries for r in result.records),
             "preflight_full_bytes": (result.summary.get("preflight") or {}).get("full_bytes"),
             # kept in memory, not written: each step's plan, and the oracle's measured table
-            "_plans": {r.step: (tuple(r.input_size or ()), frozenset(r.plan), frozenset(r.selective)) for r in records},
-            "_table": dict(oracles[-1].choice_ms) if oracles else None}
+            "_plans": {r.step: (tuple(r.input_size or ()), frozenset(r.plan), frozenset(r.selective),
+                                frozenset(tuple(pair) for pair in r.partial)) for r in records},
+            "_table": ({size: (times[0], times[1], oracles[-1].partial_ms.get(size))
+                        for size, times in oracles[-1].choice_ms.items() if times is not None} if oracles else None)}
 
 
 def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: list) -> list:
@@ -153,7 +188,7 @@ def evaluate(config: str, steps: int, rounds: int, fractions: list, variants: li
                 order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
                 for variant in order:
                     planner, overrides = VARIANTS[variant]
-                    runs[variant].append(run(config, steps, out_dir, planner, budget, overrides))
+                    runs[variant].append(run(config, steps, out_dir, planner, budget, overrides, variant in _WHOLE))
             price_rounds(list(zip(*runs.values())))
             median = {v: {"train_s": statistics.median(r["train_s"] for r in rs),
                           "time_s": fastest_steps_s([r["step_ms"] for r in rs]),
@@ -194,6 +229,8 @@ def price_rounds(rounds: list) -> None:
             entries = [t[size] for t in others if t.get(size) is not None]
             if entries:
                 table[size] = tuple(np.mean([np.asarray(e[c]) for e in entries], axis=0) for c in (0, 1))
+                partial = [e[2] for e in entries if len(e) > 2 and e[2] is not None]
+                table[size] += (np.mean(partial, axis=0) if partial else None,)
         steps = set.intersection(*(set(r["_plans"]) for r in round_runs))  # a step out of memory in any run: left out
         for r in round_runs:  # a run that offloaded: its copies are in no table, so no plan cost
             priced = others and not r["offloaded"]
@@ -220,6 +257,7 @@ def print_row(row: dict) -> None:
         last, m = runs[-1], row["median"][variant]
         print(f"{row['config']:16} {row['fraction']:5.2f} {variant:9} {_fmt(m['time_s'], '8.1f')} {m['train_s']:8.1f} "
               f"{m['recompute_ms']:11.0f} {last['checkpointed']:6.2f} {last['selective'] or 0:6.2f} "
+              f"{last.get('partial') or 0:6.2f} "
               f"{last.get('offloaded') or 0:6.2f} "
               f"{_fmt(last['binding_peak_over_budget'], '6.3f')} "
               f"{sum(r['oom_steps'] for r in runs):4} {sum(r['retries'] for r in runs):4}", flush=True)
@@ -249,6 +287,7 @@ def main():
         parser.error(f"unknown configuration or variant {unknown[0]!r}")
     torch.set_num_threads(1)
     print(f"{'config':16} {'f':>5} {'variant':9} {'time s':>8} {'median':>8} {'recompute ms':>11} {'ckpt':>6} {'sel':>6} "
+          f"{'part':>6} "
           f"{'off':>6} {'peak/b':>6} {'oom':>4} {'retr':>4}")
     rows = []
     for config in configs:

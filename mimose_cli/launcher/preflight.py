@@ -64,7 +64,7 @@ def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) 
     with planner.meter.unlimited():
         for decision in (least, Decision(())):
             peak = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective,
-                                   offload=decision.offload)
+                                   offload=decision.offload, partial=decision.partial)
             peaks.append(None if peak is None else peak + later_bytes)
     return BudgetRange(tuple(input_size), *peaks, least=plan_in_words(least, planner.num_blocks),
                        saves_memory=planner.policy.saves_memory)

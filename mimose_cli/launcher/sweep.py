@@ -106,6 +106,7 @@ def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
         "mean_checkpointed_blocks": summary.get("mean_checkpointed_blocks"),
         "mean_selective_blocks": summary.get("mean_selective_blocks"),
         "mean_offloaded_blocks": summary.get("mean_offloaded_blocks"),
+        "mean_partial_blocks": summary.get("mean_partial_blocks"),
         "phase": stats.get("phase"),  # mimose: still "sheltered" when the run never left that phase
         "run_dir": str(Path(run_dir).relative_to(compare_dir)) if run_dir else None,
     }
@@ -127,7 +128,7 @@ def merge_repeats(rows: list) -> dict:
     merged["oom_steps"] = max(r.get("oom_steps", 0) for r in rows)
     if failed is None:
         for key in ("train_time_s", "recompute_ms", "planning_ms_total", "mean_checkpointed_blocks",
-                    "mean_selective_blocks", "mean_offloaded_blocks"):
+                    "mean_selective_blocks", "mean_offloaded_blocks", "mean_partial_blocks"):
             merged[key] = _median(r.get(key) for r in rows)
     return merged
 

@@ -119,9 +119,9 @@ class Planner:
         """The plan in force (the last step's, or ``set_plan``'s)."""
         return self.parts.plan_runner.plan
 
-    def set_plan(self, plan, selective=(), offload=()) -> None:
+    def set_plan(self, plan, selective=(), offload=(), partial=()) -> None:
         """``PlannerParts.set_plan``: the plan in force until the next step decides again."""
-        self.parts.set_plan(plan, selective, offload)
+        self.parts.set_plan(plan, selective, offload, partial)
 
     def track(self, *objects) -> None:
         """Count memory that lives between the steps in every step's figures and budget
@@ -156,7 +156,10 @@ class Planner:
         plan = tuple(sorted(decision.plan))
         return StepInfo(step=self.steps, input_size=size, plan=plan,
                         selective=tuple(sorted(set(decision.selective) & set(plan))),
-                        offload=tuple(sorted(set(decision.offload) - set(plan))), planning_ms=planning_ms,
+                        offload=tuple(sorted(set(decision.offload) - set(plan))),
+                        partial=tuple(sorted((i, level) for i, level in decision.partial
+                                             if i in plan and i not in decision.selective)),
+                        planning_ms=planning_ms,
                         phase=decision.phase, cache_hit=decision.cache_hit,
                         predicted_peak_bytes=decision.predicted_peak_bytes,
                         measured=decision.measure and self.policy.measurer is not None,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
+from mimose_cli.planners.features import PARTIAL_LEVELS
 from mimose_cli.torch_private import top_saved_tensors_hook_name, tree_leaves
 
 
@@ -365,10 +366,11 @@ def _buffers_kept_in_recompute(module: nn.Module, forward):
 KEEP, SELECTIVE, RECOMPUTE, OFFLOAD = "keep", "selective", "recompute", "offload"
 """What a plan does with a block: keep every activation its backward needs; keep only what the
 compute-heavy ops produce and recompute the rest in backward (``COMPUTE_HEAVY_OPS``, through
-torch's selective activation checkpointing); keep only its inputs and recompute its forward; or
-run it as it is with what autograd saves inside it held in host memory until backward brings it
-back (``memory.offload``: no recompute, two copies)."""
-CHOICES = (KEEP, SELECTIVE, RECOMPUTE, OFFLOAD)
+torch's selective activation checkpointing), or only what its first heavy ops produce
+(``features.PARTIAL_LEVELS``, "partial1" keeping the most); keep only its inputs and recompute its
+forward; or run it as it is with what autograd saves inside it held in host memory until backward
+brings it back (``memory.offload``: no recompute, two copies)."""
+CHOICES = (KEEP, SELECTIVE, *PARTIAL_LEVELS, RECOMPUTE, OFFLOAD)
 
 _aten = torch.ops.aten
 COMPUTE_HEAVY_OPS = frozenset(
@@ -466,14 +468,18 @@ def run_block(choice: str, forward, args, kwargs, clock: RecomputeClock | None =
               keep: int | None = None):
     """The one place a block is run as a plan chose (``CHOICES``), in training; an ``OFFLOAD``
     block runs under ``offload_hooks()`` (``PlanRunner.offload_hooks``), a ``SELECTIVE`` one keeps
-    the first ``keep`` heavy outputs (all when None). A choice is one of ``CHOICES`` whatever the
-    planner, and each is applied here alone."""
+    the first ``keep`` heavy outputs (all when None), a partial one (``PARTIAL_LEVELS``) is a
+    selective checkpoint given the ``keep`` of its level. A choice is one of ``CHOICES`` whatever
+    the planner, and each is applied here alone."""
     if choice == KEEP or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     if choice == OFFLOAD:
         assert offload_hooks is not None, "an OFFLOAD block needs the hooks that move its saved tensors"
         with offload_hooks():
             return forward(*args, **kwargs)
+    if choice in PARTIAL_LEVELS:
+        assert keep is not None, "a partial checkpoint needs how many heavy outputs it keeps"
+        choice = SELECTIVE
     return run_checkpointed(forward, args, kwargs, clock, choice, keep)
 
 
@@ -540,11 +546,20 @@ class PlanRunner(BlockRunner):
         """Per block, how many compute-heavy outputs a selective checkpoint of it keeps: those its
         recompute takes back, as the probes counted them (``scaling.selective_keeps``); a block not
         in it keeps them all."""
+        self.partial: dict = {}
+        """Blocks of the plan checkpointed partially: ``{block: level}`` (``PARTIAL_LEVELS``)."""
+        self.partial_keep: dict = {}
+        """Per block, how many compute-heavy outputs each partial level keeps, ``{level: count}``
+        (``scaling.partial_prefixes``); a block not in it has none."""
 
-    def use(self, plan, selective=(), offload=()) -> None:
+    def use(self, plan, selective=(), offload=(), partial=()) -> None:
         self.plan = tuple(sorted(plan))
         self._plan_set = frozenset(self.plan)
         self.selective = frozenset(selective)
+        self.partial = {i: level for i, level in partial if i in self._plan_set and i not in self.selective}
+        missing = [(i, level) for i, level in self.partial.items() if level not in self.partial_keep.get(i, {})]
+        if missing:
+            raise ValueError(f"blocks {missing} cannot be checkpointed partially: the probes found no such level")
         self.offload = frozenset(offload) - self._plan_set
         self.offload_hooks = self._offload_hooks_for_plan() if self.offload and self._offload_hooks_for_plan else None
 
@@ -552,7 +567,7 @@ class PlanRunner(BlockRunner):
         """What the plan in force does with block ``index`` (``CHOICES``)."""
         if index not in self._plan_set:
             return OFFLOAD if index in self.offload else KEEP
-        return SELECTIVE if index in self.selective else RECOMPUTE
+        return SELECTIVE if index in self.selective else self.partial.get(index, RECOMPUTE)
 
     def choices(self, num_blocks: int) -> tuple:
         """The plan in force as one choice per block."""
@@ -560,11 +575,12 @@ class PlanRunner(BlockRunner):
 
     def begin(self, info, inputs=None) -> None:
         super().begin(info)
-        self.use(info.plan, info.selective, info.offload)
+        self.use(info.plan, info.selective, info.offload, info.partial)
 
     def run(self, index, forward, args, kwargs):
-        return run_block(self.choice(index), forward, args, kwargs, self.clock, self.offload_hooks,
-                         self.selective_keep.get(index))
+        choice = self.choice(index)
+        keep = self.partial_keep[index][choice] if choice in PARTIAL_LEVELS else self.selective_keep.get(index)
+        return run_block(choice, forward, args, kwargs, self.clock, self.offload_hooks, keep)
 
 
 class StepRouter:

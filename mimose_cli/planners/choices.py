@@ -27,6 +27,7 @@ import torch
 
 from mimose_cli.memory import synchronize
 from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES, round_trip
+from mimose_cli.planners.features import KEEP_LEVEL, LEVELS, PARTIAL_LEVELS, RECOMPUTE_LEVEL, SELECTIVE_LEVEL
 from mimose_cli.planners.scaling import exponents, work_coefficients
 from mimose_cli.torch_private import UncompiledDispatchMode, without_dispatch_modes
 
@@ -161,16 +162,22 @@ class ChoiceTimes:
     """Per block, the storages its measuring run saved (``choices="offload"``: each is copied)."""
     copy_ms: tuple | None = None
     """``copy_costs_ms`` on the training device (``choices="offload"``); None: not timed."""
+    partial_work: np.ndarray | None = None
+    """``(blocks, partial levels, features)``: the work of the heavy ops each partial level
+    (``features.PARTIAL_LEVELS``) runs again in its recompute; NaN where a block has no such level."""
+    partial_ops: np.ndarray | None = None
+    """``(blocks, partial levels)``: how many heavy ops each partial level runs again."""
 
     @classmethod
     def from_probes(cls, raws: list, sizes: list, feature_set, stand_in: dict, costs: tuple,
-                    rates: tuple | None = None) -> "ChoiceTimes | None":
+                    rates: tuple | None = None, prefixes: list | None = None) -> "ChoiceTimes | None":
         """From the two probe steps (``RawStep.op_ms``, ``op_works``) at ``sizes``; a block not
         measured takes the values of ``stand_in[block]`` (the block like it that was). ``rates``:
         the ms per unit of work of the heavy and the light ops (``work_rates_ms``: a device's, timed
         on ops as large as training's); without them, the slope between the two probes, pooled
         over the blocks. None when a block has no stand-in measured; ``storages`` None where the
-        probes did not count them."""
+        probes did not count them. ``prefixes`` (``scaling.partial_prefixes``): the partial
+        levels' times too."""
         n = len(raws[0].per_block["saved_bytes"])
         values = {}
         for quantity in ("heavy_ms", "light_ms", "ops", "heavy_ops", "saved_storages"):
@@ -189,8 +196,10 @@ class ChoiceTimes:
         fits = [_rate_fit(values[q], f @ work.T, None if rates is None else rates[k])
                 for k, (q, work) in enumerate(zip(("heavy_ms", "light_ms"), works))]
         ops, heavy_ops = values["ops"].mean(axis=0), values["heavy_ops"].mean(axis=0)
+        partial = (None, None) if prefixes is None else _partial_works(raws, sizes, feature_set, stand_in, prefixes, n)
         return cls(fits[0], fits[1], works[0], works[1], heavy_ops, ops - heavy_ops, *costs,
-                   storages=None if storages is None else storages.max(axis=0))
+                   storages=None if storages is None else storages.max(axis=0),
+                   partial_work=partial[0], partial_ops=partial[1])
 
     def at(self, features: np.ndarray) -> tuple:
         """``(recompute ms, selective ms)`` per block at an input size whose features
@@ -201,6 +210,19 @@ class ChoiceTimes:
         recompute = heavy + light + ops * self.meter_ms
         selective = light + self.light_ops * self.meter_ms + 2 * ops * self.mode_ms
         return recompute, selective
+
+    def partial_at(self, features: np.ndarray, selective_ms: np.ndarray | None = None) -> np.ndarray | None:
+        """``(blocks, partial levels)``: the ms of each partial level's recompute at an input size
+        whose features are ``features``, NaN where a block has no such level (None: not known): the
+        selective recompute's (``selective_ms``, ``at``'s) and the heavy ops it runs again, each
+        its share of the block's heavy ops' fixed cost and the rate times its work."""
+        if self.partial_work is None:
+            return None
+        if selective_ms is None:
+            selective_ms = self.at(features)[1]
+        share = self.partial_ops / np.maximum(self.heavy_ops, 1.0)[:, None]
+        heavy = self.heavy[:, :1] * share + self.heavy[:, 1:] * (self.partial_work @ features)
+        return selective_ms[:, None] + np.maximum(heavy, 0.0) + self.partial_ops * self.meter_ms
 
     def offload_at(self, saved_bytes: np.ndarray) -> np.ndarray | None:
         """The ms offloading each block costs where it saves ``saved_bytes`` (the estimator's
@@ -217,7 +239,9 @@ class ChoiceTimes:
                 "light_work": self.light_work.tolist(), "heavy_ops": self.heavy_ops.tolist(),
                 "light_ops": self.light_ops.tolist(), "meter_ms": self.meter_ms, "mode_ms": self.mode_ms,
                 "storages": None if self.storages is None else self.storages.tolist(),
-                "copy_ms": None if self.copy_ms is None else list(self.copy_ms)}
+                "copy_ms": None if self.copy_ms is None else list(self.copy_ms),
+                "partial_work": None if self.partial_work is None else _plain(self.partial_work),
+                "partial_ops": None if self.partial_ops is None else _plain(self.partial_ops)}
 
     @classmethod
     def from_state(cls, state: dict | None, feature_set) -> "ChoiceTimes | None":
@@ -233,10 +257,42 @@ class ChoiceTimes:
             product = np.array([p == (1,) * len(variables) for p in powers], dtype=float)  # BL, BED
             works = np.tile(product, (len(heavy), 1)), np.tile(product, (len(light), 1))
         storages, copy_ms = state.get("storages"), state.get("copy_ms")
+        partial_work, partial_ops = state.get("partial_work"), state.get("partial_ops")
         return cls(heavy, light, *works, np.array(state["heavy_ops"]), np.array(state["light_ops"]),
                    float(state["meter_ms"]), float(state["mode_ms"]),
                    None if storages is None else np.array(storages, dtype=float),
-                   None if copy_ms is None else tuple(float(c) for c in copy_ms))
+                   None if copy_ms is None else tuple(float(c) for c in copy_ms),
+                   None if partial_work is None else np.array(partial_work, dtype=float),
+                   None if partial_ops is None else np.array(partial_ops, dtype=float))
+
+
+def _plain(array: np.ndarray) -> list:
+    """An array as nested lists for JSON, NaN as None (``np.array(..., dtype=float)`` reads it back)."""
+    return np.where(np.isnan(array), None, array).tolist()
+
+
+def _partial_works(raws: list, sizes: list, feature_set, stand_in: dict, prefixes: list, n: int) -> tuple:
+    """``(partial_work, partial_ops)`` of ``ChoiceTimes``: per block and partial level
+    (``scaling.Prefixes``), the work coefficients of the heavy ops its recompute runs again (the
+    kept ops' successors up to the last the recompute takes back), from the two probes'
+    ``op_works``. NaN where a block has no such level, or where its measuring run's heavy ops are
+    not those its checkpointed run made outputs for (the ops could not be told apart)."""
+    work = np.full((n, len(PARTIAL_LEVELS), len(feature_set.names)), np.nan)
+    ops = np.full((n, len(PARTIAL_LEVELS)), np.nan)
+    for i in range(n):
+        source, prefix = (i if i in raws[0].op_works else stand_in.get(i, i)), prefixes[i]
+        if prefix is None or source not in raws[0].op_works or source not in raws[1].op_works:
+            continue
+        heavy = [[w for w in raw.op_works[source] if w[0]] for raw in raws]
+        if len(heavy[0]) != prefix.forward_ops:
+            continue
+        for k, kept_ops in enumerate(prefix.ops):
+            if kept_ops is None:
+                continue
+            rows = work_coefficients(*(h[kept_ops:prefix.taken_ops] for h in heavy), *sizes, feature_set)
+            if rows is not None:
+                work[i, k], ops[i, k] = rows[0], prefix.taken_ops - kept_ops
+    return work, ops
 
 
 def _block_works(raws: list, sizes: list, feature_set, stand_in: dict, n: int):
@@ -262,9 +318,6 @@ def _rate_fit(ms: np.ndarray, work: np.ndarray, rate: float | None = None) -> np
         rate = max((ms[1].sum() - ms[0].sum()) / grew, 0.0) if grew > 0 else 0.0
     base = np.maximum((ms - rate * work).mean(axis=0), 0.0)
     return np.stack([base, np.full(len(base), rate)], axis=1)
-
-
-KEEP_LEVEL, SELECTIVE_LEVEL, RECOMPUTE_LEVEL = 0, 1, 2
 
 
 def freeing_ms(recompute_ms: np.ndarray, offload_ms: np.ndarray | None) -> tuple:
@@ -298,30 +351,34 @@ def bounded_for_offload(pred, offloaded: np.ndarray, storages: np.ndarray | None
     return dataclasses.replace(pred, blocks=blocks)
 
 
-def split_offload(plan: tuple, selective: tuple, offloaded: np.ndarray) -> tuple:
-    """``(plan, offload)``: a scheduled plan's blocks recomputed whole split into those still
-    checkpointed and those offloaded (``offloaded``, ``freeing_ms``'s mask)."""
-    freed = set(plan) - set(selective)
+def split_offload(plan: tuple, selective: tuple, offloaded: np.ndarray, partial: tuple = ()) -> tuple:
+    """``(plan, offload)``: a scheduled plan's blocks recomputed whole (not ``selective``, not
+    ``partial``) split into those still checkpointed and those offloaded (``offloaded``,
+    ``freeing_ms``'s mask)."""
+    freed = set(plan) - set(selective) - {i for i, _ in partial}
     offload = tuple(i for i in plan if i in freed and offloaded[i])
     return tuple(i for i in plan if i not in offload), offload
 
 
 def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequence[float]],
                         predict_peaks: Callable[[np.ndarray], np.ndarray], limit_bytes: float) -> tuple:
-    """The least-recompute choices whose predicted peak fits: ``(plan, selective, peak, fits)``.
+    """The least-recompute choices whose predicted peak fits: ``(plan, selective, partial, peak,
+    fits)`` (``plan_of``).
 
     ``savings[level][i]`` and ``costs[level][i]`` are what block ``i`` frees and costs under each
-    level (0 keep, 1 selective, 2 recompute; a level a block cannot take has NaN savings);
-    ``predict_peaks(levels)`` is the step's predicted peak for each row of ``levels`` (plans x
-    blocks, a level per block: ``estimator.Timeline.level_peaks``). Each round upgrades blocks
-    until their savings cover the excess (``_Upgrades.best``: the cheaper of the one upgrade that
-    covers it alone and the best bytes-per-ms upgrades topped up; ties: the earlier block, whose
-    savings last longest in backward), then predicts the whole plan again; once it fits, the
+    level (``features.LEVELS``: keep, selective, the partial levels, recompute; or only keep,
+    selective and recompute, the partial levels then left out; a level a block cannot take has NaN
+    savings); ``predict_peaks(levels)`` is the step's predicted peak for each row of ``levels``
+    (plans x blocks, a level per block: ``estimator.Timeline.level_peaks``). Each round upgrades
+    blocks until their savings cover the excess (``_Upgrades.best``: the cheaper of the one upgrade
+    that covers it alone and the best bytes-per-ms upgrades topped up; ties: the earlier block,
+    whose savings last longest in backward), then predicts the whole plan again; once it fits, the
     upgrades are taken back, last first, each where the plan still fits without it and that costs
-    no more, and blocks recomputed whole are checkpointed selectively instead where that costs
-    less and still fits. Those two passes predict their plans in batches (``_each_that_fits``)."""
-    save = np.nan_to_num(np.array(savings, dtype=float), nan=-1.0)
-    cost = np.array(costs, dtype=float)
+    no more, and blocks recomputed whole (or partially) are checkpointed at a level that keeps more
+    instead where that costs less and still fits. Those two passes predict their plans in batches
+    (``_each_that_fits``)."""
+    save = np.nan_to_num(_all_levels(savings, np.nan), nan=-1.0)
+    cost = np.where(save >= 0, _all_levels(costs, 0.0), 0.0)  # a level a block cannot take: never priced
     cost[KEEP_LEVEL] = 0.0  # a kept block costs nothing, whatever ``costs`` says
     # The per-upgrade bookkeeping reads Python lists, not numpy scalars (each read several times
     # slower), as a miss applies dozens of upgrades; the float64 arithmetic is the same.
@@ -354,22 +411,34 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
             level = [RECOMPUTE_LEVEL] * len(level)
         peak = predict(level)
     if peak > limit_bytes:
-        return (*_plan_of(level), peak, False)
+        return (*plan_of(level), peak, False)
     # Taken back last first where the plan still fits without them and that costs no more (a
     # recompute taken back to selective can cost more on a small CPU model); one that does not
     # fit is skipped, not the end of the pass: the upgrades before it may still be given back (a
     # base-width BERT: three layers selective and one recomputed, where one recomputed and one
     # selective fit, as the oracle found).
     level, peak = _each_that_fits(level, peak, reversed(taken), prices, predict_peaks, limit_bytes)
-    # The greedy takes a whole recompute where its bytes per ms are best, though the block's
-    # selective checkpoint costs less and may free enough: each such block tried selective, the
-    # one giving up the fewest bytes first, where the plan still fits.
-    whole = [i for i, at in enumerate(level)
-             if at == RECOMPUTE_LEVEL and rows[SELECTIVE_LEVEL][i] >= 0 and prices[SELECTIVE_LEVEL][i] < prices[at][i]]
-    whole.sort(key=lambda i: (rows[RECOMPUTE_LEVEL][i] - rows[SELECTIVE_LEVEL][i], i))
-    level, peak = _each_that_fits(level, peak, [(i, SELECTIVE_LEVEL) for i in whole], prices, predict_peaks,
-                                  limit_bytes)
-    return (*_plan_of(level), peak, True)
+    # The greedy takes a whole recompute where its bytes per ms are best, though a level that keeps
+    # more (selective, partial) costs less and may free enough: each such change tried, the one
+    # giving up the fewest bytes first, where the plan still fits.
+    lighter = [(i, to) for i, at in enumerate(level) if at > SELECTIVE_LEVEL for to in range(SELECTIVE_LEVEL, at)
+               if rows[to][i] >= 0 and prices[to][i] < prices[at][i]]
+    lighter.sort(key=lambda change: (rows[level[change[0]]][change[0]] - rows[change[1]][change[0]], change[0]))
+    level, peak = _each_that_fits(level, peak, lighter, prices, predict_peaks, limit_bytes)
+    return (*plan_of(level), peak, True)
+
+
+def _all_levels(rows: Sequence[Sequence[float]], missing: float) -> np.ndarray:
+    """``(LEVELS, blocks)``: ``choice_plan_checked``'s savings or costs, the partial levels filled
+    with ``missing`` where only keep, selective and recompute are given."""
+    rows = np.array(rows, dtype=float)
+    if len(rows) == LEVELS:
+        return rows
+    if len(rows) != 3:
+        raise ValueError(f"expected {LEVELS} levels (or keep, selective and recompute), got {len(rows)}")
+    full = np.full((LEVELS, rows.shape[1]), missing)
+    full[[KEEP_LEVEL, SELECTIVE_LEVEL, RECOMPUTE_LEVEL]] = rows
+    return full
 
 
 def _each_that_fits(level: list, peak: float, changes: Iterable, prices: list, predict_peaks: Callable,
@@ -428,24 +497,28 @@ _WALK = 8
 """``_each_that_fits``: the changes one call walks through in turn."""
 
 
-def _plan_of(level: list) -> tuple:
-    """``(plan, selective)``: the blocks upgraded at all, and those checkpointed selectively."""
+def plan_of(level: list) -> tuple:
+    """``(plan, selective, partial)``: the blocks upgraded at all, those checkpointed selectively,
+    and ``(block, level)`` for those checkpointed partially (``level`` one of ``features.PARTIAL_LEVELS``)."""
     plan = [i for i, at in enumerate(level) if at > KEEP_LEVEL]
-    return tuple(plan), tuple([i for i in plan if level[i] == SELECTIVE_LEVEL])
+    return (tuple(plan), tuple([i for i in plan if level[i] == SELECTIVE_LEVEL]),
+            tuple([(i, PARTIAL_LEVELS[level[i] - SELECTIVE_LEVEL - 1]) for i in plan
+                   if SELECTIVE_LEVEL < level[i] < RECOMPUTE_LEVEL]))
 
 
-_TARGET_LEVELS = (SELECTIVE_LEVEL, RECOMPUTE_LEVEL)
-_TARGETS = np.array(_TARGET_LEVELS)
-_UPWARD = (np.arange(3)[:, None] < _TARGETS)[..., None]
+_TARGETS = np.arange(1, LEVELS)
+_TARGET_LEVELS = tuple(_TARGETS.tolist())
+_WIDTH = len(_TARGET_LEVELS)
+_UPWARD = (np.arange(LEVELS)[:, None] < _TARGETS)[..., None]
 """(from level, to level, 1): whether an upgrade goes up."""
 
 
 class _Upgrades:
-    """Every upgrade (a block to selective or to recompute) from each level a block may be at:
-    the bytes it frees more, the ms it costs more (at least 1 ns), whether it is open (to a
-    higher level the block can take, freeing more) and its bytes per ms: worked out once per
-    scheduling, as the savings and costs do not change, so that ``best`` reads a plan's upgrades
-    with one ``take``. Flattened in block order, selective before recompute for a block."""
+    """Every upgrade (a block to a higher level: selective, partial, recompute) from each level a
+    block may be at: the bytes it frees more, the ms it costs more (at least 1 ns), whether it is
+    open (to a higher level the block can take, freeing more) and its bytes per ms: worked out once
+    per scheduling, as the savings and costs do not change, so that ``best`` reads a plan's
+    upgrades with one ``take``. Flattened in block order, the lower target level first for a block."""
 
     def __init__(self, save: np.ndarray, cost: np.ndarray):
         n = save.shape[1]
@@ -456,7 +529,7 @@ class _Upgrades:
         usable = _UPWARD & (save[1:] >= 0) & (gain > 0)
         tables = np.stack([gain, extra, usable, np.where(usable, gain / extra, -np.inf)])
         self.tables = tables.transpose(0, 1, 3, 2).reshape(4, -1)  # block-major, selective first
-        self.flat, self.width = np.arange(2 * n), 2 * n
+        self.flat, self.width = np.arange(_WIDTH * n), _WIDTH * n
         self.blocks = n
 
     def best(self, level: list, excess: float) -> list:
@@ -466,7 +539,7 @@ class _Upgrades:
         the cheapest such one instead, unless those best-rate upgrades and the cheapest upgrade of
         another block that covers what they leave cost less together (two blocks checkpointed
         selectively rather than one recomputed whole). Empty when no upgrade frees more."""
-        at = np.repeat(np.array(level), 2) * self.width + self.flat
+        at = np.repeat(np.array(level), _WIDTH) * self.width + self.flat
         gain, extra, usable, rate = np.take(self.tables, at, axis=1)
         usable = usable > 0
         if not usable.any():
@@ -476,29 +549,29 @@ class _Upgrades:
         if covers.any():
             # Best-rate upgrades topped up are two blocks at least: never cheaper than the two
             # cheapest blocks' upgrades, so where the covering one costs no more, it is the answer.
-            cheapest = np.sort(np.where(usable, extra, np.inf).reshape(-1, 2).min(axis=1))[:2]
+            cheapest = np.sort(np.where(usable, extra, np.inf).reshape(-1, _WIDTH).min(axis=1))[:2]
             if len(cheapest) < 2 or extra[single] <= cheapest.sum():
-                return [(single // 2, _TARGET_LEVELS[single % 2])]
+                return [(single // _WIDTH, _TARGET_LEVELS[single % _WIDTH])]
         ranked = np.argsort(-rate, kind="stable")[: int(usable.sum())]
         gains, extras = gain.tolist(), extra.tolist()
         chosen, seen, total, spent = [], set(), 0.0, 0.0
         for flat in ranked.tolist():
-            block = flat // 2
+            block = flat // _WIDTH
             if block in seen:
                 continue
             if chosen and total + gains[flat] >= excess:
                 break
             seen.add(block)
-            chosen.append((block, _TARGET_LEVELS[flat % 2]))
+            chosen.append((block, _TARGET_LEVELS[flat % _WIDTH]))
             total, spent = total + gains[flat], spent + extras[flat]
         if not covers.any():
             return chosen
         if total < excess:  # the rest covered by another block's cheapest upgrade that covers it alone
             others = np.ones(self.blocks, dtype=bool)
             others[list(seen)] = False
-            rest = usable & (gain >= excess - total) & np.repeat(others, 2)
+            rest = usable & (gain >= excess - total) & np.repeat(others, _WIDTH)
             if not rest.any():
-                return [(single // 2, _TARGET_LEVELS[single % 2])]
+                return [(single // _WIDTH, _TARGET_LEVELS[single % _WIDTH])]
             last = int(np.argmin(np.where(rest, extra, np.inf)))
-            chosen, spent = chosen + [(last // 2, _TARGET_LEVELS[last % 2])], spent + extras[last]
-        return chosen if spent < extras[single] else [(single // 2, _TARGET_LEVELS[single % 2])]
+            chosen, spent = chosen + [(last // _WIDTH, _TARGET_LEVELS[last % _WIDTH])], spent + extras[last]
+        return chosen if spent < extras[single] else [(single // _WIDTH, _TARGET_LEVELS[single % _WIDTH])]

@@ -37,7 +37,7 @@ from mimose_cli.planners.blocks import (
     restored_buffers,
     run_checkpointed,
 )
-from mimose_cli.planners.features import BLOCK_QUANTITIES, STEP_QUANTITIES, Releases
+from mimose_cli.planners.features import BLOCK_QUANTITIES, KEPT_SETS, STEP_QUANTITIES, Releases, kept_quantities
 from mimose_cli.torch_private import autocast_enabled, tree_leaves, tree_map
 
 OP_QUANTITIES = ("heavy_ms", "light_ms", "ops", "heavy_ops")
@@ -496,12 +496,14 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
     its plain run would hold and peak at (above its entry) is its twin's."""
     twins = twins or {}
     per_block = dict(per_block)
-    extra = per_block.pop("selective_extra_bytes", None)
+    extras = {kept_set: per_block.pop(f"{kept_set}_extra_bytes", None) for kept_set in KEPT_SETS}
     # What a selective checkpoint holds beyond a full one after each op (``scaling.selective_bytes``).
-    selective_more = {(base, q): per_block.pop(name, None) for base, q, name in (
-        ("ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes", "selective_fwd_kept"),
-        ("recompute_peak_bytes", "selective_recompute_peak_bytes", "selective_recompute_pending"),
-        ("bwd_peak_bytes", "selective_bwd_peak_bytes", "selective_bwd_pending"))}
+    selective_more = {}
+    for kept_set in KEPT_SETS:
+        _, fwd, recompute, bwd = kept_quantities(kept_set)
+        for base, q, name in (("ckpt_fwd_peak_bytes", fwd, "fwd_kept"), ("recompute_peak_bytes", recompute,
+                              "recompute_pending"), ("bwd_peak_bytes", bwd, "bwd_pending")):
+            selective_more[(base, q)] = per_block.pop(f"{kept_set}_{name}", None)
     at = {label: (index, live) for label, index, live in marks}
     blocks = {q: [None] * num_blocks for q in BLOCK_QUANTITIES}
     step = {q: None for q in STEP_QUANTITIES}
@@ -527,10 +529,10 @@ def build_sample(marks: list, trace: Trace, num_blocks: int, per_block: dict, dr
             _block_forward(blocks, i, at, entry[i], after[i], trace, per_block)
         if following is not None and blocks["ckpt_bytes"][i] is not None and ("enter", following) in at:
             blocks["gap_peak_bytes"][following] = trace.ops(at[("ckpt", i)][0], *at[("enter", following)])
-    if extra is not None:  # a selective checkpoint also holds its compute-heavy ops' outputs
-        for i, ckpt in enumerate(blocks["ckpt_bytes"]):
+    for kept_set, extra in extras.items():  # a selective checkpoint also holds compute-heavy ops' outputs
+        for i, ckpt in enumerate(blocks["ckpt_bytes"] if extra is not None else ()):
             if ckpt is not None and not np.isnan(extra[i]):
-                blocks["selective_extra_bytes"][i] = np.array([extra[i]])
+                blocks[f"{kept_set}_extra_bytes"][i] = np.array([extra[i]])
     shape = StepShape(tuple(order), _backward_order(marks) == order[::-1])
     _block_backward(blocks, step, at, entry, marks, trace, shape, dropped)
     for (base, q), more in selective_more.items():  # the same ops, holding the kept outputs too

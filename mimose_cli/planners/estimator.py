@@ -20,14 +20,19 @@ import numpy as np
 from mimose_cli.planners.features import (
     BLOCK_QUANTITIES,
     FEATURES,
+    KEPT_SETS,
     NO_EVENT,
     RANK_RTOL,
+    RECOMPUTE_LEVEL,
+    SELECTIVE_LEVEL,
     STEP_QUANTITIES,
     TIME_FEATURES,
     TOKENS,
     FeatureSet,
     Releases,
     features,
+    kept_quantities,
+    plan_levels,
 )
 from mimose_cli.planners.trust import Trust
 
@@ -100,9 +105,9 @@ class Prediction:
         return np.maximum(self.blocks["plain_bytes"] - released - self.blocks["ckpt_bytes"], 0.0)
 
 
-_TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "selective_extra_bytes", "resident_bytes", "gap_peak_bytes",
-                        "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes", "bwd_peak_bytes",
-                        "selective_bwd_peak_bytes", "recompute_peak_bytes", "selective_recompute_peak_bytes")
+_TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "resident_bytes", "gap_peak_bytes", "fwd_peak_bytes",
+                        "ckpt_fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes",
+                        *(q for kept_set in KEPT_SETS for q in kept_quantities(kept_set)))
 """The block quantities ``Timeline`` reads (and ``release_bytes`` for what is let go of)."""
 _LET_GO_ELEMENTS = 1 << 21
 """``Timeline._let_go``'s products, at most this many float64s at once (16 MiB)."""
@@ -129,7 +134,8 @@ class Timeline:
     ``selective_extra_bytes`` more than checkpointed until their backward, and their forward,
     recompute and the rest of their backward peak at the ``selective_*_peak_bytes`` (the kept
     outputs held until the recompute takes them back; never below the checkpointed peaks, which
-    measured training steps may have raised beyond the probes' selective ones).
+    measured training steps may have raised beyond the probes' selective ones). A partial level
+    (``features.PARTIAL_LEVELS``, ``level_peaks``) likewise, from its own ``partial*_*`` quantities.
 
     Inputs no plain block saves are let go of once the loop moves on (``Releases``), where a
     checkpoint keeps them until its backward.
@@ -144,17 +150,18 @@ class Timeline:
         self.step, self.reversed = pred.step, pred.backward_reversed
         ckpt_fwd, bwd, recompute = b["ckpt_fwd_peak_bytes"], b["bwd_peak_bytes"], b["recompute_peak_bytes"]
         gap = b["gap_peak_bytes"]
-        # Per quantity, its value for each level (kept, selective, recomputed) of each block: what
-        # a block holds until its backward, its forward's peak, its backward's own peak (with the
-        # recompute's) and what a plain run leaves until the forward ends; a plan picks a row per block.
-        self.tables = np.stack([
-            [b["plain_bytes"], b["ckpt_bytes"] + np.maximum(b["selective_extra_bytes"], 0.0), b["ckpt_bytes"]],
-            [np.maximum(gap, b["fwd_peak_bytes"]), np.maximum(gap, np.maximum(b["selective_fwd_peak_bytes"], ckpt_fwd)),
-             np.maximum(gap, ckpt_fwd)],
-            [np.maximum(bwd, NO_EVENT), np.maximum(np.maximum(b["selective_bwd_peak_bytes"], bwd),
-                                                   np.maximum(b["selective_recompute_peak_bytes"], recompute)),
-             np.maximum(bwd, recompute)],
-            [b["resident_bytes"], np.zeros_like(b["resident_bytes"]), np.zeros_like(b["resident_bytes"])]])
+        # Per quantity, its value for each level (``features.LEVELS``: kept, selective, partial,
+        # recomputed) of each block: what a block holds until its backward, its forward's peak, its
+        # backward's own peak (with the recompute's) and what a plain run leaves until the forward
+        # ends; a plan picks a row per block.
+        none = np.zeros_like(b["resident_bytes"])
+        rows = [(b["plain_bytes"], np.maximum(gap, b["fwd_peak_bytes"]), np.maximum(bwd, NO_EVENT), b["resident_bytes"])]
+        for kept_set in KEPT_SETS:
+            extra, fwd, again, back = (b[q] for q in kept_quantities(kept_set))
+            rows.append((b["ckpt_bytes"] + np.maximum(extra, 0.0), np.maximum(gap, np.maximum(fwd, ckpt_fwd)),
+                         np.maximum(np.maximum(back, bwd), np.maximum(again, recompute)), none))
+        rows.append((b["ckpt_bytes"], np.maximum(gap, ckpt_fwd), np.maximum(bwd, recompute), none))
+        self.tables = np.stack(rows, axis=1)  # (quantity, level, block)
         # Flat, so that one ``take`` of ``level * blocks + block`` reads every quantity of a plan.
         self.blocks = self.tables.shape[-1]
         self.tables = self.tables.reshape(len(self.tables), -1)
@@ -218,10 +225,12 @@ class Timeline:
 
     @staticmethod
     def levels(plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:
-        """The levels of plans given as masks: 0 kept, 1 checkpointed selectively (in both), 2
-        recomputed."""
-        levels = 2 * plan_mask.astype(np.intp)
-        return levels if selective_mask is None else levels - (plan_mask & selective_mask)
+        """The levels of plans given as masks (``features.LEVELS``): kept, checkpointed
+        selectively (in both), recomputed."""
+        levels = RECOMPUTE_LEVEL * plan_mask.astype(np.intp)
+        if selective_mask is None:
+            return levels
+        return levels - (RECOMPUTE_LEVEL - SELECTIVE_LEVEL) * (plan_mask & selective_mask)
 
     def events(self, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:
         """The step's events for each plan (``(..., events)``): before the blocks, each block's
@@ -233,26 +242,25 @@ class Timeline:
         """The events' maximum per plan (a float for one plan, an array over plans)."""
         return self.level_peaks(self.levels(plan_mask, selective_mask))
 
-    def plan_peak(self, plan, selective=()) -> float:
+    def plan_peak(self, plan, selective=(), partial=()) -> float:
         """The peak for ``plan`` (block indices), ``selective`` of them checkpointed selectively
-        (a block in ``selective`` but not in ``plan`` is kept)."""
-        planned, chosen = np.zeros(self.blocks, dtype=bool), np.zeros(self.blocks, dtype=bool)
-        planned[list(plan)], chosen[list(selective)] = True, True
-        return float(self.peaks(planned, chosen))
+        and ``partial`` ``(block, level)`` partially (``features.plan_levels``; a block in
+        ``selective`` or ``partial`` but not in ``plan`` is kept)."""
+        return float(self.level_peaks(plan_levels(self.blocks, plan, selective, partial)))
 
     def level_peaks(self, levels: np.ndarray) -> np.ndarray:
-        """``peaks`` of plans given as levels per block (``(plans, blocks)`` or one plan's: 0 kept, 1
-        checkpointed selectively, 2 recomputed; ``choices.choice_plan_checked``'s)."""
+        """``peaks`` of plans given as levels per block (``(plans, blocks)`` or one plan's,
+        ``features.LEVELS``; ``choices.choice_plan_checked``'s)."""
         pre, fwd, head, bwd, tail = self._parts(levels)
         blocks = np.maximum(fwd.max(axis=-1, initial=NO_EVENT), bwd.max(axis=-1, initial=NO_EVENT))
         peak = np.maximum(blocks, np.maximum(head, tail)[..., 0])
         return np.maximum(peak, pre)
 
 
-def plan_peak_bytes(pred: Prediction, plan, selective=()) -> float:
+def plan_peak_bytes(pred: Prediction, plan, selective=(), partial=()) -> float:
     """The peak of ``peak_timeline`` for ``plan`` (block indices), ``selective`` of them
-    checkpointed selectively (``Timeline.plan_peak``)."""
-    return Timeline(pred).plan_peak(plan, selective)
+    checkpointed selectively and ``partial`` partially (``Timeline.plan_peak``)."""
+    return Timeline(pred).plan_peak(plan, selective, partial)
 
 
 def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:
@@ -469,11 +477,12 @@ class Estimator:
         if state["num_blocks"] != self.num_blocks:
             raise ValueError(f"the saved estimator has {state['num_blocks']} blocks, this model "
                              f"{self.num_blocks}; it was fitted for another model")
-        # A state from before finer plans lacks the selective quantities, or some of today's: they
-        # are left out (the plans stay block-level, ``MimosePolicy._selective_known``).
+        # A state from before finer plans lacks the selective quantities, or some of today's (the
+        # partial levels'): they are left out (the plans stay block-level, or without partial
+        # levels: ``MimosePolicy._selective_known``, ``_partial_known``).
 
         def unselective(quantities):
-            return [q for q in quantities if not q.startswith("selective_")]
+            return [q for q in quantities if not q.startswith(KEPT_SETS)]
 
         if (unselective(state["block_quantities"]) != unselective(BLOCK_QUANTITIES)
                 or list(state["features"]) != list(self.feature_set.names)):

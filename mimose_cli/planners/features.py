@@ -10,10 +10,45 @@ import numpy as np
 
 FEATURES = ("BL2", "BL", "1", "B", "L2", "L")
 TIME_FEATURES = ("BL2", "BL", "1")
+PARTIAL_LEVELS = ("partial1", "partial2", "partial3")
+"""A selective checkpoint that keeps only the first heavy outputs of a block (most kept first):
+levels between ``selective`` (all it keeps) and a whole recompute (``scaling.partial_prefixes``)."""
+KEPT_SETS = ("selective", *PARTIAL_LEVELS)
+"""The selective checkpoints of a block, by what they keep: every heavy output its recompute takes
+back (``selective``), or the first of them (``PARTIAL_LEVELS``)."""
+
+
+def kept_quantities(kept_set: str) -> tuple:
+    """``(extra, forward peak, recompute peak, backward peak)``: the block quantities of one of
+    ``KEPT_SETS``."""
+    return tuple(f"{kept_set}_{q}_bytes" for q in ("extra", "fwd_peak", "recompute_peak", "bwd_peak"))
+
+
+KEEP_LEVEL, SELECTIVE_LEVEL = 0, 1
+PARTIAL_LEVEL = {level: SELECTIVE_LEVEL + 1 + k for k, level in enumerate(PARTIAL_LEVELS)}
+RECOMPUTE_LEVEL = SELECTIVE_LEVEL + 1 + len(PARTIAL_LEVELS)
+LEVELS = RECOMPUTE_LEVEL + 1
+"""A block's level in a plan, by what it frees: kept, checkpointed selectively, partially (each of
+``PARTIAL_LEVELS``, keeping less and less), recomputed whole (or offloaded: the same level)."""
+
+
+def plan_levels(num_blocks: int, plan=(), selective=(), partial=()) -> np.ndarray:
+    """One plan's levels per block: the blocks of ``plan`` recomputed, those of ``selective``
+    checkpointed selectively, ``partial`` ``(block, level)`` pairs (one of ``PARTIAL_LEVELS``) partially."""
+    levels = np.full(num_blocks, KEEP_LEVEL, dtype=np.intp)
+    levels[list(plan)] = RECOMPUTE_LEVEL
+    levels[[i for i in selective if levels[i] != KEEP_LEVEL]] = SELECTIVE_LEVEL
+    for i, level in partial:
+        if levels[i] != KEEP_LEVEL:
+            levels[i] = PARTIAL_LEVEL[level]
+    return levels
+
+
+PARTIAL_QUANTITIES = tuple(q for level in PARTIAL_LEVELS for q in kept_quantities(level))
 BLOCK_QUANTITIES = ("saved_bytes", "plain_bytes", "ckpt_bytes", "selective_extra_bytes", "resident_bytes",
                     "gap_peak_bytes", "fwd_peak_bytes", "ckpt_fwd_peak_bytes", "selective_fwd_peak_bytes",
                     "bwd_peak_bytes", "selective_bwd_peak_bytes", "recompute_peak_bytes",
-                    "selective_recompute_peak_bytes", "release_bytes",
+                    "selective_recompute_peak_bytes", *PARTIAL_QUANTITIES, "release_bytes",
                     "fwd_ms")
 """Per block, all in bytes above the live bytes at the block's entry, except ``fwd_ms``:
 ``saved_bytes`` what autograd saves (the paper's layer memory); ``plain_bytes`` and
@@ -25,7 +60,8 @@ cached casts of its weights), which a block run plainly may keep until its backw
 ``gap_peak_bytes`` the peak between the previous block and this one; ``*fwd_peak_bytes`` the
 peak during its forward (run plainly, checkpointed, checkpointed selectively: ``selective_*``
 quantities are the peaks of a selective checkpoint, which holds its kept outputs until its
-recompute takes them back); ``bwd_peak_bytes`` the peak during its backward's own ops and
+recompute takes them back; ``partial*_*`` the same of one that keeps only the first of them,
+``PARTIAL_LEVELS``); ``bwd_peak_bytes`` the peak during its backward's own ops and
 ``recompute_peak_bytes`` during its recompute; ``release_bytes`` the bytes of the inputs it is
 called with that are let go of once it returns when it and every other block that took them run
 plainly (``Releases``)."""

@@ -48,6 +48,7 @@ from mimose_cli.planners.choices import (
 )
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, Timeline, plan_peak_bytes
+from mimose_cli.planners.features import KEPT_SETS, PARTIAL_LEVELS, kept_quantities
 from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.offload import check_offload_device
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
@@ -57,6 +58,8 @@ from mimose_cli.planners.scaling import (
     ScaledStep,
     ScalingError,
     deeper_by_one,
+    partial_keeps,
+    partial_prefixes,
     probe_batches,
     probe_sizes,
     raw_sample,
@@ -83,6 +86,8 @@ class CachedPlan(NamedTuple):
     """The blocks of ``plan`` checkpointed selectively (``choices="selective"`` or ``"offload"``)."""
     offload: tuple = ()
     """The blocks outside ``plan`` offloaded (``choices="offload"``)."""
+    partial: tuple = ()
+    """``(block, level)`` for the blocks of ``plan`` checkpointed partially (``Decision.partial``)."""
 
 
 @dataclass
@@ -172,6 +177,14 @@ def _skipped(runs: list) -> list:
 def _layers(runs: list) -> str:
     """The layers ``runs`` leave out, in words: "layers 3-6" (and "8-10")."""
     return "layers " + " and ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for _, run in runs)
+
+
+def _stand_in(twins: dict, runs: list) -> dict:
+    """``{block: the block measured for it}``: the probes' twins and the layers they left out."""
+    stand_in = dict(twins)
+    for template, skipped in runs:
+        stand_in.update({i: twins.get(template, template) for i in skipped})
+    return stand_in
 
 
 class _TwinsRefused(ScalingError):
@@ -400,7 +413,8 @@ class MimosePolicy(Policy):
         with left_out(self.parts.model, self.parts.blocks, _skipped(deeper)):
             check = self._probe_step(make_batch, sizes[0], step_fn, twins)
         self.counts.probe_steps += 1
-        where = sample_difference(raw_sample(raws[0], n, runs), raw_sample(check, n, deeper))
+        keep = partial_keeps(partial_prefixes(raws[0], n, _stand_in(twins, runs)))  # the same levels in both
+        where = sample_difference(raw_sample(raws[0], n, runs, keep), raw_sample(check, n, deeper, keep))
         if where is not None:
             raise ScalingError(f"{where} changes when one more of them runs (memory that grows with the layers)")
         self.counts.probe_twins = len(raws[0].twins)
@@ -413,15 +427,19 @@ class MimosePolicy(Policy):
         the probes' measuring runs (``ChoiceTimes``), the ops' rates timed on a matmul and a
         pointwise op as large as the largest batch's (``choices.probe_rates_ms``; the device's
         meter is set aside here); a block run without a measuring run takes the block like it.
-        With ``"offload"`` also the copies' costs (``choices.copy_costs_ms``)."""
+        With ``"offload"`` also the copies' costs (``choices.copy_costs_ms``). Whatever the
+        choices, the runner learns how many heavy outputs each selective and partial checkpoint
+        keeps (what the estimate's bytes for them assume)."""
+        stand_in = _stand_in(twins, runs)
+        keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
+        prefixes = partial_prefixes(raws[0], self.parts.num_blocks, stand_in)
+        self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
+        self.parts.plan_runner.partial_keep = partial_keeps(prefixes)
         if self.choices == "block":
             return
-        stand_in = dict(twins)
-        for template, skipped in runs:
-            stand_in.update({i: twins.get(template, template) for i in skipped})
         # The dispatch modes' costs are timed once the device's meter is back (``_probe``).
         self.choice_times = ChoiceTimes.from_probes(raws, sizes, self.estimator.feature_set, stand_in, (0.0, 0.0),
-                                                    self._rates(raws[1], sizes[1], max_size))
+                                                    self._rates(raws[1], sizes[1], max_size), prefixes)
         if self.choice_times is None:
             self._warn(f"mimose: plans stay block-level (choices: {self.choices} asked for): the probes' ops did not "
                        "run alike at their two sizes, so each choice's recompute time cannot be scaled")
@@ -429,8 +447,6 @@ class MimosePolicy(Policy):
             self.choice_times.copy_ms = self.parts.timed_or_warned(copy_costs_ms, "mimose: the copies' costs",
                                                                    self._warn)
             self._warn_if_offload_unknown("the copies' costs or the probes' saved storages are not known")
-        keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
-        self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
 
     def _warn_if_offload_unknown(self, why: str) -> None:
         """With ``choices="offload"`` but the copies' costs or the blocks' saved storages unknown
@@ -601,7 +617,8 @@ class MimosePolicy(Policy):
         else:
             self.counts.misses += 1
         return Decision(entry.plan, "responsive", selective=entry.selective, cache_hit=hit,
-                        predicted_peak_bytes=int(base + entry.peak_bytes), offload=entry.offload)
+                        predicted_peak_bytes=int(base + entry.peak_bytes), offload=entry.offload,
+                        partial=entry.partial)
 
     def _measuring(self, phase: str, attempt: int) -> Decision:
         """A step the collector measures (every block checkpointed); a retry after such a step
@@ -640,21 +657,24 @@ class MimosePolicy(Policy):
         pred = self.estimator.predict(key)
         n = self.parts.num_blocks
         limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
-        selective, offload = (), ()
+        selective, offload, partial = (), (), ()
         if self._selective_known():
-            recompute_ms, selective_ms = self.choice_times.at(self.estimator.feature_set.of(key))
+            features = self.estimator.feature_set.of(key)
+            recompute_ms, selective_ms = self.choice_times.at(features)
             offload_ms = self.choice_times.offload_at(pred.blocks["saved_bytes"]) if self._offload_known() else None
             whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms)
             pred = bounded_for_offload(pred, offloaded, self.choice_times.storages)
             timeline = Timeline(pred)  # the plans predicted below differ only in the blocks' choices
-            savings = [np.zeros(n), pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0), pred.savings]
+            kept = [np.maximum(pred.blocks[kept_quantities(kept_set)[0]], 0.0) for kept_set in KEPT_SETS]
+            partial_ms = self._partial_ms(features, selective_ms)
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
-            # checkpointing refuses them): not a choice for that block.
-            savings[1] = np.where((savings[1] > 0) & self._selectable, savings[1], np.nan)
-            costs = [np.zeros(n), selective_ms, whole_ms]
-            plan, selective, peak, fits = choice_plan_checked(
+            # checkpointing refuses them), or a partial level the block has not: not a choice for it.
+            savings = [np.zeros(n), *(np.where((pred.savings - extra > 0) & known, pred.savings - extra, np.nan)
+                                      for extra, known in zip(kept, self._kept_known(partial_ms))), pred.savings]
+            costs = [np.zeros(n), selective_ms, *np.nan_to_num(partial_ms, nan=np.inf).T, whole_ms]
+            plan, selective, partial, peak, fits = choice_plan_checked(
                 savings, costs, lambda levels: base + self._margined(timeline.level_peaks(levels)), limit)
-            plan, offload = split_offload(plan, selective, offloaded)
+            plan, offload = split_offload(plan, selective, offloaded, partial)
         else:
             timeline = Timeline(pred)
 
@@ -666,7 +686,7 @@ class MimosePolicy(Policy):
             self.counts.unfit_plans += 1
             self._warn(f"input size {key} is predicted not to fit the budget even with every "
                        "block checkpointed; the step may run out of memory")
-        entry = CachedPlan(plan, peak - base, fits, selective, offload)
+        entry = CachedPlan(plan, peak - base, fits, selective, offload, partial)
         self.cache[key] = entry
         self.counts.scheduler_ms += (time.perf_counter() - start) * 1e3
         return entry
@@ -679,6 +699,32 @@ class MimosePolicy(Policy):
         return (self.choices != "block" and self.choice_times is not None
                 and self.parts.plan_runner.selective_keep.keys() >= kept and self.estimator.layout.keys() >= estimated)
 
+    def _partial_ms(self, features: np.ndarray, selective_ms: np.ndarray) -> np.ndarray:
+        """``(blocks, partial levels)``: each partial level's recompute ms (``ChoiceTimes.partial_at``),
+        NaN where not known."""
+        partial_ms = self.choice_times.partial_at(features, selective_ms)
+        return np.full((self.parts.num_blocks, len(PARTIAL_LEVELS)), np.nan) if partial_ms is None else partial_ms
+
+    def _kept_known(self, partial_ms: np.ndarray) -> list:
+        """Per selective checkpoint (``features.KEPT_SETS``), a mask of the blocks that may take it:
+        selectable (no buffers), and for a partial level its bytes in the estimate (the probes
+        measured them), how many heavy outputs it keeps and its recompute time known."""
+        keeps, layout = self.parts.plan_runner.partial_keep, self.estimator.layout
+        masks = [self._selectable]
+        for k, level in enumerate(PARTIAL_LEVELS):
+            masks.append(self._selectable & ~np.isnan(partial_ms[:, k]) & np.array(
+                [level in keeps.get(i, {}) and all((q, i) in layout for q in kept_quantities(level))
+                 for i in range(self.parts.num_blocks)]))
+        return masks
+
+    def _partial_levels(self) -> int:
+        """How many (block, partial level) choices plans may take now: 0 unless selective plans are
+        made and the probes found such levels (their bytes and times known)."""
+        if not self._selective_known():
+            return 0
+        partial_ms = self._partial_ms(np.ones(len(self.estimator.feature_set.names)), np.zeros(self.parts.num_blocks))
+        return int(sum(mask.sum() for mask in self._kept_known(partial_ms)[1:]))
+
     def _offload_known(self) -> bool:
         """Whether plans may offload blocks: asked for (``choices="offload"``), the finer choices
         priced (``_selective_known``), the copies timed and each block's saved storages counted."""
@@ -689,10 +735,12 @@ class MimosePolicy(Policy):
     def size_key(self, size: tuple) -> tuple:
         return self.cache_key(size)
 
-    def predict_peak(self, size: tuple, plan: tuple, selective: tuple = (), offload: tuple = ()) -> int | None:
+    def predict_peak(self, size: tuple, plan: tuple, selective: tuple = (), offload: tuple = (),
+                     partial: tuple = ()) -> int | None:
         """The trusted prediction for ``plan`` at ``size`` (its blocks in ``selective``
-        checkpointed selectively; those in ``offload`` bounded as recomputed, with what they keep on
-        the device: ``choices.bounded_for_offload``), or None (not fitted, not trusted)."""
+        checkpointed selectively, ``partial`` ``(block, level)`` partially; those in ``offload``
+        bounded as recomputed, with what they keep on the device: ``choices.bounded_for_offload``),
+        or None (not fitted, not trusted)."""
         key = self.cache_key(size)
         if not self.estimator.fitted or self.estimator.trust.reason(key) is not None:
             return None
@@ -702,7 +750,7 @@ class MimosePolicy(Policy):
             storages = None if self.choice_times is None else self.choice_times.storages
             pred = bounded_for_offload(pred, offloaded, storages)
         freed = tuple(sorted(set(plan) | set(offload)))
-        return int(self._start_bytes() + self._margined(plan_peak_bytes(pred, freed, selective)))
+        return int(self._start_bytes() + self._margined(plan_peak_bytes(pred, freed, selective, partial)))
 
     def _margined(self, peak):
         """A timeline's peak (or peaks) with the prediction margin and the fit's residual
@@ -798,16 +846,20 @@ class MimosePolicy(Policy):
                 # ``choices: selective`` asked for, but block-level plans when it cannot be priced
                 "selective_in_use": self._selective_known(),
                 "offload_in_use": self._offload_known(),
+                # how many (block, partial level) choices plans may take (``features.PARTIAL_LEVELS``)
+                "partial_levels": self._partial_levels(),
                 "recovery_margins": {str(k): v for k, v in self.recovery_margins.items()}}
 
     def state_dict(self) -> dict:
         return {"num_blocks": self.parts.num_blocks, "granularity": self.granularity,
                 "estimator": self.estimator.state_dict(),
-                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits, list(v.selective), list(v.offload)]
-                          for k, v in self.cache.items()],
+                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits, list(v.selective), list(v.offload),
+                           [list(pair) for pair in v.partial]] for k, v in self.cache.items()],
                 "choices": self.choices,
                 "choice_times": self.choice_times.state_dict() if self.choice_times is not None else None,
                 "selective_keep": [[i, k] for i, k in self.parts.plan_runner.selective_keep.items()],
+                "partial_keep": [[i, level, k] for i, levels in self.parts.plan_runner.partial_keep.items()
+                                 for level, k in levels.items()],
                 "recovery_margins": [[list(k), v] for k, v in self.recovery_margins.items()],
                 "counters": asdict(self.counts)}
 
@@ -823,10 +875,15 @@ class MimosePolicy(Policy):
         self.choice_times = (ChoiceTimes.from_state(state.get("choice_times"), self.estimator.feature_set)
                              if self.choices != "block" else None)
         self.parts.plan_runner.selective_keep = {int(i): int(k) for i, k in state.get("selective_keep", [])}
+        partial_keep: dict = {}
+        for i, level, k in state.get("partial_keep", []):
+            partial_keep.setdefault(int(i), {})[level] = int(k)
+        self.parts.plan_runner.partial_keep = partial_keep
         self._warn_if_offload_unknown("the saved estimator has no copy costs (saved without choices: offload, "
                                       "or their timing failed); move its estimator.json aside to probe again")
         if state.get("granularity") == self.granularity and state.get("choices", "block") == self.choices:
-            self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), *(tuple(r) for r in rest))
+            self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), *(tuple(r) for r in rest[:2]),
+                                               *(tuple(tuple(pair) for pair in r) for r in rest[2:]))
                           for k, p, peak, fits, *rest in state.get("cache", [])}
         self.recovery_margins = {tuple(k): v for k, v in state.get("recovery_margins", [])}
 

@@ -9,7 +9,7 @@ the plan with the least recompute time (Σ measured forward ms) whose peak, on t
 at the step's start, fits the budget: an exact search over every plan up to ``EXACT_MAX_BLOCKS``
 blocks; beyond, a knapsack DP on the blocks' savings, topped up block by block until the
 timeline fits. With finer plans (``choices="selective"``) every keep / selective / recompute plan
-up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks; with ``choices="offload"`` the same plans, a block freed
+up to ``EXACT_MAX_CHOICE_PLANS`` plans (the partial levels too: ``features.PARTIAL_LEVELS``); with ``choices="offload"`` the same plans, a block freed
 whole offloaded where its copies cost less than its recompute (``choices.freeing_ms``), as Mimose's.
 The times of alike blocks (the layers of a stack, ``blocks.twin_blocks``) that measured the same
 bytes are given their mean (``alike_at``, ``blocks.alike_mean``): one step's timings of identical
@@ -33,6 +33,7 @@ from mimose_cli.planners.choices import (
     copy_costs_ms,
     dispatch_costs_ms,
     freeing_ms,
+    plan_of,
     split_offload,
 )
 from mimose_cli.planners.collector import ShuttlingCollector
@@ -44,9 +45,25 @@ from mimose_cli.planners.estimator import (
     Timeline,
     plan_peak_bytes,
 )
+from mimose_cli.planners.features import (
+    KEEP_LEVEL,
+    KEPT_SETS,
+    LEVELS,
+    PARTIAL_LEVELS,
+    RECOMPUTE_LEVEL,
+    SELECTIVE_LEVEL,
+    kept_quantities,
+    plan_levels,
+)
 from mimose_cli.planners.offload import check_offload_device
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
-from mimose_cli.planners.scaling import SELECTIVE_QUANTITIES, raw_sample, selective_keeps
+from mimose_cli.planners.scaling import (
+    SELECTIVE_QUANTITIES,
+    partial_keeps,
+    partial_prefixes,
+    raw_sample,
+    selective_keeps,
+)
 from mimose_cli.planners.sublinear import BlockProfile
 from mimose_cli.planners.trial import probe_step, to_model_device
 from mimose_cli.planners.usage import warn_user
@@ -72,59 +89,66 @@ def measured_prediction(size: tuple, sample, num_blocks: int) -> Prediction | No
                       {q: value(step[q], q) for q in STEP_QUANTITIES}, shape.order, shape.backward_reversed)
 
 
-def plan_peak(pred: Prediction, plan, selective=()) -> float:
+def plan_peak(pred: Prediction, plan, selective=(), partial=()) -> float:
     """The measured step peak above its start with ``plan`` checkpointed (``selective`` of it
-    selectively)."""
-    return plan_peak_bytes(pred, plan, selective)
+    selectively, ``partial`` partially)."""
+    return plan_peak_bytes(pred, plan, selective, partial)
 
 
-EXACT_MAX_CHOICE_BLOCKS = 12
-"""Up to this many blocks the finer-plan oracle tries every plan (up to 3^12 = 531441, in chunks
-of ``_CHOICE_CHUNK``), the peaks only of plans no dearer than the scheduler's plan: 0.15 s per
-input size for 12 blocks on the 2-core CPU, up to ~1 s where nothing fits; excluded from the
-step's time. Beyond, Mimose's scheduler on the measurements."""
+EXACT_MAX_CHOICE_PLANS = 3 ** 12
+"""Up to this many plans the finer-plan oracle tries every plan (3^12 = 531441: 12 blocks of
+three choices, fewer with the partial levels; in chunks of ``_CHOICE_CHUNK``), the peaks only of
+plans no dearer than the scheduler's plan: 0.15 s per input size for 12 blocks on the 2-core CPU,
+up to ~1 s where nothing fits; excluded from the step's time. Beyond, Mimose's scheduler on the
+measurements."""
 _CHOICE_CHUNK = 3 ** 8
 
 
 def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray, selective_ms: np.ndarray,
-                  selectable: np.ndarray) -> tuple:
-    """Finer plans (``choices="selective"``): ``(plan, selective)`` with the least recompute time
-    whose measured peak fits, over every block kept, checkpointed selectively or recomputed: every
-    plan up to ``EXACT_MAX_CHOICE_BLOCKS`` blocks, beyond them Mimose's scheduler
-    (``choices.choice_plan_checked``) on the measurements. A block whose selective checkpoint
-    frees nothing, or holds buffers (``selectable`` False), is not checkpointed selectively; every
-    block recomputed when nothing fits. Ties (in whole nanoseconds, so that alike blocks' equal
-    times tie exactly) go to fewer blocks, then to the plan met first, the earlier blocks upgraded
-    (their savings last longest in backward)."""
+                  selectable: np.ndarray, partial_ms: np.ndarray | None = None) -> tuple:
+    """Finer plans (``choices="selective"``): ``(plan, selective, partial)`` with the least
+    recompute time whose measured peak fits, over every block kept, checkpointed selectively,
+    partially (``partial_ms``: each partial level's ms, NaN where a block has none) or recomputed:
+    every plan up to ``EXACT_MAX_CHOICE_PLANS`` plans, beyond them Mimose's scheduler
+    (``choices.choice_plan_checked``) on the measurements. A block's selective or partial checkpoint
+    that frees nothing more than the level before it, or a block that holds buffers (``selectable``
+    False), is not a choice; every block recomputed when nothing fits. Ties (in whole nanoseconds,
+    so that alike blocks' equal times tie exactly) go to fewer blocks, then to the plan met first,
+    the earlier blocks upgraded (their savings last longest in backward)."""
     n = len(recompute_ms)
     every = tuple(range(n))
-    extra = np.maximum(pred.blocks["selective_extra_bytes"], 0.0)
-    useful = (pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"]) & selectable
+    if partial_ms is None:
+        partial_ms = np.full((n, len(PARTIAL_LEVELS)), np.nan)
     savings, timeline = pred.savings, Timeline(pred)
-    scheduled = choice_plan_checked(
-        [np.zeros(n), np.where(useful, savings - extra, np.nan), savings], [np.zeros(n), selective_ms, recompute_ms],
-        timeline.level_peaks, limit_bytes)
-    if n > EXACT_MAX_CHOICE_BLOCKS:
-        plan, selective, _, fits = scheduled
-        return (plan, selective) if fits else (every, ())
-    # Each block's levels (0 keep, 1 selective, 2 recompute; selective only where useful), as
-    # the digits of a mixed-radix number: plan k of the search is k's digits.
-    allowed = [(0, 1, 2) if use else (0, 2) for use in useful]
+    # Per selective checkpoint (selective, then each partial level): what it frees, where useful.
+    freed = []
+    for k, kept_set in enumerate(KEPT_SETS):
+        extra = np.maximum(pred.blocks[kept_quantities(kept_set)[0]], 0.0)
+        known = selectable & (~np.isnan(partial_ms[:, k - 1]) if k else True)
+        useful = known & (pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"])
+        freed.append(np.where(useful, savings - extra, np.nan))
+    costs = [np.zeros(n), selective_ms, *np.nan_to_num(partial_ms, nan=np.inf).T, recompute_ms]
+    scheduled = choice_plan_checked([np.zeros(n), *freed, savings], costs, timeline.level_peaks, limit_bytes)
+    # Each block's levels (keep, the useful selective checkpoints, recompute), as the digits of a
+    # mixed-radix number: plan k of the search is k's digits.
+    allowed = [(KEEP_LEVEL, *(SELECTIVE_LEVEL + k for k in range(len(freed)) if not np.isnan(freed[k][i])),
+                RECOMPUTE_LEVEL) for i in range(n)]
     radix = np.array([len(a) for a in allowed])
+    if float(np.prod(radix.astype(float))) > EXACT_MAX_CHOICE_PLANS:
+        plan, selective, partial, _, fits = scheduled
+        return (plan, selective, partial) if fits else (every, (), ())
     place = np.concatenate(([1], np.cumprod(radix)[:-1]))
-    table = np.array([a + (2,) * (3 - len(a)) for a in allowed])
-    level_ns = np.stack([np.zeros(n), selective_ms, recompute_ms], axis=1) * 1e6
-    level_ns = np.round(level_ns).astype(np.int64)
+    table = np.array([a + (RECOMPUTE_LEVEL,) * (LEVELS - len(a)) for a in allowed])
+    level_ns = np.stack([np.zeros(n), selective_ms, *partial_ms.T, recompute_ms], axis=1) * 1e6
+    level_ns = np.round(np.nan_to_num(level_ns, nan=0.0)).astype(np.int64)
 
     def key(levels: np.ndarray) -> np.ndarray:  # recompute ns, then the blocks upgraded
         return level_ns[np.arange(n), levels].sum(axis=-1) * (n + 1) + (levels > 0).sum(axis=-1)
 
     best, bound = None, np.iinfo(np.int64).max
-    plan, selective, _, fits = scheduled
+    plan, selective, partial, _, fits = scheduled
     if fits:  # no plan dearer than the scheduler's can be the least: their peaks are not needed
-        levels = np.zeros(n, dtype=int)
-        levels[list(plan)], levels[list(selective)] = 2, 1
-        bound = int(key(levels)) + 1
+        bound = int(key(plan_levels(n, plan, selective, partial))) + 1
     total = int(np.prod(radix))
     for start in range(0, total, _CHOICE_CHUNK):
         k = np.arange(start, min(start + _CHOICE_CHUNK, total))
@@ -140,8 +164,8 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
             if keys[at] < bound:
                 best, bound = levels[at], int(keys[at])
     if best is None:
-        return every, ()
-    return tuple(int(i) for i in np.flatnonzero(best > 0)), tuple(int(i) for i in np.flatnonzero(best == 1))
+        return every, (), ()
+    return plan_of(best.tolist())
 
 
 def exact_search(pred: Prediction, limit_bytes: float) -> tuple:
@@ -258,6 +282,8 @@ class OraclePolicy(Policy):
         self.selectable = np.array(selectable(self.parts.blocks))
         self.twins = twin_blocks(self.parts.blocks)
         self.choice_ms: dict = {}  # input size -> (recompute ms, selective ms[, offload ms]) per block
+        self.partial_ms: dict = {}  # input size -> each partial level's ms per block (blocks x levels)
+        self.prefixes: list | None = None  # what the partial levels keep (``scaling.partial_prefixes``), the first size's
         self._dispatch_costs = None
         self._copy_costs = None  # ``choices.copy_costs_ms``, timed once (``choices="offload"``)
         self.storages: dict = {}  # input size -> the storages each block saved (``choices="offload"``)
@@ -288,18 +314,24 @@ class OraclePolicy(Policy):
             sample = self.measurer.end() if ran else self.measurer.abort()  # abort keeps nothing
         times = None
         if sample is not None and self.measurer.lifetimes:
-            raw, sample = sample, raw_sample(sample, self.parts.num_blocks)
+            if self.prefixes is None:  # what each partial level keeps: the same ops at every size
+                self.prefixes = partial_prefixes(sample, self.parts.num_blocks, {})
+                self.parts.plan_runner.partial_keep = partial_keeps(self.prefixes)
+            raw, sample = sample, raw_sample(sample, self.parts.num_blocks,
+                                             partial_keep=self.parts.plan_runner.partial_keep)
             if any(v is None for q in SELECTIVE_QUANTITIES for v in sample[0][q]):  # unmeasured: block-level only
                 raw = None
             if self._dispatch_costs is None:
                 self._dispatch_costs = dispatch_costs_ms()
             feature_set = self.parts.feature_set
             times = None if raw is None else ChoiceTimes.from_probes([raw, raw], [size, size], feature_set, {},
-                                                                      self._dispatch_costs)
+                                                                      self._dispatch_costs, prefixes=self.prefixes)
             if raw is not None:  # the heavy outputs a selective checkpoint keeps, as Mimose's probes count them
                 keeps = selective_keeps(raw, self.parts.num_blocks, {})
                 self.parts.plan_runner.selective_keep.update({i: k for i, k in enumerate(keeps) if k is not None})
             self.choice_ms[size] = None if times is None else times.at(feature_set.of(size))
+            if times is not None:
+                self.partial_ms[size] = times.partial_at(feature_set.of(size), self.choice_ms[size][1])
         pred = None if sample is None else measured_prediction(size, sample, self.parts.num_blocks)
         if pred is not None and self.choice_ms.get(size) is not None and self.choices == "offload":
             if self._copy_costs is None:
@@ -317,6 +349,8 @@ class OraclePolicy(Policy):
             pred.blocks["fwd_ms"] = alike_mean(pred.blocks["fwd_ms"], alike)
             if self.choice_ms.get(size) is not None:
                 self.choice_ms[size] = tuple(alike_mean(t, alike) for t in self.choice_ms[size])
+            if self.partial_ms.get(size) is not None:
+                self.partial_ms[size] = np.stack([alike_mean(t, alike) for t in self.partial_ms[size].T], axis=1)
         if pred is None:
             warn_user(f"oracle: input size {size} could not be measured (out of memory, or a "
                       "block the collector cannot attribute); checkpointing every block")
@@ -353,22 +387,23 @@ class OraclePolicy(Policy):
         pred = self.measured[size]
         base = self.parts.meter.current_bytes() if self.parts.meter is not None else 0
         if pred is None:
-            plan, predicted, selective, offload = tuple(range(self.parts.num_blocks)), None, (), ()
+            plan, predicted, selective, offload, partial = tuple(range(self.parts.num_blocks)), None, (), (), ()
         else:
             limit = None if self.parts.limit_bytes is None else self.parts.limit_bytes - self.margin_bytes - base
-            plan, selective = optimal_plan(pred, limit), ()
+            plan, selective, partial = optimal_plan(pred, limit), (), ()
             times, offloaded = self.choice_ms.get(size), np.zeros(self.parts.num_blocks, dtype=bool)
             if times is not None and limit is not None and plan_peak(pred, ()) > limit:
                 recompute_ms, selective_ms, *offload_ms = times
                 whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms[0] if offload_ms else None)
                 pred = bounded_for_offload(pred, offloaded, self.storages.get(size))
-                plan, selective = choice_search(pred, limit, whole_ms, selective_ms, self.selectable)
-            predicted = int(base + plan_peak(pred, plan, selective))  # an offloaded block bounded as recomputed
-            plan, offload = split_offload(plan, selective, offloaded)
+                plan, selective, partial = choice_search(pred, limit, whole_ms, selective_ms, self.selectable,
+                                                         self.partial_ms.get(size))
+            predicted = int(base + plan_peak(pred, plan, selective, partial))  # an offloaded block bounded as recomputed
+            plan, offload = split_offload(plan, selective, offloaded, partial)
         excluded_ms = (time.perf_counter() - start) * 1e3
         self.excluded_ms_total += excluded_ms
         return Decision(plan, cache_hit=hit, predicted_peak_bytes=predicted, excluded_ms=excluded_ms,
-                        selective=selective, offload=offload)
+                        selective=selective, offload=offload, partial=partial)
 
     def observe(self, info: StepInfo, peak_bytes, sample) -> None:
         """Keep the largest measured overshoot of the measured timeline as a margin (none was

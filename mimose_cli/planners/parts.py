@@ -100,10 +100,10 @@ class PlannerParts:
             return None
         return self.budget_bytes - self.safety_margin_bytes
 
-    def set_plan(self, plan, selective=(), offload=()) -> None:
-        """Checkpoint ``plan`` (``selective`` of it selectively) and offload ``offload`` until the
-        next step decides again (probes, experiments)."""
-        self.plan_runner.use(plan, selective, offload)
+    def set_plan(self, plan, selective=(), offload=(), partial=()) -> None:
+        """Checkpoint ``plan`` (``selective`` of it selectively, ``partial`` partially) and offload
+        ``offload`` until the next step decides again (probes, experiments)."""
+        self.plan_runner.use(plan, selective, offload, partial)
 
     def timed_off_budget(self, timing):
         """``timing(device)`` on the model's device as the planner's own work, not training's: no

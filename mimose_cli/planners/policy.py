@@ -40,6 +40,9 @@ class Decision:
     offload: tuple = ()
     """Blocks outside ``plan`` run as they are with what autograd saves inside them in host memory
     until backward (``blocks.OFFLOAD``); the rest outside ``plan`` are kept."""
+    partial: tuple = ()
+    """``(block, level)`` for those of ``plan`` checkpointed partially (``level`` one of
+    ``features.PARTIAL_LEVELS``: the first of their compute-heavy ops' outputs kept)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class StepInfo:
     """The blocks of ``plan`` checkpointed selectively (``Decision.selective``)."""
     offload: tuple = ()
     """The blocks outside ``plan`` offloaded (``Decision.offload``)."""
+    partial: tuple = ()
+    """``(block, level)`` for the blocks of ``plan`` checkpointed partially (``Decision.partial``)."""
     phase: str | None = None
     cache_hit: bool | None = None
     predicted_peak_bytes: int | None = None

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mimose_cli.planners.collector import RawStep, Trace, backward_stretch, build_sample
+from mimose_cli.planners.features import KEPT_SETS, PARTIAL_LEVELS, kept_quantities
 
 _RTOL = 1e-9
 _LENGTH_PAIRS = ((8, 12), (4, 6))
@@ -342,10 +343,12 @@ def deeper_by_one(runs) -> list:
     return [(skipped[0], tuple(skipped[1:])) for _, skipped in runs if len(skipped) > 1]
 
 
-def raw_sample(raw: RawStep, num_blocks: int, runs=()):
+def raw_sample(raw: RawStep, num_blocks: int, runs=(), partial_keep: dict | None = None):
     """The sample of one probe step at its own size, written out for every block when it left
-    layers out (``Deepening``): ``(blocks, step, shape)``."""
-    per_block = {**raw.per_block, **selective_bytes(raw, raw.nbytes)}
+    layers out (``Deepening``): ``(blocks, step, shape)``; the partial levels keep what
+    ``partial_keep`` says (``PlanRunner.partial_keep``; the probe's own ``partial_prefixes`` where
+    not given)."""
+    per_block = {**raw.per_block, **selective_bytes(raw, raw.nbytes, None, partial_keep)}
     if not runs:
         return build_sample(raw.marks, raw.trace, num_blocks, per_block, raw.dropped, raw.twins)
     deepening = Deepening(raw, num_blocks, runs)
@@ -358,8 +361,7 @@ def raw_sample(raw: RawStep, num_blocks: int, runs=()):
     return deepening.sample(marks, trace, per_block, raw.nbytes)
 
 
-SELECTIVE_QUANTITIES = ("selective_extra_bytes", "selective_fwd_peak_bytes", "selective_recompute_peak_bytes",
-                        "selective_bwd_peak_bytes")
+SELECTIVE_QUANTITIES = kept_quantities("selective")
 """What the probes measure of a block checkpointed selectively (``selective_bytes``)."""
 
 
@@ -404,47 +406,118 @@ def selective_keeps(raw: RawStep, num_blocks: int, stand_in: dict) -> list:
     selective_keep``): those its recompute takes back (``_kept_and_taken``); a block the probe did
     not run takes the block standing in for it. None where unknown."""
     own = [None if pairing is None else len(pairing[4]) for pairing in _kept_and_taken(raw)]
+    return _stood_in(own, num_blocks, stand_in)
+
+
+def _stood_in(own: list, num_blocks: int, stand_in: dict) -> list:
     return [own[stand_in[i]] if own[i] is None and i in stand_in else own[i] for i in range(num_blocks)]
 
 
-def selective_bytes(raw: RawStep, storage_bytes: np.ndarray, pairings: list | None = None) -> dict:
+class Prefixes(NamedTuple):
+    """A block's partial selective levels (``features.PARTIAL_LEVELS``): for each, the heavy
+    outputs it keeps (the first ``kept[k]``, made by its first ``ops[k]`` heavy ops), None where the
+    block has no such level; the heavy ops its recompute takes back (``taken_ops``) and those its
+    forward runs (``forward_ops``)."""
+
+    kept: tuple
+    ops: tuple
+    taken_ops: int
+    forward_ops: int
+
+
+PARTIAL_FRACTIONS = (0.75, 0.5, 0.25)
+"""Where the partial levels keep a block's heavy outputs: the op boundary nearest to these
+fractions of the bytes a selective checkpoint of it holds beyond a whole one, at the probe's size."""
+
+
+def partial_prefixes(raw: RawStep, num_blocks: int, stand_in: dict, pairings: list | None = None) -> list:
+    """Per block, its ``Prefixes`` (a block not run takes its stand-in's), or None where unknown.
+
+    A partial level keeps the heavy outputs of the block's first heavy ops only (whole ops: torch's
+    selective checkpointing decides per op) and its recompute runs the heavy ops after them again:
+    less memory than ``selective`` for more time. Where a level frees nothing beyond
+    ``selective`` or falls on another level's boundary, the block has no such level."""
+    own = []
+    for pairing in _kept_and_taken(raw) if pairings is None else pairings:
+        if pairing is None:
+            own.append(None)
+            continue
+        start, stop, _, _, made, taken_at = pairing
+        born = raw.born[made]
+        op_of = np.concatenate(([0], np.cumsum(born[1:] != born[:-1]))) if len(made) else np.zeros(0, int)
+        extra = np.cumsum(np.where(raw.died[made] < taken_at, raw.nbytes[made], 0.0))
+        total = float(extra[-1]) if len(extra) else 0.0
+        # Op boundaries inside the kept outputs: keep the first ``c`` of them.
+        bounds = [c for c in range(1, len(made)) if op_of[c] != op_of[c - 1] and 0 < extra[c - 1] < total]
+        chosen = []
+        for fraction in PARTIAL_FRACTIONS:
+            if bounds:
+                c = min(bounds, key=lambda c: (abs(extra[c - 1] - fraction * total), c))
+                if c not in chosen:
+                    chosen.append(c)
+        chosen.sort(reverse=True)
+        chosen += [None] * (len(PARTIAL_LEVELS) - len(chosen))
+        forward = raw.born[np.flatnonzero(raw.heavy & (raw.born >= start) & (raw.born < stop))]
+        own.append(Prefixes(tuple(chosen), tuple(None if c is None else int(op_of[c - 1]) + 1 for c in chosen),
+                            int(op_of[-1]) + 1 if len(made) else 0, len(np.unique(forward))))
+    return _stood_in(own, num_blocks, stand_in)
+
+
+def partial_keeps(prefixes: list) -> dict:
+    """``PlanRunner.partial_keep`` from ``partial_prefixes``: ``{block: {level: heavy outputs kept}}``."""
+    return {i: {level: kept for level, kept in zip(PARTIAL_LEVELS, prefix.kept) if kept is not None}
+            for i, prefix in enumerate(prefixes) if prefix is not None}
+
+
+def selective_bytes(raw: RawStep, storage_bytes: np.ndarray, pairings: list | None = None,
+                    partial_keep: dict | None = None) -> dict:
     """What a block checkpointed selectively holds beyond one checkpointed whole, at the size whose
     storages have ``storage_bytes``: its kept outputs (``_kept_and_taken``, or ``pairings`` when
     already taken from ``raw``: they do not depend on the size) wherever the probe had
-    let them go and the checkpoint still holds them. Per block (NaN or None where unknown):
+    let them go and the checkpoint still holds them. Per block (NaN or None where unknown), for
+    ``selective`` and each partial level (``partial_keep``, ``partial_keeps``: the first of them
+    kept; from ``raw``'s own ``partial_prefixes`` when not given), ``<kept set>_``:
 
-    - ``selective_extra_bytes``: those the probe let go of before the recompute takes them back,
+    - ``extra_bytes``: those the probe let go of before the recompute takes them back,
       held from the block's forward to its backward (one still alive in the probe, the block's
       output, is counted twice until it dies there: an upper bound);
-    - ``selective_fwd_kept``: after each op of the checkpointed run, those it had freed;
-    - ``selective_recompute_pending`` / ``selective_bwd_pending``: after each recompute op and
+    - ``fwd_kept``: after each op of the checkpointed run, those it had freed;
+    - ``recompute_pending`` / ``bwd_pending``: after each recompute op and
       each other op of the block's backward, those the probe no longer holds and the recompute
       has not taken back yet.
 
     ``collector.build_sample`` adds the last three to ``ckpt_fwd_peak_bytes``,
-    ``recompute_peak_bytes`` and ``bwd_peak_bytes`` (the ``selective_*_peak_bytes``)."""
+    ``recompute_peak_bytes`` and ``bwd_peak_bytes`` (the ``<kept set>_*_peak_bytes``)."""
     n = len(raw.per_block["saved_bytes"])
-    extra = np.full(n, np.nan)
-    result = {"selective_extra_bytes": extra}
-    for name in ("selective_fwd_kept", "selective_recompute_pending", "selective_bwd_pending"):
-        result[name] = np.full(n, None, dtype=object)
+    result = {}
+    for kept_set in KEPT_SETS:
+        result[f"{kept_set}_extra_bytes"] = np.full(n, np.nan)
+        for name in ("fwd_kept", "recompute_pending", "bwd_pending"):
+            result[f"{kept_set}_{name}"] = np.full(n, None, dtype=object)
     if raw.heavy is None or len(raw.heavy) != len(storage_bytes):
         return result
-    for i, pairing in enumerate(_kept_and_taken(raw) if pairings is None else pairings):
+    pairings = _kept_and_taken(raw) if pairings is None else pairings
+    if partial_keep is None:
+        partial_keep = partial_keeps(partial_prefixes(raw, n, {}, pairings))
+    for i, pairing in enumerate(pairings):
         if pairing is None:
             continue
         start, stop, backward, end, made, taken_at = pairing
-        outlived = raw.died[made] < taken_at
-        kept, died, released = made[outlived], raw.died[made][outlived], taken_at[outlived]
-        extra[i] = float(storage_bytes[kept].sum())
+        counts = [len(made)] + [partial_keep.get(i, {}).get(level) for level in PARTIAL_LEVELS]
+        for kept_set, count in zip(KEPT_SETS, counts):
+            if count is None:
+                continue
+            outlived = raw.died[made[:count]] < taken_at[:count]
+            kept, died, released = made[:count][outlived], raw.died[made[:count]][outlived], taken_at[:count][outlived]
+            result[f"{kept_set}_extra_bytes"][i] = float(storage_bytes[kept].sum())
 
-        def held_at(points, kept=kept, died=died, released=released):
-            return ((died <= points[:, None]) & (released > points[:, None])).astype(float) @ storage_bytes[kept]
+            def held_at(points, kept=kept, died=died, released=released):
+                return ((died <= points[:, None]) & (released > points[:, None])).astype(float) @ storage_bytes[kept]
 
-        result["selective_fwd_kept"][i] = held_at(raw.op_points[(raw.op_points > start) & (raw.op_points < stop)])
-        stretch = (raw.op_points > backward) & (raw.op_points < end)
-        result["selective_recompute_pending"][i] = held_at(raw.op_points[stretch & raw.trace.recompute])
-        result["selective_bwd_pending"][i] = held_at(raw.op_points[stretch & ~raw.trace.recompute])
+            result[f"{kept_set}_fwd_kept"][i] = held_at(raw.op_points[(raw.op_points > start) & (raw.op_points < stop)])
+            stretch = (raw.op_points > backward) & (raw.op_points < end)
+            result[f"{kept_set}_recompute_pending"][i] = held_at(raw.op_points[stretch & raw.trace.recompute])
+            result[f"{kept_set}_bwd_pending"][i] = held_at(raw.op_points[stretch & ~raw.trace.recompute])
     return result
 
 
@@ -475,6 +548,7 @@ class ScaledStep:
         self.num_blocks = num_blocks
         self.deepening = Deepening(a, num_blocks, runs) if runs else None
         self.pairings = _kept_and_taken(a)  # what selective checkpoints keep: the same at every size
+        self.partial_keep = partial_keeps(partial_prefixes(a, len(self.pairings), {}, self.pairings))
         self.size_a, self.size_b = tuple(size_a), tuple(size_b)
         fa, fb = feature_set.of(size_a), feature_set.of(size_b)
         self.fa = fa
@@ -521,7 +595,7 @@ class ScaledStep:
         for quantity, (values, term) in self.per_block.items():
             per_block[quantity] = np.where(term >= 0, values * scale[np.maximum(term, 0)], np.nan)
         storage_bytes = self.coef @ f
-        per_block.update(selective_bytes(a, storage_bytes, self.pairings))
+        per_block.update(selective_bytes(a, storage_bytes, self.pairings, self.partial_keep))
         if self.deepening is not None:
             blocks, step, shape = self.deepening.sample(marks, trace, per_block, storage_bytes)
         else:
@@ -627,8 +701,8 @@ class Deepening:
         for (_, skipped), let_go in zip(self.runs, self.let_go):
             gone = float(storage_bytes[let_go].sum())
             for j, i in enumerate(skipped, start=1):
-                for q in ("bwd_peak_bytes", "recompute_peak_bytes", "selective_recompute_peak_bytes",
-                          "selective_bwd_peak_bytes"):
+                for q in ("bwd_peak_bytes", "recompute_peak_bytes",
+                          *(q for kept_set in KEPT_SETS for q in kept_quantities(kept_set)[2:])):
                     if full[q][i] is not None:
                         full[q][i] = full[q][i] - j * gone
         if shape is None:

@@ -51,6 +51,7 @@ class _RunRow(TypedDict, total=False):
     mean_checkpointed_blocks: float | None
     mean_selective_blocks: float | None
     mean_offloaded_blocks: float | None
+    mean_partial_blocks: float | None
     recompute_ms: float | None
     planning_ms_total: float | None
     hit_rate: float | None
@@ -82,7 +83,7 @@ def _blocks(row: dict) -> str:
     blocks = row.get("mean_checkpointed_blocks")
     if blocks is None:
         return "-"
-    finer = [f"{row[key]:.2f} {label}" for key, label in (("mean_selective_blocks", "sel"),
+    finer = [f"{row[key]:.2f} {label}" for key, label in (("mean_selective_blocks", "sel"), ("mean_partial_blocks", "part"),
                                                            ("mean_offloaded_blocks", "off")) if row.get(key)]
     return f"{blocks:.2f}" + (f" ({', '.join(finer)})" if finer else "")
 

@@ -66,7 +66,8 @@ def _shape(record: StepRecord) -> str:
 
 
 def _blocks(record: StepRecord) -> str:
-    parts = [f"{len(blocks)} {label}" for blocks, label in ((record.selective, "sel"), (record.offload, "off")) if blocks]
+    parts = [f"{len(blocks)} {label}" for blocks, label in ((record.selective, "sel"), (record.partial, "part"),
+                                                           (record.offload, "off")) if blocks]
     extra = f" ({', '.join(parts)})" if parts else ""
     return f"{len(record.plan)}/{'?' if record.num_blocks is None else record.num_blocks}{extra}"
 

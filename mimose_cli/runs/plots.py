@@ -30,7 +30,7 @@ WIDE = (8.0, 4.5)
 PHASE_COLOURS = {"sheltered": "tab:orange", "measuring": "tab:purple", "untrusted": "tab:brown",
                  "recovery": "tab:red"}
 """Phases shaded on the memory plot; steps of any other phase (responsive) are not shaded."""
-CHECKPOINTED, SELECTIVE, OFFLOADED, PLAIN = "tab:blue", "#9ecae1", "tab:orange", "#ececec"
+CHECKPOINTED, PARTIAL, SELECTIVE, OFFLOADED, PLAIN = "tab:blue", "#4292c6", "#9ecae1", "tab:orange", "#ececec"
 
 
 def new_figure(rows: int = 1, cols: int = 1, size=WIDE, **subplots) -> tuple:
@@ -138,21 +138,25 @@ def input_size_figure(records, title: str = "input size per step") -> Figure:
 def plan_figure(records, title: str = "blocks checkpointed per step", what: str = "checkpointed") -> Figure:
     """Heat map of the plan: one column per step, one row per block, coloured by the block's
     choice: in the plan (``what`` a block in it is: checkpointed; DTR's plan is what it evicted),
-    checkpointed selectively (its compute-heavy ops' outputs kept), offloaded (what it saves held
-    in host memory), or run plainly."""
+    checkpointed selectively (its compute-heavy ops' outputs kept) or partially (the first of
+    them kept), offloaded (what it saves held in host memory), or run plainly."""
     num_blocks = max([r.num_blocks or 0 for r in records] + [max(r.plan) + 1 for r in records if r.plan] + [1])
     grid = np.zeros((num_blocks, len(records)))
     for i, record in enumerate(records):
         grid[list(record.offload), i] = 1.0
-        grid[list(record.plan), i] = 3.0
+        grid[list(record.plan), i] = 4.0
         grid[list(record.selective), i] = 2.0
+        grid[[block for block, _ in record.partial], i] = 3.0
     fig, ax = new_figure()
-    ax.imshow(grid, cmap=ListedColormap([PLAIN, OFFLOADED, SELECTIVE, CHECKPOINTED]), vmin=0, vmax=3, aspect="auto",
+    ax.imshow(grid, cmap=ListedColormap([PLAIN, OFFLOADED, SELECTIVE, PARTIAL, CHECKPOINTED]), vmin=0, vmax=4, aspect="auto",
               origin="lower", interpolation="nearest", extent=(-0.5, len(records) - 0.5, -0.5, num_blocks - 0.5))
     handles = [Patch(color=CHECKPOINTED, label=what), Patch(color=PLAIN, label="run plainly")]
     if any(r.selective for r in records):
         handles[0] = Patch(color=CHECKPOINTED, label=f"{what} (recomputed whole)")
         handles.insert(1, Patch(color=SELECTIVE, label="checkpointed selectively"))
+    if any(r.partial for r in records):
+        handles[0] = Patch(color=CHECKPOINTED, label=f"{what} (recomputed whole)")
+        handles.insert(1, Patch(color=PARTIAL, label="checkpointed partially"))
     if any(r.offload for r in records):
         handles.insert(-1, Patch(color=OFFLOADED, label="offloaded to host memory"))
     oom = [i for i, r in enumerate(records) if r.oom]

@@ -69,6 +69,10 @@ class StepRecord:
     offload: list = field(default_factory=list)
     """Blocks outside ``plan`` offloaded: run as they are, what they save held in host memory
     until backward."""
+    partial: list = field(default_factory=list)
+    """``[block, level]`` for those of ``plan`` checkpointed partially: a selective checkpoint
+    that keeps only the outputs of its first compute-heavy ops ("partial1" keeps the most, then
+    "partial2", "partial3"); neither in ``selective`` nor recomputed whole."""
     num_blocks: int | None = None
     """Blocks the planner chooses from."""
     planner_ms: float | None = None
@@ -188,6 +192,7 @@ def completed_step(info, *, step: int, micro_step: int, input_shape, num_blocks:
         loss=loss, lr=lr, iter_ms=iter_ms, peak_bytes=peak_bytes, fwd_bwd_peak_bytes=fwd_bwd_peak_bytes,
         start_bytes=start_bytes, activation_bytes=activation_bytes, plan=list(info.plan),
         selective=list(getattr(info, "selective", ())), offload=list(getattr(info, "offload", ())),
+        partial=[list(pair) for pair in getattr(info, "partial", ())],
         num_blocks=num_blocks, planner_ms=info.planning_ms,
         phase=info.phase, cache_hit=info.cache_hit,
         predicted_peak_bytes=info.predicted_peak_bytes, retries=info.retries, excluded_ms=info.excluded_ms,
@@ -205,6 +210,7 @@ def oom_step(info, error: Exception, *, step: int, micro_step: int, input_shape,
         input_size=list(info.input_size) if info else None, peak_bytes=peak_bytes,
         plan=list(info.plan) if info else [], selective=list(getattr(info, "selective", ())) if info else [],
         offload=list(getattr(info, "offload", ())) if info else [],
+        partial=[list(pair) for pair in getattr(info, "partial", ())] if info else [],
         num_blocks=num_blocks, phase=info.phase if info else None, cache_hit=info.cache_hit if info else None,
         predicted_peak_bytes=getattr(error, "predicted_bytes", info.predicted_peak_bytes if info else None),
         reached_bytes=getattr(error, "reached_bytes", None),

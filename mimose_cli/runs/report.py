@@ -19,7 +19,8 @@ def length_table(records) -> Table:
     """Per-iteration statistics grouped by padded sequence length."""
     done = [r for r in records if not r.oom and r.input_size]
     table = Table(title="per-iteration statistics by sequence length", title_justify="left")
-    finer = [(name, field) for name, field in (("mean blocks sel", "selective"), ("mean blocks off", "offload"))
+    finer = [(name, field) for name, field in (("mean blocks sel", "selective"), ("mean blocks part", "partial"),
+                                               ("mean blocks off", "offload"))
              if any(getattr(r, field) for r in done)]  # the finer choices, where the run made any
     for name in ("length", "steps", "mean ms/iter", "mean peak", "max peak", "mean blocks ckpt", *(n for n, _ in finer)):
         table.add_column(name, justify="right")

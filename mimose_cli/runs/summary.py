@@ -53,6 +53,7 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
         "mean_checkpointed_blocks": _mean([len(r.plan) for r in done]),
         "mean_selective_blocks": _mean([len(r.selective) for r in done]),
         "mean_offloaded_blocks": _mean([len(r.offload) for r in done]),
+        "mean_partial_blocks": _mean([len(r.partial) for r in done]),
         "num_blocks": records[0].num_blocks if records else None,
         "planning_ms_total": sum(r.planner_ms or 0.0 for r in done),
         "recompute_ms_total": _sum_known(r.recompute_ms for r in done),
@@ -180,8 +181,10 @@ def _summary_value(summary, key, kind):
 
 def _finer(summary) -> str:
     """The finer choices among the blocks a run's plans chose, where it made any: " (0.50
-    selective, 1.00 offloaded)" (the selective are among the checkpointed, the offloaded not)."""
+    selective, 0.25 partially, 1.00 offloaded)" (the selective and partial are among the
+    checkpointed, the offloaded not)."""
     parts = [f"{summary[key]:.2f} {label}" for key, label in (("mean_selective_blocks", "selective"),
+                                                             ("mean_partial_blocks", "partially"),
                                                              ("mean_offloaded_blocks", "offloaded"))
              if summary.get(key)]
     return f" ({', '.join(parts)})" if parts else ""

@@ -12,9 +12,9 @@ from test_oracle import random_prediction
 from test_scaling import HELD_OUT, metered_mimose, padded
 
 from mimose_cli.launcher.recipe import load_recipe
-from mimose_cli.planners.choices import ChoiceTimes, _plan_of, choice_plan_checked
+from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, plan_of
 from mimose_cli.planners.estimator import Timeline, plan_peak_bytes
-from mimose_cli.planners.features import TOKENS
+from mimose_cli.planners.features import KEPT_SETS, LEVELS, PARTIAL_LEVELS, TOKENS
 from mimose_cli.planners.trial import probe_step, probe_with_plan
 from mimose_cli.runs.plots import plan_figure
 from mimose_cli.runs.records import StepRecord
@@ -51,10 +51,10 @@ def test_the_scheduler_takes_the_choice_that_frees_enough_for_the_least_time():
     costs = [[0.0] * 3, [1.0] * 3, [4.0] * 3]
     predict = per_plan(_additive(savings, [0] * 3))
     assert choice_plan_checked(savings, costs, predict, 95.0)[:2] == ((0,), (0,))
-    plan, selective, peak, fits = choice_plan_checked(savings, costs, predict, 88.0)
+    plan, selective, _, peak, fits = choice_plan_checked(savings, costs, predict, 88.0)
     assert fits and peak <= 88.0 and set(selective) == set(plan) and len(plan) == 2
     # Nothing selective frees enough: every block recomputed is what fits.
-    plan, selective, peak, fits = choice_plan_checked(savings, costs, predict, 71.0)
+    plan, selective, _, peak, fits = choice_plan_checked(savings, costs, predict, 71.0)
     assert fits and plan == (0, 1, 2) and selective == ()
 
 
@@ -62,9 +62,9 @@ def test_a_choice_a_block_cannot_take_is_never_chosen_and_nothing_fitting_says_s
     savings = [[0.0] * 2, [np.nan, 6.0], [10.0, 10.0]]
     costs = [[0.0] * 2, [0.1, 1.0], [4.0, 4.0]]
     predict = per_plan(_additive(np.nan_to_num(savings), [0] * 2))
-    plan, selective, _, fits = choice_plan_checked(savings, costs, predict, 95.0)
+    plan, selective, _, _, fits = choice_plan_checked(savings, costs, predict, 95.0)
     assert fits and 0 not in selective
-    assert choice_plan_checked(savings, costs, predict, 50.0)[3] is False  # 20 is the most it frees
+    assert choice_plan_checked(savings, costs, predict, 50.0)[4] is False  # 20 is the most it frees
 
 
 def _reference_upgrades(save, cost, level, excess):
@@ -73,7 +73,7 @@ def _reference_upgrades(save, cost, level, excess):
     options = []
     for i, at in enumerate(level):
         have_save, have_cost = max(save[at][i], 0.0), cost[at][i] if at else 0.0
-        for to in (1, 2):
+        for to in range(1, LEVELS):
             gain = save[to][i] - have_save
             if at < to and save[to][i] >= 0 and gain > 0:
                 options.append((i, to, gain, max(cost[to][i] - have_cost, 1e-9)))
@@ -103,14 +103,17 @@ def _reference_choice_plan(savings, costs, predict_peak, limit_bytes):
     """The scheduler written plainly (as first written in commit 6debe05, numpy arrays throughout,
     then given the cheaper of a single covering upgrade and best-rate ones topped up, blocks
     recomputed whole tried selective at the end, and both passes made to skip a change that does
-    not fit, or costs more, instead of stopping there), in plain Python lists, one plan predicted
-    at a time: the plans ``choice_plan_checked`` must choose."""
+    not fit, or costs more, instead of stopping there; then given the partial levels, tried at the
+    end as selective is), in plain Python lists, one plan predicted at a time: the plans
+    ``choice_plan_checked`` must choose. ``savings`` and ``costs`` have a row per level."""
     save = [[-1.0 if np.isnan(v) else float(v) for v in row] for row in savings]
     cost = [[float(v) for v in row] for row in costs]
+    top = LEVELS - 1
     level, taken = [0] * len(save[0]), []
 
     def plan_of(levels):
-        return (tuple(i for i, at in enumerate(levels) if at), tuple(i for i, at in enumerate(levels) if at == 1))
+        return (tuple(i for i, at in enumerate(levels) if at), tuple(i for i, at in enumerate(levels) if at == 1),
+                tuple((i, PARTIAL_LEVELS[at - 2]) for i, at in enumerate(levels) if 1 < at < top))
 
     peak = predict_peak(*plan_of(level))
     while peak > limit_bytes:
@@ -122,32 +125,31 @@ def _reference_choice_plan(savings, costs, predict_peak, limit_bytes):
                 taken.append((i, level[i]))
                 level[i] = to
         if not upgrades:
-            rest = [i for i, at in enumerate(level) if at < 2]
+            rest = [i for i, at in enumerate(level) if at < top]
             if not rest:
                 return (*plan_of(level), peak, False)
             taken += [(i, level[i]) for i in rest]
-            level = [2] * len(level)
+            level = [top] * len(level)
         peak = predict_peak(*plan_of(level))
     def price(at, i):
         return cost[at][i] if at else 0.0
 
-    for i, before in reversed(taken):
-        if level[i] == before or price(before, i) > price(level[i], i):
-            continue
-        trial = level.copy()
-        trial[i] = before
-        trial_peak = predict_peak(*plan_of(trial))
-        if trial_peak <= limit_bytes:
-            level, peak = trial, trial_peak
-    whole = [i for i, at in enumerate(level) if at == 2 and save[1][i] >= 0 and cost[1][i] < cost[2][i]]
-    for i in sorted(whole, key=lambda i: (save[2][i] - save[1][i], i)):
-        if level[i] == 1 or price(1, i) > price(level[i], i):
-            continue
-        trial = level.copy()
-        trial[i] = 1
-        trial_peak = predict_peak(*plan_of(trial))
-        if trial_peak <= limit_bytes:
-            level, peak = trial, trial_peak
+    def tried(level, peak, changes):
+        for i, to in changes:
+            if level[i] == to or price(to, i) > price(level[i], i):
+                continue
+            trial = level.copy()
+            trial[i] = to
+            trial_peak = predict_peak(*plan_of(trial))
+            if trial_peak <= limit_bytes:
+                level, peak = trial, trial_peak
+        return level, peak
+
+    level, peak = tried(level, peak, reversed(taken))
+    lighter = [(i, to) for i, at in enumerate(level) if at > 1 for to in range(1, at)
+               if save[to][i] >= 0 and cost[to][i] < cost[at][i]]
+    lighter.sort(key=lambda change: (save[level[change[0]]][change[0]] - save[change[1]][change[0]], change[0]))
+    level, peak = tried(level, peak, lighter)
     return (*plan_of(level), peak, True)
 
 
@@ -161,7 +163,7 @@ def test_the_scheduler_chooses_as_its_plain_reference():
     its passes' plans in batches: every plan the reference predicted, in the same order, in fewer
     calls."""
     rng = random.Random(0)
-    fewer = 0
+    fewer = partial_plans = 0
     for trial in range(300):
         n = rng.randint(1, 48)
         pred = random_prediction(rng, n)
@@ -169,25 +171,31 @@ def test_the_scheduler_chooses_as_its_plain_reference():
         if trial % 2:
             pred.blocks = {q: v * rng.uniform(0.3, 3.0) for q, v in pred.blocks.items()}
             pred.releases = np.array([[rng.random() < 0.3 for _ in range(n)] for _ in range(n)])
-        selective = pred.savings - np.maximum(pred.blocks["selective_extra_bytes"], 0.0)
-        selectable = np.array([rng.random() < 0.8 for _ in range(n)])
-        savings = [np.zeros(n), np.where((selective > 0) & selectable, selective, np.nan), pred.savings]
+        # Every other stack also with the partial levels, each open to a block at random.
+        kept_sets = KEPT_SETS if trial % 4 < 2 else KEPT_SETS[:1]
+        savings, costs = [np.zeros(n)], [np.zeros(n)]
         recompute_ms = np.array([float(rng.randint(1, 8)) for _ in range(n)])
-        costs = [np.zeros(n), recompute_ms - np.array([float(rng.randint(0, 6)) for _ in range(n)]), recompute_ms]
+        for kept_set in KEPT_SETS:
+            freed = pred.savings - np.maximum(pred.blocks[f"{kept_set}_extra_bytes"], 0.0)
+            open_to = np.array([kept_set in kept_sets and rng.random() < 0.8 for _ in range(n)])
+            savings.append(np.where((freed > 0) & open_to, freed, np.nan))
+            costs.append(recompute_ms - np.array([float(rng.randint(0, 6)) for _ in range(n)]))
+        savings.append(pred.savings)
+        costs.append(recompute_ms)
         low, high = plan_peak_bytes(pred, range(n)), plan_peak_bytes(pred, ())
         limit = float(rng.randint(int(min(low, high)) - 20, int(max(low, high)) + 5))
         timeline, predicted, calls = Timeline(pred), [], []
 
         def predict_peaks(levels):
             calls.append(len(levels))
-            predicted.extend(_plan_of(row.tolist()) for row in levels)
+            predicted.extend(plan_of(row.tolist()) for row in levels)
             return timeline.level_peaks(levels)
 
         reference_predicted = []
 
-        def predict(plan, chosen):
-            reference_predicted.append((plan, chosen))
-            return plan_peak_bytes(pred, plan, chosen)
+        def predict(plan, chosen, partial):
+            reference_predicted.append((plan, chosen, partial))
+            return plan_peak_bytes(pred, plan, chosen, partial)
 
         fast = choice_plan_checked(savings, costs, predict_peaks, limit)
         assert fast == _reference_choice_plan(savings, costs, predict, limit), trial
@@ -195,7 +203,9 @@ def test_the_scheduler_chooses_as_its_plain_reference():
         assert all(plan in rest for plan in reference_predicted), trial  # a subsequence
         assert len(calls) <= len(reference_predicted), trial
         fewer += len(calls) < len(reference_predicted)
+        partial_plans += bool(fast[2])
     assert fewer > 30
+    assert partial_plans > 30  # the partial levels were chosen, not only offered
 
 
 def test_two_blocks_checkpointed_selectively_rather_than_one_recomputed_where_they_cost_less():
@@ -207,11 +217,11 @@ def test_two_blocks_checkpointed_selectively_rather_than_one_recomputed_where_th
         return 1000.0 - sum(60.0 if i in selective else 100.0 for i in plan)
 
     savings = [np.zeros(4), np.full(4, 60.0), np.full(4, 100.0)]
-    plan, selective, predicted, fits = choice_plan_checked(
+    plan, selective, _, predicted, fits = choice_plan_checked(
         savings, [np.zeros(4), np.full(4, 1.0), np.full(4, 5.0)], per_plan(peak), 900.0)
     assert (plan, selective, predicted, fits) == ((0, 1), (0, 1), 880.0, True)
     dearer = [np.zeros(4), np.full(4, 3.0), np.full(4, 5.0)]
-    plan, selective, _, fits = choice_plan_checked(savings, dearer, per_plan(peak), 900.0)
+    plan, selective, _, _, fits = choice_plan_checked(savings, dearer, per_plan(peak), 900.0)
     assert (plan, selective, fits) == ((0,), (), True)
 
 
@@ -225,8 +235,8 @@ def test_a_block_recomputed_whole_goes_selective_where_that_still_fits_and_costs
 
     savings = [np.zeros(4), np.full(4, 60.0), np.full(4, 100.0)]
     costs = [np.zeros(4), np.full(4, 9.0), np.full(4, 10.0)]
-    assert choice_plan_checked(savings, costs, per_plan(peak), 885.0) == ((0, 1), (0, 1), 880.0, True)
-    assert choice_plan_checked(savings, costs, per_plan(peak), 879.0) == ((0, 1), (1,), 840.0, True)
+    assert choice_plan_checked(savings, costs, per_plan(peak), 885.0) == ((0, 1), (0, 1), (), 880.0, True)
+    assert choice_plan_checked(savings, costs, per_plan(peak), 879.0) == ((0, 1), (1,), (), 840.0, True)
 
 
 def test_an_upgrade_that_cannot_be_given_back_does_not_stop_the_others_being_given_back():
@@ -242,7 +252,7 @@ def test_an_upgrade_that_cannot_be_given_back_does_not_stop_the_others_being_giv
 
     savings = [np.zeros(4), np.full(4, 50.0), np.full(4, 100.0)]
     costs = [np.zeros(4), np.full(4, 1.0), np.full(4, 3.0)]
-    assert choice_plan_checked(savings, costs, per_plan(peak), 880.0) == ((2,), (2,), 870.0, True)
+    assert choice_plan_checked(savings, costs, per_plan(peak), 880.0) == ((2,), (2,), (), 870.0, True)
     assert choice_plan_checked(savings, costs, per_plan(peak), 800.0)[:2] == ((0, 1, 2), (0, 1, 2))
 
 
@@ -324,7 +334,8 @@ def test_finer_plans_fit_hold_their_predictions_and_compute_what_plain_training_
             planner.policy.cache = {}
             decision = planner.policy.decide(size)
             assert decision.predicted_peak_bytes <= planner.limit_bytes
-            measured = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective)
+            measured = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective,
+                                       partial=decision.partial)
             assert measured <= decision.predicted_peak_bytes <= measured * 1.02, (size, decision)
             seen += bool(decision.selective)
         assert seen  # the budgets were met with selective blocks
@@ -479,14 +490,17 @@ def test_a_step_planned_with_selective_blocks_says_so_and_trains_as_plain():
     assert peak <= budget < none_peak and torch.equal(loss, plain_loss)
 
 
-def test_the_heat_map_shows_selective_blocks_and_records_keep_them():
-    records = [StepRecord(step=0, plan=[0, 1], selective=[1], num_blocks=3),
-               StepRecord(step=1, plan=[], num_blocks=3)]
+def test_the_heat_map_shows_selective_and_partial_blocks_and_records_keep_them():
+    records = [StepRecord(step=0, plan=[0, 1, 3], selective=[1], partial=[[3, "partial2"]], num_blocks=4,
+                          loss=1.0, peak_bytes=1000),
+               StepRecord(step=1, plan=[], num_blocks=4)]
     figure = plan_figure(records)
     image = figure.axes[0].images[0].get_array()
-    assert image[0, 0] == 3.0 and image[1, 0] == 2.0 and image[2, 0] == 0.0
+    assert image[0, 0] == 4.0 and image[1, 0] == 2.0 and image[2, 0] == 0.0 and image[3, 0] == 3.0
     labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
-    assert "checkpointed selectively" in labels
+    assert "checkpointed selectively" in labels and "checkpointed partially" in labels
+    again = StepRecord.from_json(records[0].to_json())
+    assert again.partial == [[3, "partial2"]] and again.selective == [1]
 
 
 def test_a_recipe_chooses_the_choice_set_and_refuses_others():
@@ -542,12 +556,15 @@ def test_the_oracle_searches_the_same_choices_and_its_plans_fit():
         oracle.parts.budget_bytes = int(base + full_peak + 0.5 * (none_peak - full_peak))
         decision = oracle.policy.decide((4, 64))
         recompute_ms, selective_ms = oracle.policy.choice_ms[(4, 64)]
+        partial_ms, partial = oracle.policy.partial_ms[(4, 64)], dict(decision.partial)
         block_level = optimal_plan(pred, oracle.limit_bytes - base)
-        cost = sum(selective_ms[i] if i in decision.selective else recompute_ms[i] for i in decision.plan)
-        assert decision.selective and cost <= sum(recompute_ms[i] for i in block_level) + 1e-9
+        cost = sum(selective_ms[i] if i in decision.selective else
+                   partial_ms[i, PARTIAL_LEVELS.index(partial[i])] if i in partial else recompute_ms[i]
+                   for i in decision.plan)
+        assert (decision.selective or partial) and cost <= sum(recompute_ms[i] for i in block_level) + 1e-9
         loss, peak, info = run_step(oracle, meter, data)
         oracle.close()
-    assert info.selective == decision.selective and peak <= oracle.budget_bytes
+    assert (info.selective, info.partial) == (decision.selective, decision.partial) and peak <= oracle.budget_bytes
 
 
 def test_blocks_whose_savings_read_zero_are_still_taken_when_the_plan_needs_them():
@@ -555,7 +572,7 @@ def test_blocks_whose_savings_read_zero_are_still_taken_when_the_plan_needs_them
     still does not fit, the rest are recomputed, as the block-level greedy adds blocks."""
     savings = [[0.0] * 3, [np.nan] * 3, [0.0, 0.0, 5.0]]
     costs = [[0.0] * 3, [1.0] * 3, [4.0] * 3]
-    plan, selective, peak, fits = choice_plan_checked(savings, costs, per_plan(lambda p, s: 100.0 - 10 * len(p)), 75.0)
+    plan, selective, _, peak, fits = choice_plan_checked(savings, costs, per_plan(lambda p, s: 100.0 - 10 * len(p)), 75.0)
     assert fits and peak <= 75.0 and len(plan) >= 3 and selective == ()
 
 

@@ -86,4 +86,4 @@ def test_a_plan_mixes_the_choices_block_by_block_and_the_run_records_them():
                             iter_ms=1.0, peak_bytes=1, fwd_bwd_peak_bytes=1, start_bytes=0, activation_bytes=0)
     assert record.offload == [2]
     grid = plan_figure([record]).axes[0].images[0].get_array()
-    assert list(grid[:, 0]) == [3.0, 2.0, 1.0, 0.0]
+    assert list(grid[:, 0]) == [4.0, 2.0, 1.0, 0.0]

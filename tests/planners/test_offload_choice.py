@@ -51,21 +51,22 @@ def test_mimose_offloads_where_the_copies_cost_less_and_its_predictions_bound_th
             pred = policy.estimator.predict(policy.cache_key(size))
             recompute_ms, _ = times.at(TOKENS.of(size))
             offload_ms = times.offload_at(pred.blocks["saved_bytes"])
-            freed = set(decision.offload) | set(decision.plan) - set(decision.selective)
+            freed = set(decision.offload) | set(decision.plan) - set(decision.selective) - {i for i, _ in decision.partial}
             assert set(decision.offload) == {i for i in freed if offload_ms[i] < recompute_ms[i]}, (size, decision)
             assert not set(decision.offload) & set(decision.plan)
             measured = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective,
-                                       offload=decision.offload)
-            recomputed = probe_with_plan(planner.parts, batch, tuple(sorted(freed | set(decision.selective))),
-                                         selective=decision.selective)
+                                       offload=decision.offload, partial=decision.partial)
+            recomputed = probe_with_plan(planner.parts, batch, tuple(sorted(set(decision.plan) | freed)),
+                                         selective=decision.selective, partial=decision.partial)
             assert measured <= recomputed <= decision.predicted_peak_bytes <= planner.limit_bytes, (size, decision)
             # the prediction carries the small storages an offloaded block keeps
             # (``bounded_for_offload``): above the same plan predicted recomputed
-            as_planned = policy.predict_peak(size, decision.plan, decision.selective, decision.offload)
+            as_planned = policy.predict_peak(size, decision.plan, decision.selective, decision.offload,
+                                             decision.partial)
             assert as_planned == decision.predicted_peak_bytes
             if decision.offload:
                 freed_plan = tuple(sorted(set(decision.plan) | set(decision.offload)))
-                assert policy.predict_peak(size, freed_plan, decision.selective) < as_planned
+                assert policy.predict_peak(size, freed_plan, decision.selective, (), decision.partial) < as_planned
             offloaded += len(decision.offload)
         assert offloaded  # the copies cost less than some recompute here
         times.copy_ms = (1e3, 0.0)  # a second per storage: never worth it

@@ -9,7 +9,9 @@ import torch
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import Decision, build_planner
-from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction, peak_timeline
+from mimose_cli.planners.choices import plan_of
+from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction, Timeline
+from mimose_cli.planners.features import KEEP_LEVEL, KEPT_SETS, LEVELS, RECOMPUTE_LEVEL, SELECTIVE_LEVEL
 from mimose_cli.planners.oracle import (
     choice_search,
     exact_search,
@@ -57,46 +59,66 @@ def test_exact_search_matches_brute_force_on_the_timeline():
             assert abs(sum(pred.blocks["fwd_ms"][list(plan)]) - best) < 1e-9
 
 
-def _every_choice_plan(pred, limit, recompute_ms, selective_ms, useful):
-    """The finer-plan search written plainly: every keep / selective / recompute plan at once,
-    the cheapest in whole nanoseconds that fits, ties to fewer blocks and then to the first in
-    enumeration order (block 0 the fastest-changing digit)."""
-    n = len(recompute_ms)
-    levels = (np.arange(3 ** n)[:, None] // 3 ** np.arange(n)) % 3
-    levels = levels[~((levels == 1) & ~useful).any(axis=1)]
-    plans, chosen = levels > 0, levels == 1
-    ns = np.round(np.stack([np.zeros(n), selective_ms, recompute_ms]) * 1e6).astype(np.int64)
+def _every_choice_plan(pred, limit, level_ms, usable):
+    """The finer-plan search written plainly: every plan over the levels ``level_ms`` prices
+    (``{level: ms per block}``, keep at 0 ms; ``usable[level]`` the blocks that may take it) at
+    once, the cheapest in whole nanoseconds that fits, ties to fewer blocks and then to the first
+    in enumeration order (block 0 the fastest-changing digit, levels in order)."""
+    n = len(level_ms[RECOMPUTE_LEVEL])
+    values = np.array(sorted(level_ms))
+    digits = (np.arange(len(values) ** n)[:, None] // len(values) ** np.arange(n)) % len(values)
+    levels = values[digits]
+    allowed = np.ones(len(levels), dtype=bool)
+    for level, blocks in usable.items():
+        allowed &= ~((levels == level) & ~blocks).any(axis=1)
+    levels = levels[allowed]
+    ns = np.zeros((LEVELS, n), dtype=np.int64)
+    for level, ms in level_ms.items():
+        ns[level] = np.round(np.nan_to_num(ms) * 1e6).astype(np.int64)
     cost = ns[levels, np.arange(n)].sum(axis=1)
-    fits = peak_timeline(pred, plans, chosen).max(axis=-1) <= limit
+    fits = Timeline(pred).level_peaks(levels) <= limit
     if not fits.any():
-        return tuple(range(n)), ()
-    best = min(np.flatnonzero(fits).tolist(), key=lambda k: (cost[k], plans[k].sum(), k))
-    return tuple(np.flatnonzero(plans[best]).tolist()), tuple(np.flatnonzero(chosen[best]).tolist())
+        return tuple(range(n)), (), ()
+    best = min(np.flatnonzero(fits).tolist(), key=lambda k: (cost[k], (levels[k] > 0).sum(), k))
+    return plan_of(levels[best].tolist())
 
 
 def test_the_finer_plan_search_in_chunks_is_every_plan_at_once():
-    """``choice_search`` walks the plans in chunks of 3^8 (up to 12 blocks) and skips the peaks
+    """``choice_search`` walks the plans in chunks of 3^8 (up to 3^12 plans) and skips the peaks
     of plans dearer than the scheduler's: the same plan as evaluating them all at once, on stacks
-    of 2 to 11 blocks (up to 3^11 plans, many chunks), some blocks not selectable, with times
-    drawn at random and with alike times (equal within a stack: the ties that ``alike_mean``
-    makes, which must go to fewer blocks and then the earlier ones)."""
+    of 2 to 11 blocks (up to 3^11 plans, many chunks) and of 2 to 6 with the partial levels too
+    (up to 6^6 plans), some blocks not selectable or without a partial level, with times drawn at
+    random and with alike times (equal within a stack: the ties that ``alike_mean`` makes, which
+    must go to fewer blocks and then the earlier ones)."""
     rng = random.Random(5)
-    for n in (2, 3, 5, 7, 9, 10, 11):
+    partial_plans = 0
+    for n, partial in [(n, False) for n in (2, 3, 5, 7, 9, 10, 11)] + [(n, True) for n in (2, 3, 4, 5, 6)]:
         for alike in (False, True, True, True, True):
             pred = random_prediction(rng, n)
             if alike:
                 recompute = np.array([rng.choice([1.0, 1.0, 2.0]) for _ in range(n)])
                 selective = recompute * 0.5
+                partial_ms = np.stack([recompute * f for f in (0.6, 0.7, 0.8)], axis=1)
             else:
                 recompute = np.array([rng.uniform(0.5, 3.0) for _ in range(n)])
                 selective = recompute * np.array([rng.uniform(0.1, 1.2) for _ in range(n)])
+                partial_ms = recompute[:, None] * np.array([[rng.uniform(0.1, 1.2) for _ in range(3)]
+                                                            for _ in range(n)])
+            partial_ms[np.array([[rng.random() < 0.3 for _ in range(3)] for _ in range(n)])] = np.nan
             selectable = np.array([rng.random() < 0.8 for _ in range(n)])
             none_peak, full_peak = plan_peak(pred, ()), plan_peak(pred, range(n))
             limit = full_peak + rng.uniform(-0.05, 0.9) * (none_peak - full_peak)
-            extra = np.maximum(pred.blocks["selective_extra_bytes"], 0.0)
-            useful = (pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"]) & selectable
-            expected = _every_choice_plan(pred, limit, recompute, selective, useful)
-            assert choice_search(pred, limit, recompute, selective, selectable) == expected, (n, alike)
+            level_ms, usable = {KEEP_LEVEL: np.zeros(n), RECOMPUTE_LEVEL: recompute}, {}
+            for k, kept_set in enumerate(KEPT_SETS if partial else KEPT_SETS[:1]):
+                extra = np.maximum(pred.blocks[f"{kept_set}_extra_bytes"], 0.0)
+                level_ms[SELECTIVE_LEVEL + k] = partial_ms[:, k - 1] if k else selective
+                usable[SELECTIVE_LEVEL + k] = ((pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"])
+                                               & selectable & ~np.isnan(level_ms[SELECTIVE_LEVEL + k]))
+            expected = _every_choice_plan(pred, limit, level_ms, usable)
+            found = choice_search(pred, limit, recompute, selective, selectable, partial_ms if partial else None)
+            assert found == expected, (n, alike, partial)
+            partial_plans += bool(found[2])
+    assert partial_plans > 5  # the partial levels were chosen, not only offered
 
 
 def test_knapsack_search_fits_many_blocks():
