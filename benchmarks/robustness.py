@@ -215,6 +215,7 @@ class StepRecord:
     optimizer_error: str | None = None
     selective: tuple = ()
     offload: tuple = ()
+    partial: tuple = ()
 
     @property
     def oom(self) -> bool:
@@ -297,7 +298,8 @@ def train_step(t: Trainer, spec: ModelSpec, shape: Shape, step: int) -> StepReco
     info = t.planner.last
     record = StepRecord(loss, mem.peak_bytes, info.predicted_peak_bytes if info else None,
                         tuple(info.plan) if info else (), info.phase if info else None, retries, error,
-                        selective=tuple(info.selective) if info else (), offload=tuple(info.offload) if info else ())
+                        selective=tuple(info.selective) if info else (), offload=tuple(info.offload) if info else (),
+                        partial=tuple(info.partial) if info else ())
     if record.oom:
         t.optimizer.zero_grad(set_to_none=True)  # the lost step's partial gradients
     elif (step + 1) % t.accumulation == 0:
@@ -361,6 +363,8 @@ class Cell:
     """Steps whose plan checkpointed a block selectively (``--choices selective`` or ``offload``)."""
     offload_steps: int = 0
     """Steps whose plan offloaded a block (``--choices offload``)."""
+    partial_steps: int = 0
+    """Steps whose plan checkpointed a block partially (``features.PARTIAL_LEVELS``)."""
     predicted_steps: int = 0
     pred_err_min_pct: float | None = None
     """Most negative (predicted - measured) / measured: the worst under-prediction."""
@@ -392,6 +396,7 @@ def summarize(cell: Cell, run: Run, reference: list) -> None:
     cell.binding_steps = len(ratios)
     cell.selective_steps = sum(bool(r.selective) for r in records)
     cell.offload_steps = sum(bool(r.offload) for r in records)
+    cell.partial_steps = sum(bool(r.partial) for r in records)
     cell.binding_peak_mean_pct = 100 * float(np.mean(ratios)) if ratios else None
     errors = [(r.predicted_peak_bytes - r.peak_bytes) / r.peak_bytes
               for r in responsive if r.predicted_peak_bytes is not None]
@@ -443,7 +448,7 @@ def untrusted(stats: dict):
 
 HEADER = (f"{'model':10} {'setting':8} {'bud%':>4} {'budget MB':>9} {'OOM':>4} {'shel':>4} {'opt':>3} "
           f"{'retry':>5} {'bind':>4} {'peak/bud %':>10} {'err min %':>9} {'|err| max %':>11} "
-          f"{'loss diff':>9} {'unfit':>5} {'under':>5} {'untr':>4} {'warn':>4} {'sel':>4} {'off':>4}  first lost step")
+          f"{'loss diff':>9} {'unfit':>5} {'under':>5} {'untr':>4} {'warn':>4} {'sel':>4} {'part':>4} {'off':>4}  first lost step")
 
 
 def table_line(row: dict) -> str:
@@ -458,7 +463,7 @@ def table_line(row: dict) -> str:
             f"{_fmt(row['pred_err_max_abs_pct'], '.3f', 11)} {_fmt(row['loss_max_abs_diff'], '.1e', 9)} "
             f"{stats.get('unfit_plans', 0):5d} {stats.get('underpredictions', 0):5d} "
             f"{_fmt(untrusted(stats), 'd', 4)} {len(stats.get('warnings', [])):4d} {row.get('selective_steps', 0):4d} "
-            f"{row.get('offload_steps', 0):4d}  {lost}")
+            f"{row.get('partial_steps', 0):4d} {row.get('offload_steps', 0):4d}  {lost}")
 
 
 def target_counts(rows: list) -> dict:
