@@ -386,6 +386,11 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     options = _Upgrades(save, cost)
     level = [KEEP_LEVEL] * save.shape[1]
     taken: list = []
+    predicted = predict_peaks
+
+    def predict_peaks(levels: np.ndarray) -> np.ndarray:  # a peak that is not a number never fits
+        peaks = np.asarray(predicted(levels), dtype=float)
+        return np.where(np.isnan(peaks), np.inf, peaks)
 
     def predict(level: list) -> float:
         return float(predict_peaks(np.array([level]))[0])

@@ -391,8 +391,10 @@ class MimosePolicy(Policy):
     def _pair_samples(self, raws: list, sizes: list, max_size: tuple, twins: dict) -> list:
         """The two measured probe steps (every layer run), scaled to samples at every size."""
         self.counts.probe_twins = len(raws[0].twins)
-        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.parts.num_blocks)
-        self._time_choices(raws, sizes, max_size, twins, [])
+        prefixes = partial_prefixes(raws[0], self.parts.num_blocks, {})
+        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.parts.num_blocks,
+                            partial_keep=partial_keeps(prefixes))
+        self._time_choices(raws, sizes, max_size, twins, [], prefixes)
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
     def _left_out_probes(self, sizes: list, max_size: tuple, make_batch, step_fn, twins: dict, runs: list) -> list:
@@ -408,31 +410,33 @@ class MimosePolicy(Policy):
             self.counts.probe_twins_refused = mismatch.why
             raise _TwinsRefused(mismatch)
         n = self.parts.num_blocks
-        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, n, runs)
+        # What each partial level keeps, one count per block for the estimate and the runner: a
+        # left-out layer's its template's, whose bytes it is written out with (``Deepening``).
+        prefixes = partial_prefixes(raws[0], n, {i: template for template, skipped in runs for i in skipped})
+        keep = partial_keeps(prefixes)
+        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, n, runs, keep)
         deeper = deeper_by_one(runs)
         with left_out(self.parts.model, self.parts.blocks, _skipped(deeper)):
             check = self._probe_step(make_batch, sizes[0], step_fn, twins)
         self.counts.probe_steps += 1
-        keep = partial_keeps(partial_prefixes(raws[0], n, _stand_in(twins, runs)))  # the same levels in both
         where = sample_difference(raw_sample(raws[0], n, runs, keep), raw_sample(check, n, deeper, keep))
         if where is not None:
             raise ScalingError(f"{where} changes when one more of them runs (memory that grows with the layers)")
         self.counts.probe_twins = len(raws[0].twins)
         self.counts.probe_skipped = len(_skipped(runs))
-        self._time_choices(raws, sizes, max_size, twins, runs)
+        self._time_choices(raws, sizes, max_size, twins, runs, prefixes)
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
-    def _time_choices(self, raws: list, sizes: list, max_size: tuple, twins: dict, runs: list) -> None:
+    def _time_choices(self, raws: list, sizes: list, max_size: tuple, twins: dict, runs: list, prefixes: list) -> None:
         """With ``choices="selective"`` or ``"offload"``: each choice's recompute time per block from
         the probes' measuring runs (``ChoiceTimes``), the ops' rates timed on a matmul and a
         pointwise op as large as the largest batch's (``choices.probe_rates_ms``; the device's
         meter is set aside here); a block run without a measuring run takes the block like it.
         With ``"offload"`` also the copies' costs (``choices.copy_costs_ms``). Whatever the
         choices, the runner learns how many heavy outputs each selective and partial checkpoint
-        keeps (what the estimate's bytes for them assume)."""
+        keeps (``prefixes``: what the estimate's bytes for them assume)."""
         stand_in = _stand_in(twins, runs)
         keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
-        prefixes = partial_prefixes(raws[0], self.parts.num_blocks, stand_in)
         self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
         self.parts.plan_runner.partial_keep = partial_keeps(prefixes)
         if self.choices == "block":

@@ -105,7 +105,7 @@ _CHOICE_CHUNK = 3 ** 8
 
 
 def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray, selective_ms: np.ndarray,
-                  selectable: np.ndarray, partial_ms: np.ndarray | None = None) -> tuple:
+                  selectable: np.ndarray, partial_ms: np.ndarray | None = None, searched: dict | None = None) -> tuple:
     """Finer plans (``choices="selective"``): ``(plan, selective, partial)`` with the least
     recompute time whose measured peak fits, over every block kept, checkpointed selectively,
     partially (``partial_ms``: each partial level's ms, NaN where a block has none) or recomputed:
@@ -114,7 +114,8 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     that frees nothing more than the level before it, or a block that holds buffers (``selectable``
     False), is not a choice; every block recomputed when nothing fits. Ties (in whole nanoseconds,
     so that alike blocks' equal times tie exactly) go to fewer blocks, then to the plan met first,
-    the earlier blocks upgraded (their savings last longest in backward)."""
+    the earlier blocks upgraded (their savings last longest in backward). ``searched`` counts which
+    search ran (``"exact"`` or ``"scheduler"``)."""
     n = len(recompute_ms)
     every = tuple(range(n))
     if partial_ms is None:
@@ -134,7 +135,11 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     allowed = [(KEEP_LEVEL, *(SELECTIVE_LEVEL + k for k in range(len(freed)) if not np.isnan(freed[k][i])),
                 RECOMPUTE_LEVEL) for i in range(n)]
     radix = np.array([len(a) for a in allowed])
-    if float(np.prod(radix.astype(float))) > EXACT_MAX_CHOICE_PLANS:
+    exact = float(np.prod(radix.astype(float))) <= EXACT_MAX_CHOICE_PLANS
+    if searched is not None:
+        key = "exact" if exact else "scheduler"
+        searched[key] = searched.get(key, 0) + 1
+    if not exact:
         plan, selective, partial, _, fits = scheduled
         return (plan, selective, partial) if fits else (every, (), ())
     place = np.concatenate(([1], np.cumprod(radix)[:-1]))
@@ -291,6 +296,7 @@ class OraclePolicy(Policy):
         self._make_batch = None
         self.excluded_ms_total = 0.0
         self.margin_bytes = 0
+        self.searched: dict = {}  # finer plans: how many sizes each search planned (``choice_search``)
 
     def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
         # the oracle plans each step against the bytes live at its start: nothing to reserve
@@ -314,9 +320,12 @@ class OraclePolicy(Policy):
             sample = self.measurer.end() if ran else self.measurer.abort()  # abort keeps nothing
         times = None
         if sample is not None and self.measurer.lifetimes:
-            if self.prefixes is None:  # what each partial level keeps: the same ops at every size
-                self.prefixes = partial_prefixes(sample, self.parts.num_blocks, {})
-                self.parts.plan_runner.partial_keep = partial_keeps(self.prefixes)
+            # What each partial level keeps, fixed per block where first found (the same ops at
+            # every size; a block dropped at one size gets its levels at the next).
+            found = partial_prefixes(sample, self.parts.num_blocks, {})
+            self.prefixes = found if self.prefixes is None else [
+                kept if kept is not None else new for kept, new in zip(self.prefixes, found)]
+            self.parts.plan_runner.partial_keep = partial_keeps(self.prefixes)
             raw, sample = sample, raw_sample(sample, self.parts.num_blocks,
                                              partial_keep=self.parts.plan_runner.partial_keep)
             if any(v is None for q in SELECTIVE_QUANTITIES for v in sample[0][q]):  # unmeasured: block-level only
@@ -330,8 +339,11 @@ class OraclePolicy(Policy):
                 keeps = selective_keeps(raw, self.parts.num_blocks, {})
                 self.parts.plan_runner.selective_keep.update({i: k for i, k in enumerate(keeps) if k is not None})
             self.choice_ms[size] = None if times is None else times.at(feature_set.of(size))
-            if times is not None:
-                self.partial_ms[size] = times.partial_at(feature_set.of(size), self.choice_ms[size][1])
+            partial_ms = None if times is None else times.partial_at(feature_set.of(size), self.choice_ms[size][1])
+            if partial_ms is not None:  # a level whose bytes this size did not give: not a choice here
+                for k, level in enumerate(PARTIAL_LEVELS):
+                    partial_ms[[v is None for v in sample[0][kept_quantities(level)[0]]], k] = np.nan
+            self.partial_ms[size] = partial_ms
         pred = None if sample is None else measured_prediction(size, sample, self.parts.num_blocks)
         if pred is not None and self.choice_ms.get(size) is not None and self.choices == "offload":
             if self._copy_costs is None:
@@ -397,7 +409,7 @@ class OraclePolicy(Policy):
                 whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms[0] if offload_ms else None)
                 pred = bounded_for_offload(pred, offloaded, self.storages.get(size))
                 plan, selective, partial = choice_search(pred, limit, whole_ms, selective_ms, self.selectable,
-                                                         self.partial_ms.get(size))
+                                                         self.partial_ms.get(size), self.searched)
             predicted = int(base + plan_peak(pred, plan, selective, partial))  # an offloaded block bounded as recomputed
             plan, offload = split_offload(plan, selective, offloaded, partial)
         excluded_ms = (time.perf_counter() - start) * 1e3
@@ -413,7 +425,9 @@ class OraclePolicy(Policy):
 
     def stats(self, counted: dict) -> dict:
         return {"measured_sizes": len(self.measured), "excluded_ms_total": self.excluded_ms_total,
-                "margin_bytes": self.margin_bytes}
+                "margin_bytes": self.margin_bytes,
+                # finer plans beyond EXACT_MAX_CHOICE_PLANS plans are Mimose's scheduler's, on measurements
+                "exact_searches": self.searched.get("exact", 0), "scheduler_searches": self.searched.get("scheduler", 0)}
 
 
 def Oracle(model, budget=None, **options) -> Planner:

@@ -505,7 +505,7 @@ def selective_bytes(raw: RawStep, storage_bytes: np.ndarray, pairings: list | No
         start, stop, backward, end, made, taken_at = pairing
         counts = [len(made)] + [partial_keep.get(i, {}).get(level) for level in PARTIAL_LEVELS]
         for kept_set, count in zip(KEPT_SETS, counts):
-            if count is None:
+            if count is None or count > len(made):  # fewer taken back at this size: not known here
                 continue
             outlived = raw.died[made[:count]] < taken_at[:count]
             kept, died, released = made[:count][outlived], raw.died[made[:count]][outlived], taken_at[:count][outlived]
@@ -539,7 +539,7 @@ class ScaledStep:
     directly (saved bytes, resident bytes, released bytes) likewise."""
 
     def __init__(self, a: RawStep, size_a: tuple, b: RawStep, size_b: tuple, feature_set, num_blocks: int,
-                 runs=()):
+                 runs=(), partial_keep: dict | None = None):
         reason = structure_difference(a, b)
         if reason is not None:
             raise ScalingError(reason)
@@ -548,7 +548,9 @@ class ScaledStep:
         self.num_blocks = num_blocks
         self.deepening = Deepening(a, num_blocks, runs) if runs else None
         self.pairings = _kept_and_taken(a)  # what selective checkpoints keep: the same at every size
-        self.partial_keep = partial_keeps(partial_prefixes(a, len(self.pairings), {}, self.pairings))
+        # what the partial levels keep (``partial_keeps``; the probe's own where not given)
+        self.partial_keep = partial_keeps(partial_prefixes(a, num_blocks, {}, self.pairings)) \
+            if partial_keep is None else partial_keep
         self.size_a, self.size_b = tuple(size_a), tuple(size_b)
         fa, fb = feature_set.of(size_a), feature_set.of(size_b)
         self.fa = fa

@@ -30,7 +30,7 @@ WIDE = (8.0, 4.5)
 PHASE_COLOURS = {"sheltered": "tab:orange", "measuring": "tab:purple", "untrusted": "tab:brown",
                  "recovery": "tab:red"}
 """Phases shaded on the memory plot; steps of any other phase (responsive) are not shaded."""
-CHECKPOINTED, PARTIAL, SELECTIVE, OFFLOADED, PLAIN = "tab:blue", "#4292c6", "#9ecae1", "tab:orange", "#ececec"
+CHECKPOINTED, PARTIAL, SELECTIVE, OFFLOADED, PLAIN = "tab:blue", "tab:purple", "#9ecae1", "tab:orange", "#ececec"
 
 
 def new_figure(rows: int = 1, cols: int = 1, size=WIDE, **subplots) -> tuple:

@@ -8,7 +8,17 @@ import torch
 from test_scaling import HELD_OUT, metered_mimose, padded
 
 from mimose_cli.planners.blocks import PlanRunner
-from mimose_cli.planners.features import KEPT_SETS, PARTIAL_LEVELS, TOKENS, kept_quantities
+from mimose_cli.planners.choices import choice_plan_checked
+from mimose_cli.planners.features import (
+    KEPT_SETS,
+    PARTIAL_LEVEL,
+    PARTIAL_LEVELS,
+    RECOMPUTE_LEVEL,
+    SELECTIVE_LEVEL,
+    TOKENS,
+    kept_quantities,
+    plan_levels,
+)
 from mimose_cli.planners.trial import probe_with_plan
 
 from helpers import bert_batch, tiny_bert
@@ -87,7 +97,6 @@ def test_a_partial_plan_fits_its_prediction_and_computes_what_plain_training_doe
             planner.model.zero_grad(set_to_none=True)
             return loss.detach(), grads
 
-        plain = step(())
         planner.set_plan(())
         torch.manual_seed(3)
         loss = planner.model(**make((4, 40))).loss
@@ -157,3 +166,28 @@ def test_without_partial_times_no_plan_takes_a_partial_level():
     finally:
         context.__exit__(None, None, None)
     assert np.isfinite(pred_every)
+
+
+def test_a_block_both_selective_and_partial_is_predicted_as_the_runner_runs_it():
+    """``selective`` wins over ``partial`` for a block given both, in the prediction's levels as
+    in the runner (a partial level predicted where the runner keeps every heavy output would
+    under-predict)."""
+    runner = PlanRunner()
+    runner.partial_keep = {0: {"partial3": 1}}
+    runner.use((0, 1), (0,), (), ((0, "partial3"),))
+    assert runner.choices(2) == ("selective", "recompute")
+    assert plan_levels(2, (0, 1), (0,), ((0, "partial3"),)).tolist() == [SELECTIVE_LEVEL, RECOMPUTE_LEVEL]
+    assert plan_levels(2, (1,), (), ((0, "partial3"), (1, "partial3"))).tolist() == [0, PARTIAL_LEVEL["partial3"]]
+
+
+def test_a_plan_whose_peak_is_not_a_number_never_fits():
+    """A level whose predicted peak is NaN (a quantity missing) is never taken as fitting."""
+    savings = [np.zeros(2), np.full(2, 5.0), np.full(2, 6.0), np.full(2, 7.0), np.full(2, 8.0), np.full(2, 10.0)]
+    costs = [np.zeros(2), np.full(2, 1.0), np.full(2, 1.5), np.full(2, 2.0), np.full(2, 2.5), np.full(2, 4.0)]
+
+    def predict_peaks(levels):
+        peaks = 100.0 - np.take([0.0, 5.0, 6.0, 7.0, 8.0, 10.0], levels).sum(axis=-1)
+        return np.where((levels == PARTIAL_LEVEL["partial1"]).any(axis=-1), np.nan, peaks)
+
+    plan, selective, partial, peak, fits = choice_plan_checked(savings, costs, predict_peaks, 88.0)
+    assert fits and peak <= 88.0 and all(level != "partial1" for _, level in partial)
