@@ -244,6 +244,7 @@ class MimosePolicy(Policy):
         blocks = range(self.parts.num_blocks)
         self._selective_needs = set(blocks), {(q, i) for q in SELECTIVE_QUANTITIES for i in blocks}
         """What ``_selective_known`` looks for: every block's heavy outputs kept, its selective bytes."""
+        self._known: dict = {}  # ``_cached``'s: name -> (key, value)
         self.choice_times: ChoiceTimes | None = None
         """What recomputing each block costs per choice (``choices="selective"`` or ``"offload"``,
         from the probes), and offloading it (``"offload"``)."""
@@ -673,8 +674,9 @@ class MimosePolicy(Policy):
             partial_ms = self._partial_ms(features, selective_ms)
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
             # checkpointing refuses them), or a partial level the block has not: not a choice for it.
-            savings = [np.zeros(n), *(np.where((pred.savings - extra > 0) & known, pred.savings - extra, np.nan)
-                                      for extra, known in zip(kept, self._kept_known(partial_ms))), pred.savings]
+            whole = pred.savings
+            savings = [np.zeros(n), *(np.where((whole - extra > 0) & known, whole - extra, np.nan)
+                                      for extra, known in zip(kept, self._kept_known(partial_ms))), whole]
             costs = [np.zeros(n), selective_ms, *np.nan_to_num(partial_ms, nan=np.inf).T, whole_ms]
             plan, selective, partial, peak, fits = choice_plan_checked(
                 savings, costs, lambda levels: base + self._margined(timeline.level_peaks(levels)), limit)
@@ -700,8 +702,19 @@ class MimosePolicy(Policy):
         bytes in the estimate (the probes measure them; measured training steps do not), how many
         heavy outputs it keeps and their recompute times known."""
         kept, estimated = self._selective_needs
-        return (self.choices != "block" and self.choice_times is not None
-                and self.parts.plan_runner.selective_keep.keys() >= kept and self.estimator.layout.keys() >= estimated)
+        keeps, layout = self.parts.plan_runner.selective_keep, self.estimator.layout
+        return self._cached("selective", (self.choices, id(self.choice_times), id(keeps), len(keeps), len(layout)),
+                            lambda: (self.choices != "block" and self.choice_times is not None
+                                     and keeps.keys() >= kept and layout.keys() >= estimated))
+
+    def _cached(self, name: str, key: tuple, work):
+        """``work()``, worked out again only when ``key`` (what it reads: the estimate's layout,
+        the runner's counts, the time model) changed since it was last worked out for ``name``: a
+        miss reads it every time, and its lookups over every block cost more than the schedule."""
+        found = self._known.get(name)
+        if found is None or found[0] != key:
+            found = self._known[name] = (key, work())
+        return found[1]
 
     def _partial_ms(self, features: np.ndarray, selective_ms: np.ndarray) -> np.ndarray:
         """``(blocks, partial levels)``: each partial level's recompute ms (``ChoiceTimes.partial_at``),
@@ -713,13 +726,16 @@ class MimosePolicy(Policy):
         """Per selective checkpoint (``features.KEPT_SETS``), a mask of the blocks that may take it:
         selectable (no buffers), and for a partial level its bytes in the estimate (the probes
         measured them), how many heavy outputs it keeps and its recompute time known."""
-        keeps, layout = self.parts.plan_runner.partial_keep, self.estimator.layout
-        masks = [self._selectable]
-        for k, level in enumerate(PARTIAL_LEVELS):
-            masks.append(self._selectable & ~np.isnan(partial_ms[:, k]) & np.array(
-                [level in keeps.get(i, {}) and all((q, i) in layout for q in kept_quantities(level))
-                 for i in range(self.parts.num_blocks)]))
-        return masks
+        keeps, layout, times = self.parts.plan_runner.partial_keep, self.estimator.layout, self.choice_times
+
+        def structural():
+            return [np.array([level in keeps.get(i, {}) and all((q, i) in layout for q in kept_quantities(level))
+                              for i in range(self.parts.num_blocks)]) for level in PARTIAL_LEVELS]
+
+        known = self._cached("partial", (id(keeps), len(keeps), len(layout), id(times), id(times.partial_work)),
+                             structural)
+        return [self._selectable] + [self._selectable & ~np.isnan(partial_ms[:, k]) & mask
+                                     for k, mask in enumerate(known)]
 
     def _partial_levels(self) -> int:
         """How many (block, partial level) choices plans may take now: 0 unless selective plans are
