@@ -1,4 +1,4 @@
-"""Finer plans: each block kept, checkpointed selectively or recomputed whole (``blocks.CHOICES``).
+"""Finer plans: each block kept, checkpointed selectively or partially, or recomputed whole (``blocks.CHOICES``).
 
 ``ChoiceTimes`` says what recomputing a block costs under each choice at any input size, from
 the probe steps' measuring runs (the time inside the compute-heavy ops and inside the others,
@@ -9,11 +9,12 @@ op of the block in its forward and in its recompute. On a GPU the heavy ops domi
 selective recompute costs a fraction of a full one; on tiny CPU models the dispatch mode costs
 more than the heavy ops, and the scheduler sees it.
 
-``choice_plan_checked`` is the scheduler over the three choices: a multiple-choice knapsack
-solved greedily (the upgrades that free the most bytes per ms, topped up by the cheapest one that
+``choice_plan_checked`` is the scheduler over the choices' levels (``features.LEVELS``): a
+multiple-choice knapsack solved greedily (the upgrades that free the most bytes per ms, topped up by the cheapest one that
 covers the rest, or the one upgrade that covers the excess alone where that costs less), each
 round checked on the predicted timeline, then each upgrade taken back, last first, where the plan
-still fits without it, and blocks recomputed whole checkpointed selectively where that costs less.
+still fits without it, and blocks recomputed whole (or partially) checkpointed at a level that
+keeps more where that costs less.
 """
 
 import dataclasses

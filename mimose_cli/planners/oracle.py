@@ -8,8 +8,10 @@ step peaks match the simulated device to < 0.01 % on the transformers tested). T
 the plan with the least recompute time (Σ measured forward ms) whose peak, on top of the bytes
 at the step's start, fits the budget: an exact search over every plan up to ``EXACT_MAX_BLOCKS``
 blocks; beyond, a knapsack DP on the blocks' savings, topped up block by block until the
-timeline fits. With finer plans (``choices="selective"``) every keep / selective / recompute plan
-up to ``EXACT_MAX_CHOICE_PLANS`` plans (the partial levels too: ``features.PARTIAL_LEVELS``); with ``choices="offload"`` the same plans, a block freed
+timeline fits. With finer plans (``choices="selective"``) every keep / selective / partial
+(``features.PARTIAL_LEVELS``) / recompute plan up to ``EXACT_MAX_CHOICE_PLANS`` plans, beyond them
+Mimose's scheduler on the measurements (``stats``: ``exact_searches``, ``scheduler_searches``); with
+``choices="offload"`` the same plans, a block freed
 whole offloaded where its copies cost less than its recompute (``choices.freeing_ms``), as Mimose's.
 The times of alike blocks (the layers of a stack, ``blocks.twin_blocks``) that measured the same
 bytes are given their mean (``alike_at``, ``blocks.alike_mean``): one step's timings of identical

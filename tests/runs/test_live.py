@@ -110,3 +110,15 @@ def test_a_reader_that_goes_away_quiets_the_view_not_the_run(tmp_path):
     assert view.mode == "none"
     view.update(_record(1))
     view.message("after")  # quiet from now on
+
+
+def test_the_blocks_column_counts_the_finer_choices():
+    """A step's selective, partial and offloaded blocks beside the checkpointed (plain lines)."""
+    out = io.StringIO()
+    view = ProgressView("t", "40MiB", 40 * 2**20, console=Console(file=out, width=200))
+    view.begin(1)
+    record = _record(0)
+    record.plan, record.selective, record.partial, record.offload = [0, 1, 2], [1], [[2, "partial1"]], [3]
+    view.update(record)
+    view.close()
+    assert "3/4 (1 sel, 1 part, 1 off)" in out.getvalue()

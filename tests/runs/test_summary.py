@@ -45,6 +45,9 @@ def test_the_report_shows_the_finer_choices_a_run_made_and_only_then():
     assert "mean blocks sel" in text and "mean blocks off" in text
     plain = rendered(_records([10.0], input_size=[4, 16]))
     assert "1.00 of 2" in plain and "selective" not in plain and "mean blocks off" not in plain
+    partial = rendered(_records([10.0, 20.0], input_size=[4, 16], partial=[[0, "partial2"]]))
+    assert "1.00 of 2 (1.00 partially)" in partial and "mean blocks part" in partial
+    assert "partially" not in plain and "mean blocks part" not in plain
 
 
 def test_the_planner_table_leaves_out_empty_figures_and_keeps_zeros():
