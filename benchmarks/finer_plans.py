@@ -27,7 +27,10 @@ matmuls it saves, and the scheduler's time model sees it).
 Configurations: ``swag`` (the 12-layer tiny BERT of mimose_speed.py), ``bert-base-width`` (4 layers
 of hidden 768), ``squad`` (lengths up to 384, widely varying), and the paper-figure configurations
 of paper_figure.py (``bert-qqp``, ``bert-swag``, ``roberta-mc``; their budgets there are f = 0.05,
-0.35, 0.85). Variant ``offload`` (Mimose's ``choices: offload``, a block freed whole offloaded
+0.35, 0.85). Variants ``selective-whole`` and ``oracle-whole`` are Mimose's and the oracle's
+finer plans without the partial levels (``features.PARTIAL_LEVELS``: no block keeps only its first
+heavy outputs), for the partial levels' share of the figures (their rows compare
+``selective`` with ``selective-whole``). Variant ``offload`` (Mimose's ``choices: offload``, a block freed whole offloaded
 where its copies cost less than its recompute) gets the same time and recompute ratios, against
 block-level Mimose and ``oracle-offload`` (the oracle's ``choices: offload``); a run that offloaded
 has no plan cost (the oracle's table prices no copies; results written before 2026-12-03's second
