@@ -167,6 +167,9 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=(), wh
             "checkpointed": result.summary["mean_checkpointed_blocks"],
             "selective": result.summary.get("mean_selective_blocks"),
             "partial": result.summary.get("mean_partial_blocks"),
+            # the oracle's finer plans: input sizes searched exactly, and by the scheduler (too many plans)
+            "exact_searches": result.summary["planner"].get("exact_searches"),
+            "scheduler_searches": result.summary["planner"].get("scheduler_searches"),
             "offloaded": result.summary.get("mean_offloaded_blocks"),
             "oom_steps": sum(r.oom for r in result.records), "retries": sum(r.retries for r in result.records),
             "preflight_full_bytes": (result.summary.get("preflight") or {}).get("full_bytes"),
