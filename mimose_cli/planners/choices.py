@@ -387,17 +387,11 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     options = _Upgrades(save, cost)
     level = [KEEP_LEVEL] * save.shape[1]
     taken: list = []
-    predicted = predict_peaks
-
-    def predict_peaks(levels: np.ndarray) -> np.ndarray:  # a peak that is not a number never fits
-        peaks = np.asarray(predicted(levels), dtype=float)
-        return np.where(np.isnan(peaks), np.inf, peaks)
-
     def predict(level: list) -> float:
         return float(predict_peaks(np.array([level]))[0])
 
     peak = predict(level)
-    while peak > limit_bytes:
+    while not peak <= limit_bytes:  # (a peak that is not a number never fits)
         excess = peak - limit_bytes
         moved = False
         while excess > 0:
@@ -416,7 +410,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
             taken += [(i, level[i]) for i in rest]
             level = [RECOMPUTE_LEVEL] * len(level)
         peak = predict(level)
-    if peak > limit_bytes:
+    if not peak <= limit_bytes:
         return (*plan_of(level), peak, False)
     # Taken back last first where the plan still fits without them and that costs no more (a
     # recompute taken back to selective can cost more on a small CPU model); one that does not
@@ -479,7 +473,7 @@ def _each_that_fits(level: list, peak: float, changes: Iterable, prices: list, p
         alone[np.arange(len(others)), others[:, 0]] = others[:, 1]
         walked = [plan for plan in walk if plan is not None]
         peaks = predict_peaks(np.concatenate((np.array(walked, dtype=np.intp), alone)))
-        fits = ~(peaks > limit_bytes)  # the rounds' test, ``peak > limit_bytes``, negated
+        fits = peaks <= limit_bytes  # the rounds' test (a NaN peak does not fit)
         done, k = len(head), 0
         for index, plan in enumerate(walk):
             if plan is None:
