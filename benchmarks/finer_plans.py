@@ -79,7 +79,8 @@ VARIANTS = {  # name -> (planner, overrides)
     "offload": ("mimose", ("planner.mimose.choices=offload",)),
     "oracle-offload": ("oracle", ("planner.oracle.choices=offload",)),
 }
-_FINER = {"selective": ("", ("block", "oracle", "selective-whole")), "offload": ("offload_", ("block", "oracle-offload")),
+_FINER = {"selective": ("", ("block", "oracle", "selective-whole")),
+          "offload": ("offload_", ("block", "oracle-offload")),
           "selective-whole": ("whole_", ("block", "oracle-whole"))}
 _WHOLE = {"selective-whole", "oracle-whole"}
 """Variants run with no partial level priced (``ChoiceTimes.partial_at`` says none is known)."""

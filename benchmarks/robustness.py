@@ -448,7 +448,8 @@ def untrusted(stats: dict):
 
 HEADER = (f"{'model':10} {'setting':8} {'bud%':>4} {'budget MB':>9} {'OOM':>4} {'shel':>4} {'opt':>3} "
           f"{'retry':>5} {'bind':>4} {'peak/bud %':>10} {'err min %':>9} {'|err| max %':>11} "
-          f"{'loss diff':>9} {'unfit':>5} {'under':>5} {'untr':>4} {'warn':>4} {'sel':>4} {'part':>4} {'off':>4}  first lost step")
+          f"{'loss diff':>9} {'unfit':>5} {'under':>5} {'untr':>4} {'warn':>4} {'sel':>4} {'part':>4} {'off':>4}  "
+          "first lost step")
 
 
 def table_line(row: dict) -> str:

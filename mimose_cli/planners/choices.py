@@ -10,8 +10,8 @@ selective recompute costs a fraction of a full one; on tiny CPU models the dispa
 more than the heavy ops, and the scheduler sees it.
 
 ``choice_plan_checked`` is the scheduler over the choices' levels (``features.LEVELS``): a
-multiple-choice knapsack solved greedily (the upgrades that free the most bytes per ms, topped up by the cheapest one that
-covers the rest, or the one upgrade that covers the excess alone where that costs less), each
+multiple-choice knapsack solved greedily (the upgrades that free the most bytes per ms, topped up
+by the cheapest one that covers the rest, or the one upgrade that covers the excess alone where that costs less), each
 round checked on the predicted timeline, then each upgrade taken back, last first, where the plan
 still fits without it, and blocks recomputed whole (or partially) checkpointed at a level that
 keeps more where that costs less.

@@ -155,7 +155,8 @@ class Timeline:
         # backward's own peak (with the recompute's) and what a plain run leaves until the forward
         # ends; a plan picks a row per block.
         none = np.zeros_like(b["resident_bytes"])
-        rows = [(b["plain_bytes"], np.maximum(gap, b["fwd_peak_bytes"]), np.maximum(bwd, NO_EVENT), b["resident_bytes"])]
+        rows = [(b["plain_bytes"], np.maximum(gap, b["fwd_peak_bytes"]), np.maximum(bwd, NO_EVENT),
+                 b["resident_bytes"])]
         for kept_set in KEPT_SETS:
             extra, fwd, again, back = (b[q] for q in kept_quantities(kept_set))
             rows.append((b["ckpt_bytes"] + np.maximum(extra, 0.0), np.maximum(gap, np.maximum(fwd, ckpt_fwd)),

@@ -290,7 +290,7 @@ class OraclePolicy(Policy):
         self.twins = twin_blocks(self.parts.blocks)
         self.choice_ms: dict = {}  # input size -> (recompute ms, selective ms[, offload ms]) per block
         self.partial_ms: dict = {}  # input size -> each partial level's ms per block (blocks x levels)
-        self.prefixes: list | None = None  # what the partial levels keep (``scaling.partial_prefixes``), the first size's
+        self.prefixes: list | None = None  # what the partial levels keep, per block (``scaling.partial_prefixes``)
         self._dispatch_costs = None
         self._copy_costs = None  # ``choices.copy_costs_ms``, timed once (``choices="offload"``)
         self.storages: dict = {}  # input size -> the storages each block saved (``choices="offload"``)
@@ -412,7 +412,8 @@ class OraclePolicy(Policy):
                 pred = bounded_for_offload(pred, offloaded, self.storages.get(size))
                 plan, selective, partial = choice_search(pred, limit, whole_ms, selective_ms, self.selectable,
                                                          self.partial_ms.get(size), self.searched)
-            predicted = int(base + plan_peak(pred, plan, selective, partial))  # an offloaded block bounded as recomputed
+            # an offloaded block bounded as recomputed
+            predicted = int(base + plan_peak(pred, plan, selective, partial))
             plan, offload = split_offload(plan, selective, offloaded, partial)
         excluded_ms = (time.perf_counter() - start) * 1e3
         self.excluded_ms_total += excluded_ms
@@ -429,7 +430,8 @@ class OraclePolicy(Policy):
         return {"measured_sizes": len(self.measured), "excluded_ms_total": self.excluded_ms_total,
                 "margin_bytes": self.margin_bytes,
                 # finer plans beyond EXACT_MAX_CHOICE_PLANS plans are Mimose's scheduler's, on measurements
-                "exact_searches": self.searched.get("exact", 0), "scheduler_searches": self.searched.get("scheduler", 0)}
+                "exact_searches": self.searched.get("exact", 0),
+                "scheduler_searches": self.searched.get("scheduler", 0)}
 
 
 def Oracle(model, budget=None, **options) -> Planner:

@@ -83,7 +83,8 @@ def _blocks(row: dict) -> str:
     blocks = row.get("mean_checkpointed_blocks")
     if blocks is None:
         return "-"
-    finer = [f"{row[key]:.2f} {label}" for key, label in (("mean_selective_blocks", "sel"), ("mean_partial_blocks", "part"),
+    finer = [f"{row[key]:.2f} {label}" for key, label in (("mean_selective_blocks", "sel"),
+                                                           ("mean_partial_blocks", "part"),
                                                            ("mean_offloaded_blocks", "off")) if row.get(key)]
     return f"{blocks:.2f}" + (f" ({', '.join(finer)})" if finer else "")
 

@@ -148,8 +148,9 @@ def plan_figure(records, title: str = "blocks checkpointed per step", what: str 
         grid[list(record.selective), i] = 2.0
         grid[[block for block, _ in record.partial], i] = 3.0
     fig, ax = new_figure()
-    ax.imshow(grid, cmap=ListedColormap([PLAIN, OFFLOADED, SELECTIVE, PARTIAL, CHECKPOINTED]), vmin=0, vmax=4, aspect="auto",
-              origin="lower", interpolation="nearest", extent=(-0.5, len(records) - 0.5, -0.5, num_blocks - 0.5))
+    ax.imshow(grid, cmap=ListedColormap([PLAIN, OFFLOADED, SELECTIVE, PARTIAL, CHECKPOINTED]), vmin=0, vmax=4,
+              aspect="auto", origin="lower", interpolation="nearest",
+              extent=(-0.5, len(records) - 0.5, -0.5, num_blocks - 0.5))
     handles = [Patch(color=CHECKPOINTED, label=what), Patch(color=PLAIN, label="run plainly")]
     if any(r.selective for r in records):
         handles[0] = Patch(color=CHECKPOINTED, label=f"{what} (recomputed whole)")

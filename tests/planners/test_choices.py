@@ -572,7 +572,8 @@ def test_blocks_whose_savings_read_zero_are_still_taken_when_the_plan_needs_them
     still does not fit, the rest are recomputed, as the block-level greedy adds blocks."""
     savings = [[0.0] * 3, [np.nan] * 3, [0.0, 0.0, 5.0]]
     costs = [[0.0] * 3, [1.0] * 3, [4.0] * 3]
-    plan, selective, _, peak, fits = choice_plan_checked(savings, costs, per_plan(lambda p, s: 100.0 - 10 * len(p)), 75.0)
+    predict = per_plan(lambda p, s: 100.0 - 10 * len(p))
+    plan, selective, _, peak, fits = choice_plan_checked(savings, costs, predict, 75.0)
     assert fits and peak <= 75.0 and len(plan) >= 3 and selective == ()
 
 

@@ -12,8 +12,8 @@ from mimose_cli.runs.summary import summarize
 
 # Every line has every key, in this order (the keys metrics.jsonl has always had).
 KEYS = ["step", "micro_step", "input_shape", "input_size", "loss", "lr", "iter_ms", "memory/peak_bytes",
-        "memory/fwd_bwd_peak_bytes", "memory/start_bytes", "memory/activation_bytes", "plan", "selective", "offload", "partial",
-        "num_blocks",
+        "memory/fwd_bwd_peak_bytes", "memory/start_bytes", "memory/activation_bytes", "plan", "selective", "offload",
+        "partial", "num_blocks",
         "planner_ms", "phase", "cache_hit", "predicted_peak_bytes", "reached_bytes", "retries", "excluded_ms",
         "recompute_ms", "oom", "error", "memory/reserved_peak_bytes", "epoch", "eval_loss", "eval_accuracy",
         "eval_ms", "memory/eval_peak_bytes", "rank", "ranks"]
