@@ -703,18 +703,19 @@ class MimosePolicy(Policy):
         heavy outputs it keeps and their recompute times known."""
         kept, estimated = self._selective_needs
         keeps, layout = self.parts.plan_runner.selective_keep, self.estimator.layout
-        return self._cached("selective", (self.choices, id(self.choice_times), id(keeps), len(keeps), len(layout)),
+        return self._cached("selective", (self.choices, len(keeps), len(layout)), (self.choice_times, keeps, layout),
                             lambda: (self.choices != "block" and self.choice_times is not None
                                      and keeps.keys() >= kept and layout.keys() >= estimated))
 
-    def _cached(self, name: str, key: tuple, work):
-        """``work()``, worked out again only when ``key`` (what it reads: the estimate's layout,
-        the runner's counts, the time model) changed since it was last worked out for ``name``: a
-        miss reads it every time, and its lookups over every block cost more than the schedule."""
+    def _cached(self, name: str, key: tuple, reads: tuple, work):
+        """``work()``, worked out again only when ``key`` or one of the objects it ``reads`` (the
+        estimate's layout, the runner's counts, the time model: held here, so told apart by
+        identity) changed since it was last worked out for ``name``: a miss reads it every time,
+        and its lookups over every block cost more than the schedule."""
         found = self._known.get(name)
-        if found is None or found[0] != key:
-            found = self._known[name] = (key, work())
-        return found[1]
+        if found is None or found[0] != key or any(a is not b for a, b in zip(found[1], reads)):
+            found = self._known[name] = (key, reads, work())
+        return found[2]
 
     def _partial_ms(self, features: np.ndarray, selective_ms: np.ndarray) -> np.ndarray:
         """``(blocks, partial levels)``: each partial level's recompute ms (``ChoiceTimes.partial_at``),
@@ -732,7 +733,7 @@ class MimosePolicy(Policy):
             return [np.array([level in keeps.get(i, {}) and all((q, i) in layout for q in kept_quantities(level))
                               for i in range(self.parts.num_blocks)]) for level in PARTIAL_LEVELS]
 
-        known = self._cached("partial", (id(keeps), len(keeps), len(layout), id(times), id(times.partial_work)),
+        known = self._cached("partial", (len(keeps), len(layout)), (keeps, layout, times, times.partial_work),
                              structural)
         return [self._selectable] + [self._selectable & ~np.isnan(partial_ms[:, k]) & mask
                                      for k, mask in enumerate(known)]
