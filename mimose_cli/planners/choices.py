@@ -28,7 +28,15 @@ import torch
 
 from mimose_cli.memory import synchronize
 from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES, round_trip
-from mimose_cli.planners.features import KEEP_LEVEL, LEVELS, PARTIAL_LEVELS, RECOMPUTE_LEVEL, SELECTIVE_LEVEL
+from mimose_cli.planners.features import (
+    KEEP_LEVEL,
+    KEPT_SETS,
+    LEVELS,
+    PARTIAL_LEVELS,
+    RECOMPUTE_LEVEL,
+    SELECTIVE_LEVEL,
+    kept_quantities,
+)
 from mimose_cli.planners.scaling import exponents, work_coefficients
 from mimose_cli.torch_private import UncompiledDispatchMode, without_dispatch_modes
 
@@ -361,6 +369,21 @@ def split_offload(plan: tuple, selective: tuple, offloaded: np.ndarray, partial:
     return tuple(i for i in plan if i not in offload), offload
 
 
+def level_rows(pred, open_to: list, selective_ms: np.ndarray, partial_ms: np.ndarray, whole_ms: np.ndarray) -> tuple:
+    """``(savings, costs)``: ``choice_plan_checked``'s rows over ``features.LEVELS`` for ``pred``
+    (an ``estimator.Prediction``): a block kept frees and costs nothing; checkpointed selectively or
+    at a partial level (``features.KEPT_SETS``) it frees what checkpointing it frees less the
+    outputs that level keeps, where ``open_to`` (a mask over blocks per kept set) lets it and that is
+    more than nothing (NaN: not a choice), for ``selective_ms`` and ``partial_ms`` (blocks x partial
+    levels); freed whole, all of it, for ``whole_ms``."""
+    whole = pred.savings
+    savings = [np.zeros(len(whole))]
+    for kept_set, known in zip(KEPT_SETS, open_to):
+        freed = whole - np.maximum(pred.blocks[kept_quantities(kept_set)[0]], 0.0)
+        savings.append(np.where((freed > 0) & known, freed, np.nan))
+    return savings + [whole], [np.zeros(len(whole)), selective_ms, *partial_ms.T, whole_ms]
+
+
 def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequence[float]],
                         predict_peaks: Callable[[np.ndarray], np.ndarray], limit_bytes: float) -> tuple:
     """The least-recompute choices whose predicted peak fits: ``(plan, selective, partial, peak,
@@ -387,6 +410,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     options = _Upgrades(save, cost)
     level = [KEEP_LEVEL] * save.shape[1]
     taken: list = []
+
     def predict(level: list) -> float:
         return float(predict_peaks(np.array([level]))[0])
 

@@ -43,12 +43,13 @@ from mimose_cli.planners.choices import (
     copy_costs_ms,
     dispatch_costs_ms,
     freeing_ms,
+    level_rows,
     probe_rates_ms,
     split_offload,
 )
 from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.estimator import Estimator, Timeline, plan_peak_bytes
-from mimose_cli.planners.features import KEPT_SETS, PARTIAL_LEVELS, kept_quantities
+from mimose_cli.planners.features import PARTIAL_LEVELS, kept_quantities
 from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.offload import check_offload_device
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
@@ -177,14 +178,6 @@ def _skipped(runs: list) -> list:
 def _layers(runs: list) -> str:
     """The layers ``runs`` leave out, in words: "layers 3-6" (and "8-10")."""
     return "layers " + " and ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for _, run in runs)
-
-
-def _stand_in(twins: dict, runs: list) -> dict:
-    """``{block: the block measured for it}``: the probes' twins and the layers they left out."""
-    stand_in = dict(twins)
-    for template, skipped in runs:
-        stand_in.update({i: twins.get(template, template) for i in skipped})
-    return stand_in
 
 
 class _TwinsRefused(ScalingError):
@@ -436,7 +429,9 @@ class MimosePolicy(Policy):
         With ``"offload"`` also the copies' costs (``choices.copy_costs_ms``). Whatever the
         choices, the runner learns how many heavy outputs each selective and partial checkpoint
         keeps (``prefixes``: what the estimate's bytes for them assume)."""
-        stand_in = _stand_in(twins, runs)
+        stand_in = dict(twins)
+        for template, skipped in runs:
+            stand_in.update({i: twins.get(template, template) for i in skipped})
         keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
         self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
         self.parts.plan_runner.partial_keep = partial_keeps(prefixes)
@@ -660,7 +655,6 @@ class MimosePolicy(Policy):
     def _plan_miss(self, key: tuple, base: int) -> tuple:
         start = time.perf_counter()
         pred = self.estimator.predict(key)
-        n = self.parts.num_blocks
         limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
         selective, offload, partial = (), (), ()
         if self._selective_known():
@@ -670,14 +664,10 @@ class MimosePolicy(Policy):
             whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms)
             pred = bounded_for_offload(pred, offloaded, self.choice_times.storages)
             timeline = Timeline(pred)  # the plans predicted below differ only in the blocks' choices
-            kept = [np.maximum(pred.blocks[kept_quantities(kept_set)[0]], 0.0) for kept_set in KEPT_SETS]
             partial_ms = self._partial_ms(features, selective_ms)
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
             # checkpointing refuses them), or a partial level the block has not: not a choice for it.
-            whole = pred.savings
-            savings = [np.zeros(n), *(np.where((whole - extra > 0) & known, whole - extra, np.nan)
-                                      for extra, known in zip(kept, self._kept_known(partial_ms))), whole]
-            costs = [np.zeros(n), selective_ms, *np.nan_to_num(partial_ms, nan=np.inf).T, whole_ms]
+            savings, costs = level_rows(pred, self._kept_known(partial_ms), selective_ms, partial_ms, whole_ms)
             plan, selective, partial, peak, fits = choice_plan_checked(
                 savings, costs, lambda levels: base + self._margined(timeline.level_peaks(levels)), limit)
             plan, offload = split_offload(plan, selective, offloaded, partial)

@@ -35,6 +35,7 @@ from mimose_cli.planners.choices import (
     copy_costs_ms,
     dispatch_costs_ms,
     freeing_ms,
+    level_rows,
     plan_of,
     split_offload,
 )
@@ -49,7 +50,6 @@ from mimose_cli.planners.estimator import (
 )
 from mimose_cli.planners.features import (
     KEEP_LEVEL,
-    KEPT_SETS,
     LEVELS,
     PARTIAL_LEVELS,
     RECOMPUTE_LEVEL,
@@ -113,7 +113,7 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     partially (``partial_ms``: each partial level's ms, NaN where a block has none) or recomputed:
     every plan up to ``EXACT_MAX_CHOICE_PLANS`` plans, beyond them Mimose's scheduler
     (``choices.choice_plan_checked``) on the measurements. A block's selective or partial checkpoint
-    that frees nothing more than the level before it, or a block that holds buffers (``selectable``
+    that frees nothing (``choices.level_rows``), or a block that holds buffers (``selectable``
     False), is not a choice; every block recomputed when nothing fits. Ties (in whole nanoseconds,
     so that alike blocks' equal times tie exactly) go to fewer blocks, then to the plan met first,
     the earlier blocks upgraded (their savings last longest in backward). ``searched`` counts which
@@ -122,16 +122,13 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     every = tuple(range(n))
     if partial_ms is None:
         partial_ms = np.full((n, len(PARTIAL_LEVELS)), np.nan)
-    savings, timeline = pred.savings, Timeline(pred)
-    # Per selective checkpoint (selective, then each partial level): what it frees, where useful.
-    freed = []
-    for k, kept_set in enumerate(KEPT_SETS):
-        extra = np.maximum(pred.blocks[kept_quantities(kept_set)[0]], 0.0)
-        known = selectable & (~np.isnan(partial_ms[:, k - 1]) if k else True)
-        useful = known & (pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"])
-        freed.append(np.where(useful, savings - extra, np.nan))
-    costs = [np.zeros(n), selective_ms, *np.nan_to_num(partial_ms, nan=np.inf).T, recompute_ms]
-    scheduled = choice_plan_checked([np.zeros(n), *freed, savings], costs, timeline.level_peaks, limit_bytes)
+    timeline = Timeline(pred)
+    # Per selective checkpoint (selective, then each partial level): what it frees, where useful
+    # (a measured prediction lets go of no input: what it frees is plain less checkpointed bytes).
+    open_to = [selectable, *(selectable & ~np.isnan(ms) for ms in partial_ms.T)]
+    savings, costs = level_rows(pred, open_to, selective_ms, partial_ms, recompute_ms)
+    freed = savings[1:-1]
+    scheduled = choice_plan_checked(savings, costs, timeline.level_peaks, limit_bytes)
     # Each block's levels (keep, the useful selective checkpoints, recompute), as the digits of a
     # mixed-radix number: plan k of the search is k's digits.
     allowed = [(KEEP_LEVEL, *(SELECTIVE_LEVEL + k for k in range(len(freed)) if not np.isnan(freed[k][i])),
