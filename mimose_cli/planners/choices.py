@@ -377,11 +377,18 @@ def level_rows(pred, open_to: list, selective_ms: np.ndarray, partial_ms: np.nda
     more than nothing (NaN: not a choice), for ``selective_ms`` and ``partial_ms`` (blocks x partial
     levels); freed whole, all of it, for ``whole_ms``."""
     whole = pred.savings
-    savings = [np.zeros(len(whole))]
-    for kept_set, known in zip(KEPT_SETS, open_to):
-        freed = whole - np.maximum(pred.blocks[kept_quantities(kept_set)[0]], 0.0)
-        savings.append(np.where((freed > 0) & known, freed, np.nan))
-    return savings + [whole], [np.zeros(len(whole)), selective_ms, *partial_ms.T, whole_ms]
+    rows = np.zeros((LEVELS, len(whole)))  # every kept set's row at once (a miss builds them)
+    freed = whole - np.maximum([pred.blocks[quantity] for quantity in _EXTRA_BYTES], 0.0)
+    rows[SELECTIVE_LEVEL:RECOMPUTE_LEVEL] = np.where((freed > 0) & np.asarray(open_to, dtype=bool), freed, np.nan)
+    rows[RECOMPUTE_LEVEL] = whole
+    costs = np.zeros_like(rows)
+    costs[SELECTIVE_LEVEL], costs[SELECTIVE_LEVEL + 1:RECOMPUTE_LEVEL], costs[RECOMPUTE_LEVEL] = (
+        selective_ms, partial_ms.T, whole_ms)
+    return rows, costs
+
+
+_EXTRA_BYTES = tuple(kept_quantities(kept_set)[0] for kept_set in KEPT_SETS)
+"""The bytes each selective checkpoint (``KEPT_SETS``, in level order) keeps beyond a whole one's."""
 
 
 def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequence[float]],
@@ -401,8 +408,10 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     no more, and blocks recomputed whole (or partially) are checkpointed at a level that keeps more
     instead where that costs less and still fits. Those two passes predict their plans in batches
     (``_each_that_fits``)."""
-    save = np.nan_to_num(_all_levels(savings, np.nan), nan=-1.0)
-    cost = np.where(save >= 0, _all_levels(costs, 0.0), 0.0)  # a level a block cannot take: never priced
+    save = _all_levels(savings, np.nan)
+    np.copyto(save, -1.0, where=np.isnan(save))
+    cost = _all_levels(costs, 0.0)
+    cost[save < 0] = 0.0  # a level a block cannot take: never priced
     cost[KEEP_LEVEL] = 0.0  # a kept block costs nothing, whatever ``costs`` says
     # The per-upgrade bookkeeping reads Python lists, not numpy scalars (each read several times
     # slower), as a miss applies dozens of upgrades; the float64 arithmetic is the same.
@@ -455,7 +464,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
 def _all_levels(rows: Sequence[Sequence[float]], missing: float) -> np.ndarray:
     """``(LEVELS, blocks)``: ``choice_plan_checked``'s savings or costs, the partial levels filled
     with ``missing`` where only keep, selective and recompute are given."""
-    rows = np.array(rows, dtype=float)
+    rows = np.array(rows, dtype=float)  # a copy: the caller's rows stay as they are
     if len(rows) == LEVELS:
         return rows
     if len(rows) != 3:
@@ -493,7 +502,8 @@ def _each_that_fits(level: list, peak: float, changes: Iterable, prices: list, p
         # Each change left alone: rows of the plan so far with one level changed (built in numpy:
         # dozens of rows converted from lists cost more than predicting them).
         others = np.array(changes[1:], dtype=np.intp).reshape(-1, 2)
-        alone = np.tile(np.array(level, dtype=np.intp), (len(others), 1))
+        alone = np.empty((len(others), len(level)), dtype=np.intp)
+        alone[:] = level
         alone[np.arange(len(others)), others[:, 0]] = others[:, 1]
         walked = [plan for plan in walk if plan is not None]
         peaks = predict_peaks(np.concatenate((np.array(walked, dtype=np.intp), alone)))
@@ -533,8 +543,8 @@ def plan_of(level: list) -> tuple:
 _TARGETS = np.arange(1, LEVELS)
 _TARGET_LEVELS = tuple(_TARGETS.tolist())
 _WIDTH = len(_TARGET_LEVELS)
-_UPWARD = (np.arange(LEVELS)[:, None] < _TARGETS)[..., None]
-"""(from level, to level, 1): whether an upgrade goes up."""
+_UPWARD_BLOCKS = (np.arange(LEVELS)[:, None] < _TARGETS)[:, None, :]
+"""(from level, 1, to level): whether an upgrade goes up."""
 
 
 class _Upgrades:
@@ -546,13 +556,17 @@ class _Upgrades:
 
     def __init__(self, save: np.ndarray, cost: np.ndarray):
         n = save.shape[1]
-        # (from level, to level, block): what an upgrade frees and costs beyond what the block's
-        # level already does (``cost[KEEP_LEVEL]`` is zero: a kept block costs nothing).
-        gain = save[1:] - np.maximum(save, 0.0)[:, None]
-        extra = np.maximum(cost[1:] - cost[:, None], 1e-9)
-        usable = _UPWARD & (save[1:] >= 0) & (gain > 0)
-        tables = np.stack([gain, extra, usable, np.where(usable, gain / extra, -np.inf)])
-        self.tables = tables.transpose(0, 1, 3, 2).reshape(4, -1)  # block-major, selective first
+        # (gain, extra, usable, rate; from level, block, to level): what an upgrade frees and
+        # costs beyond what the block's level already does (``cost[KEEP_LEVEL]`` is zero: a kept
+        # block costs nothing), block-major, selective first.
+        tables = np.empty((4, LEVELS, n, _WIDTH))
+        gain, extra, usable, rate = tables
+        np.subtract(save[1:].T, np.maximum(save, 0.0)[:, :, None], out=gain)
+        np.maximum(cost[1:].T - cost[:, :, None], 1e-9, out=extra)
+        np.logical_and(_UPWARD_BLOCKS & (save[1:].T >= 0), gain > 0, out=usable)
+        np.divide(gain, extra, out=rate)
+        rate[usable == 0] = -np.inf
+        self.tables = tables.reshape(4, -1)
         self.flat, self.width = np.arange(_WIDTH * n), _WIDTH * n
         self.blocks = n
 
@@ -563,20 +577,23 @@ class _Upgrades:
         the cheapest such one instead, unless those best-rate upgrades and the cheapest upgrade of
         another block that covers what they leave cost less together (two blocks checkpointed
         selectively rather than one recomputed whole). Empty when no upgrade frees more."""
-        at = np.repeat(np.array(level), _WIDTH) * self.width + self.flat
-        gain, extra, usable, rate = np.take(self.tables, at, axis=1)
+        # (numpy's methods called directly: their wrappers cost as much as the arithmetic here)
+        at = np.array(level).repeat(_WIDTH) * self.width + self.flat
+        gain, extra, usable, rate = self.tables.take(at, axis=1)
         usable = usable > 0
         if not usable.any():
             return []
         covers = usable & (gain >= excess)
-        single = int(np.argmin(np.where(covers, extra, np.inf)))
-        if covers.any():
+        any_covers = covers.any()
+        if any_covers:
+            single = int(np.where(covers, extra, np.inf).argmin())
             # Best-rate upgrades topped up are two blocks at least: never cheaper than the two
             # cheapest blocks' upgrades, so where the covering one costs no more, it is the answer.
-            cheapest = np.sort(np.where(usable, extra, np.inf).reshape(-1, _WIDTH).min(axis=1))[:2]
+            cheapest = np.where(usable, extra, np.inf).reshape(-1, _WIDTH).min(axis=1)
+            cheapest = cheapest[cheapest.argpartition(1)[:2]] if len(cheapest) > 1 else cheapest
             if len(cheapest) < 2 or extra[single] <= cheapest.sum():
                 return [(single // _WIDTH, _TARGET_LEVELS[single % _WIDTH])]
-        ranked = np.argsort(-rate, kind="stable")[: int(usable.sum())]
+        ranked = (-rate).argsort(kind="stable")[: int(usable.sum())]
         gains, extras = gain.tolist(), extra.tolist()
         chosen, seen, total, spent = [], set(), 0.0, 0.0
         for flat in ranked.tolist():
@@ -588,7 +605,7 @@ class _Upgrades:
             seen.add(block)
             chosen.append((block, _TARGET_LEVELS[flat % _WIDTH]))
             total, spent = total + gains[flat], spent + extras[flat]
-        if not covers.any():
+        if not any_covers:
             return chosen
         if total < excess:  # the rest covered by another block's cheapest upgrade that covers it alone
             others = np.ones(self.blocks, dtype=bool)

@@ -20,7 +20,9 @@ import numpy as np
 from mimose_cli.planners.features import (
     BLOCK_QUANTITIES,
     FEATURES,
+    KEEP_LEVEL,
     KEPT_SETS,
+    LEVELS,
     NO_EVENT,
     RANK_RTOL,
     RECOMPUTE_LEVEL,
@@ -109,6 +111,7 @@ _TIMELINE_QUANTITIES = ("plain_bytes", "ckpt_bytes", "resident_bytes", "gap_peak
                         "ckpt_fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes",
                         *(q for kept_set in KEPT_SETS for q in kept_quantities(kept_set)))
 """The block quantities ``Timeline`` reads (and ``release_bytes`` for what is let go of)."""
+_KEPT_QUANTITIES = tuple(kept_quantities(kept_set) for kept_set in KEPT_SETS)
 _LET_GO_ELEMENTS = 1 << 21
 """``Timeline._let_go``'s products, at most this many float64s at once (16 MiB)."""
 
@@ -144,7 +147,8 @@ class Timeline:
     def __init__(self, pred: Prediction):
         b = pred.blocks
         # An index array, not a list: numpy converts a list anew for every quantity it indexes.
-        self.order = None if pred.order is None else np.asarray(pred.order)
+        order = pred.order  # the index order (most models) read as None: no reordering per plan
+        self.order = None if order is None or tuple(order) == tuple(range(len(order))) else np.asarray(order)
         if self.order is not None:
             b = {q: b[q][self.order] for q in _TIMELINE_QUANTITIES}
         self.step, self.reversed = pred.step, pred.backward_reversed
@@ -154,18 +158,21 @@ class Timeline:
         # recomputed) of each block: what a block holds until its backward, its forward's peak, its
         # backward's own peak (with the recompute's) and what a plain run leaves until the forward
         # ends; a plan picks a row per block.
-        none = np.zeros_like(b["resident_bytes"])
-        rows = [(b["plain_bytes"], np.maximum(gap, b["fwd_peak_bytes"]), np.maximum(bwd, NO_EVENT),
-                 b["resident_bytes"])]
-        for kept_set in KEPT_SETS:
-            extra, fwd, again, back = (b[q] for q in kept_quantities(kept_set))
-            rows.append((b["ckpt_bytes"] + np.maximum(extra, 0.0), np.maximum(gap, np.maximum(fwd, ckpt_fwd)),
-                         np.maximum(np.maximum(back, bwd), np.maximum(again, recompute)), none))
-        rows.append((b["ckpt_bytes"], np.maximum(gap, ckpt_fwd), np.maximum(bwd, recompute), none))
-        self.tables = np.stack(rows, axis=1)  # (quantity, level, block)
+        # (quantity, level, block); the selective checkpoints' rows (``KEPT_SETS``, the levels
+        # between keep and recompute) worked out together: a miss builds this table anew.
+        self.blocks = len(gap)
+        tables = np.zeros((4, LEVELS, self.blocks))
+        tables[:, KEEP_LEVEL] = (b["plain_bytes"], np.maximum(gap, b["fwd_peak_bytes"]), np.maximum(bwd, NO_EVENT),
+                                 b["resident_bytes"])
+        extra, fwd, again, back = np.array([[b[q] for q in names] for names in _KEPT_QUANTITIES]).transpose(1, 0, 2)
+        tables[:3, SELECTIVE_LEVEL:RECOMPUTE_LEVEL] = (
+            b["ckpt_bytes"] + np.maximum(extra, 0.0), np.maximum(gap, np.maximum(fwd, ckpt_fwd)),
+            np.maximum(np.maximum(back, bwd), np.maximum(again, recompute)))
+        tables[:3, RECOMPUTE_LEVEL] = (b["ckpt_bytes"], np.maximum(gap, ckpt_fwd), np.maximum(bwd, recompute))
+        # Whether any block leaves something until the forward ends (else ``_parts`` skips its sums).
+        self.resident = bool(tables[3, KEEP_LEVEL].any())
         # Flat, so that one ``take`` of ``level * blocks + block`` reads every quantity of a plan.
-        self.blocks = self.tables.shape[-1]
-        self.tables = self.tables.reshape(len(self.tables), -1)
+        self.tables = tables.reshape(4, -1)
         self.columns = np.arange(self.blocks)
         self.consumers = pred.releases
         if self.consumers is not None and not self.consumers.any():
@@ -206,22 +213,32 @@ class Timeline:
         levels = np.asarray(levels, dtype=np.intp)  # times the blocks below: no small integer type
         if self.order is not None:
             levels = levels[..., self.order]
-        held, fwd, own, resident = np.take(self.tables, levels * self.blocks + self.columns, axis=1)
-        let_go, unseen = self._let_go(levels > 0)
+        # (numpy's methods and ufuncs called directly: a miss predicts a few plans, where the
+        # functions' wrappers cost as much as the arithmetic; the same operations)
+        held, fwd, own, resident = self.tables.take(levels * self.blocks + self.columns, axis=1)
+        if self.consumers is not None:
+            let_go, unseen = self._let_go(levels > 0)
+            held = held - let_go
         # What the blocks before each one hold, and the forward's end: sums from a zero.
         entry = np.zeros(levels.shape[:-1] + (self.blocks + 1,))
-        np.cumsum(held - let_go, axis=-1, out=entry[..., 1:])
+        np.add.accumulate(held, axis=-1, out=entry[..., 1:])
         entry += s["pre_bytes"]
         at, top = entry[..., :-1], entry[..., -1:]
+        back = at - unseen if self.consumers is not None else at
         # Samples run every block checkpointed, so what a block's run leaves until the forward ends
         # (autocast's cached casts) is gone in their backward; a block run plainly may keep it (its
         # graph saves the casts) until its own backward: added back, for the blocks before (out of
         # order: all blocks) that are not in the plan. An upper bound: some ops save the fp32 weight.
-        kept = np.zeros_like(entry)
-        np.cumsum(resident, axis=-1, out=kept[..., 1:])
-        bwd = (at - unseen + kept[..., :-1] if self.reversed else top + kept[..., -1:]) + own
+        # (Nothing to add where no block leaves anything: the common case, its sums skipped.)
+        kept_before, kept = 0.0, s["head_bwd_peak_bytes"]
+        if self.resident:
+            kept_before = np.zeros_like(entry)
+            np.add.accumulate(resident, axis=-1, out=kept_before[..., 1:])
+            back, kept = back + kept_before[..., :-1], kept + kept_before[..., -1:]
+            kept_before = kept_before[..., -1:]
+        bwd = (back if self.reversed else top + kept_before) + own
         tail = s["tail_peak_bytes"] + (0.0 if self.reversed else top)
-        head = top + np.maximum(s["head_peak_bytes"], s["head_bwd_peak_bytes"] + kept[..., -1:])
+        head = top + np.maximum(s["head_peak_bytes"], kept)
         return s["pre_peak_bytes"], at + fwd, head, bwd, tail
 
     @staticmethod
@@ -445,7 +462,7 @@ class Estimator:
         blocks[-1] = np.maximum(blocks[-1], 0.0)
         return Prediction(tuple(size), dict(zip(BLOCK_QUANTITIES, blocks)),
                           dict(zip(STEP_QUANTITIES, flat[n:].tolist())), self.order, self.backward_reversed,
-                          self.releases.consumers if self.releases.count else None)
+                          self.releases.consumers if self.releases.consumers.any() else None)
 
     @property
     def gather(self) -> np.ndarray:
