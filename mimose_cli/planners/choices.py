@@ -399,7 +399,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     ``savings[level][i]`` and ``costs[level][i]`` are what block ``i`` frees and costs under each
     level (``features.LEVELS``: keep, selective, the partial levels, recompute; or only keep,
     selective and recompute, the partial levels then left out; a level a block cannot take has NaN
-    savings); ``predict_peaks(levels)`` is the step's predicted peak for each row of ``levels``
+    savings, one whose time is not known NaN costs: neither is chosen); ``predict_peaks(levels)`` is the step's predicted peak for each row of ``levels``
     (plans x blocks, a level per block: ``estimator.Timeline.level_peaks``). Each round upgrades
     blocks until their savings cover the excess (``_Upgrades.best``: the cheaper of the one upgrade
     that covers it alone and the best bytes-per-ms upgrades topped up; ties: the earlier block,
@@ -408,11 +408,10 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     no more, and blocks recomputed whole (or partially) are checkpointed at a level that keeps more
     instead where that costs less and still fits. Those two passes predict their plans in batches
     (``_each_that_fits``)."""
-    save = _all_levels(savings, np.nan)
-    np.copyto(save, -1.0, where=np.isnan(save))
-    cost = _all_levels(costs, 0.0)
-    cost[save < 0] = 0.0  # a level a block cannot take: never priced
+    save, cost = _all_levels(savings, np.nan), _all_levels(costs, 0.0)
     cost[KEEP_LEVEL] = 0.0  # a kept block costs nothing, whatever ``costs`` says
+    np.copyto(save, -1.0, where=np.isnan(save) | np.isnan(cost))  # a level a block cannot take (or unpriced)
+    cost[save < 0] = 0.0  # never priced
     # The per-upgrade bookkeeping reads Python lists, not numpy scalars (each read several times
     # slower), as a miss applies dozens of upgrades; the float64 arithmetic is the same.
     rows, prices = save.tolist(), cost.tolist()
@@ -568,6 +567,7 @@ class _Upgrades:
         rate[usable == 0] = -np.inf
         self.tables = tables.reshape(4, -1)
         self.flat, self.width = np.arange(_WIDTH * n), _WIDTH * n
+        self.starts = np.arange(n) * _WIDTH  # each block's first upgrade in a plan's row
         self.blocks = n
 
     def best(self, level: list, excess: float) -> list:
@@ -593,26 +593,25 @@ class _Upgrades:
             cheapest = cheapest[cheapest.argpartition(1)[:2]] if len(cheapest) > 1 else cheapest
             if len(cheapest) < 2 or extra[single] <= cheapest.sum():
                 return [(single // _WIDTH, _TARGET_LEVELS[single % _WIDTH])]
-        ranked = (-rate).argsort(kind="stable")[: int(usable.sum())]
-        gains, extras = gain.tolist(), extra.tolist()
-        chosen, seen, total, spent = [], set(), 0.0, 0.0
-        for flat in ranked.tolist():
-            block = flat // _WIDTH
-            if block in seen:
-                continue
-            if chosen and total + gains[flat] >= excess:
-                break
-            seen.add(block)
-            chosen.append((block, _TARGET_LEVELS[flat % _WIDTH]))
-            total, spent = total + gains[flat], spent + extras[flat]
+        # Each block's best-rate upgrade (ties: the lower level) and the usable ones best first
+        # (ties: the earlier block), taken while what they free together leaves some excess: the
+        # first that covers it (after the first) ends the list. Sums in order, as one by one.
+        flats = self.starts + rate.reshape(-1, _WIDTH).argmax(axis=1)
+        by_rate = rate[flats]
+        flats = flats[(-by_rate).argsort(kind="stable")[: int((by_rate > -np.inf).sum())]]
+        freed = np.add.accumulate(gain[flats])
+        count = max(1, int(freed.searchsorted(excess)))
+        flats, total = flats[:count], float(freed[count - 1])
+        spent = float(np.add.accumulate(extra[flats])[-1])
+        chosen = [(flat // _WIDTH, _TARGET_LEVELS[flat % _WIDTH]) for flat in flats.tolist()]
         if not any_covers:
             return chosen
         if total < excess:  # the rest covered by another block's cheapest upgrade that covers it alone
             others = np.ones(self.blocks, dtype=bool)
-            others[list(seen)] = False
-            rest = usable & (gain >= excess - total) & np.repeat(others, _WIDTH)
+            others[flats // _WIDTH] = False
+            rest = usable & (gain >= excess - total) & others.repeat(_WIDTH)
             if not rest.any():
                 return [(single // _WIDTH, _TARGET_LEVELS[single % _WIDTH])]
-            last = int(np.argmin(np.where(rest, extra, np.inf)))
-            chosen, spent = chosen + [(last // _WIDTH, _TARGET_LEVELS[last % _WIDTH])], spent + extras[last]
-        return chosen if spent < extras[single] else [(single // _WIDTH, _TARGET_LEVELS[single % _WIDTH])]
+            last = int(np.where(rest, extra, np.inf).argmin())
+            chosen, spent = chosen + [(last // _WIDTH, _TARGET_LEVELS[last % _WIDTH])], spent + float(extra[last])
+        return chosen if spent < extra[single] else [(single // _WIDTH, _TARGET_LEVELS[single % _WIDTH])]

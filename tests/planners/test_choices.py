@@ -67,6 +67,19 @@ def test_a_choice_a_block_cannot_take_is_never_chosen_and_nothing_fitting_says_s
     assert choice_plan_checked(savings, costs, predict, 50.0)[4] is False  # 20 is the most it frees
 
 
+def test_a_choice_whose_time_is_not_known_is_never_chosen():
+    """Block 0's selective checkpoint frees the most per ms by its bytes, but its time is NaN
+    (not known): the plan frees block 1 selectively instead, and a whole recompute where that is
+    not enough."""
+    savings = [[0.0] * 2, [9.0, 6.0], [10.0, 10.0]]
+    costs = [[0.0] * 2, [np.nan, 1.0], [4.0, 4.0]]
+    predict = per_plan(_additive(savings, [0] * 2))
+    plan, selective, _, _, fits = choice_plan_checked(savings, costs, predict, 95.0)
+    assert (plan, selective, fits) == ((1,), (1,), True)
+    plan, selective, _, _, fits = choice_plan_checked(savings, costs, predict, 85.0)
+    assert fits and 0 not in selective and plan
+
+
 def _reference_upgrades(save, cost, level, excess):
     """``choices._Upgrades.best`` written plainly over a list of options (block, level, extra
     bytes, extra ms) in block order, selective first."""
