@@ -247,3 +247,21 @@ def test_a_model_that_starts_with_a_block_has_nothing_unmeasured():
         unmeasured = planner.policy.estimator.trust.unmeasured
         planner.close()
     assert unmeasured == () and phases[3:] == ["responsive", "responsive"]
+
+
+def test_a_fits_miss_in_what_blocks_hold_is_added_up_over_the_blocks():
+    """The margin on every predicted peak (``Trust.residual_bytes``): a miss in a quantity the
+    timeline adds up over the blocks (what a block holds, or a selective or partial checkpoint
+    keeps, until its backward) counts once per block and once more, a miss in a peak once."""
+    from types import SimpleNamespace
+
+    from mimose_cli.planners.trust import Trust
+
+    estimator = SimpleNamespace(sizes=[(2, 8), (4, 16)], feature_set=Estimator(1).feature_set, num_blocks=3,
+                                layout={}, empty=set(), shape_changed=False, side_multiple=1)
+    for held in ("ckpt_bytes", "selective_extra_bytes", "partial2_extra_bytes", "resident_bytes"):
+        keys = [(held, 0), ("bwd_peak_bytes", 0)]
+        trust = Trust.of(estimator, keys, np.array([0, 0, 1]), np.array([2.0, 10.0, 7.0]), [])
+        assert trust.residual_bytes == 10.0 * 4 + 7.0, held
+    trust = Trust.of(estimator, [("selective_fwd_peak_bytes", 0)], np.array([0]), np.array([5.0]), [])
+    assert trust.residual_bytes == 5.0
