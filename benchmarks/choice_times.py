@@ -68,9 +68,9 @@ def one_round(attention: str, lengths: list) -> list:
     caught = {}
     from_probes = ChoiceTimes.from_probes.__func__
 
-    def spy(cls, raws, sizes, feature_set, stand_in, costs, rates=None):
+    def spy(cls, raws, sizes, feature_set, stand_in, *args, **kwargs):
         caught.setdefault("probes", (raws, sizes, stand_in))
-        return from_probes(cls, raws, sizes, feature_set, stand_in, costs, rates)
+        return from_probes(cls, raws, sizes, feature_set, stand_in, *args, **kwargs)
 
     ChoiceTimes.from_probes = classmethod(spy)
     try:

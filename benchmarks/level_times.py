@@ -11,9 +11,9 @@ recompute ms of the step (the planner's recompute clock) and the model's predict
 blocks), and the plan's step peak (simulated device). A partial level pays where it costs less
 than the whole recompute; on this CPU a tiny model's op runs mostly Python, and a selective
 checkpoint's dispatch mode costs per op (docs/MIMOSE.md, "Finer plans"), so it may not. One thread.
-Writes benchmarks/results/level_times.json.
+Writes benchmarks/results/<--out>.json (default ``level_times``).
 
-    PYTHONPATH=. python benchmarks/level_times.py [--models bert,gpt2,bert-base-width] [--rounds 5]
+    PYTHONPATH=. python benchmarks/level_times.py [--models bert,gpt2,bert-base-width] [--rounds 5] [--out NAME]
 """
 
 import argparse
@@ -98,6 +98,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="bert,roberta,gpt2,llama,bert-base-width")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="level_times", help="benchmarks/results/<out>.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -116,7 +117,7 @@ def main():
             peak = row["peak_bytes"].get(level)
             cells.append("-" if got is None else f"{got:.1f}/{model:.1f} {peak / 2**20:.0f}MB")
         print(f"{name:16}" + "".join(f"{c:>20}" for c in cells), flush=True)
-    write_results("level_times", rows, rows_per_batch=ROWS, length=LENGTH, rounds=args.rounds,
+    write_results(args.out, rows, rows_per_batch=ROWS, length=LENGTH, rounds=args.rounds,
                   threads=torch.get_num_threads())
 
 

@@ -58,7 +58,7 @@ class _LifetimeLedger(StorageLedger):
 
 
 _aten = torch.ops.aten
-_WRITES_NOTHING = frozenset((_aten._unsafe_view, _aten.empty_like, _aten.empty, _aten.empty_strided,
+WRITES_NOTHING = frozenset((_aten._unsafe_view, _aten.empty_like, _aten.empty, _aten.empty_strided,
                              _aten.new_empty, _aten.new_empty_strided))
 """Ops that return a tensor without writing its elements (a view not marked one, allocations)."""
 
@@ -79,7 +79,8 @@ class LiveProbe(UncompiledDispatchMode):
     ``light_ms``): what recomputing a block with and without those ops' outputs kept costs; and
     the work of each op (``works``), which says how those times grow with the input size."""
 
-    def __init__(self, flag=lambda: False, lifetimes: bool = False, heavy_ops=frozenset(), heavy_work=None):
+    def __init__(self, flag=lambda: False, lifetimes: bool = False, heavy_ops=frozenset(), heavy_work=None,
+                 light_class=lambda func: None):
         super().__init__()
         self.heavy_ops = heavy_ops
         """Ops timed apart (``heavy_ms``; the others in ``light_ms``) whose outputs' storages the
@@ -88,10 +89,13 @@ class LiveProbe(UncompiledDispatchMode):
         """``heavy_work(func, args, out) -> (dims, factor, gemm)``: a heavy op's work (its
         floating-point operations, ``factor`` times the product of ``dims``, and the matmul it
         amounts to); None: the work is not written down."""
+        self.light_class = light_class
+        """``light_class(func)``: the kind of an op that is not heavy, written beside its work."""
         self.works: list = []
         """With ``heavy_work``, each op's work in the order they ran: ``(heavy, dims, factor, gemm)``;
         a heavy op's from ``heavy_work``, another's the elements of each tensor it returned (none for
-        a view or an op that only allocates: ``_WRITES_NOTHING``)."""
+        a view or an op that only allocates: ``WRITES_NOTHING``), its ``light_class`` in place of
+        ``gemm``."""
         self.heavy_now = False
         self.heavy_ms = 0.0
         self.light_ms = 0.0
@@ -150,8 +154,9 @@ class LiveProbe(UncompiledDispatchMode):
                 self.works.append((True, *self.heavy_work(func, args, out)))
         else:
             self.light_ms += ms
-            if self.heavy_work is not None and not func.is_view and func.overloadpacket not in _WRITES_NOTHING:
-                self.works.extend((False, tuple(leaf.shape), 1, None) for leaf in leaves
+            if self.heavy_work is not None and not func.is_view and func.overloadpacket not in WRITES_NOTHING:
+                kind = self.light_class(func)
+                self.works.extend((False, tuple(leaf.shape), 1, kind) for leaf in leaves
                                   if isinstance(leaf, torch.Tensor))
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided and not leaf.is_meta:

@@ -386,6 +386,26 @@ kernels (their recompute costs most per byte); pointwise ops, norms, softmax and
 recomputed."""
 
 
+LIGHT_OP_CLASSES = ("pointwise", "transcendental", "softmax", "random")
+"""How fast an op other than a compute-heavy one writes its elements, by kind: arithmetic, copies
+and norms (``pointwise``, the reference), activations built on exp, erf or tanh
+(``transcendental``), a softmax, random numbers (dropout's mask). Their rates per element differ by
+up to ten times on a CPU (a dropout's Bernoulli draw against an add), so a block's light work is
+counted per kind (``light_op_class``) at each kind's rate (``choices.work_rates_ms``)."""
+_LIGHT_CLASS = {
+    **dict.fromkeys(("gelu", "silu", "tanh", "exp", "erf", "sigmoid", "log", "mish", "softplus", "elu",
+                     "gelu_", "silu_", "tanh_", "exp_", "sigmoid_", "elu_"), "transcendental"),
+    **dict.fromkeys(("_softmax", "_safe_softmax", "softmax", "_log_softmax", "log_softmax"), "softmax"),
+    **dict.fromkeys(("bernoulli", "bernoulli_", "native_dropout", "rand", "rand_like", "uniform_", "normal_",
+                     "randn", "randn_like"), "random"),
+}
+
+
+def light_op_class(func) -> str:
+    """The kind (``LIGHT_OP_CLASSES``) of an op that is not compute-heavy, by its name."""
+    return _LIGHT_CLASS.get(func.overloadpacket.__name__, "pointwise")
+
+
 def heavy_op_work(func, args, out) -> tuple:
     """A compute-heavy op's work as ``(dims, factor, gemm)``: its floating-point operations are
     ``factor`` times the product of ``dims`` (its output's shape and the length each element is a

@@ -28,6 +28,8 @@ import torch
 
 from mimose_cli.memory import synchronize
 from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES, round_trip
+from mimose_cli.memory.probe import WRITES_NOTHING
+from mimose_cli.planners.blocks import light_op_class
 from mimose_cli.planners.features import (
     KEEP_LEVEL,
     KEPT_SETS,
@@ -38,7 +40,7 @@ from mimose_cli.planners.features import (
     kept_quantities,
 )
 from mimose_cli.planners.scaling import exponents, work_coefficients
-from mimose_cli.torch_private import UncompiledDispatchMode, without_dispatch_modes
+from mimose_cli.torch_private import UncompiledDispatchMode, tree_leaves, without_dispatch_modes
 
 ChoiceSet = Literal["block", "selective", "offload"]
 CHOICE_SETS = get_args(ChoiceSet)
@@ -88,13 +90,41 @@ def dispatch_costs_ms(ops: int = 400) -> tuple:
     return max(active - bare, 0.0), max(moded - active, 0.0)
 
 
-def work_rates_ms(rows: int, inner: int, cols: int, device, dtype=torch.float32) -> tuple:
+class _KindTimer(UncompiledDispatchMode):
+    """Each op's ms (its kernels waited for on ``device``) and the elements it writes, summed per
+    kind (``blocks.light_op_class``), counted as ``LiveProbe.works`` counts a light op's work."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = device
+        self.ms: dict = {}
+        self.elements: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        synchronize(self.device)
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        synchronize(self.device)
+        if not func.is_view and func.overloadpacket not in WRITES_NOTHING:
+            kind = light_op_class(func)
+            self.ms[kind] = self.ms.get(kind, 0.0) + (time.perf_counter() - start) * 1e3
+            self.elements[kind] = self.elements.get(kind, 0) + sum(
+                t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def work_rates_ms(rows: int, inner: int, cols: int, device, dtype=torch.float32,
+                  light_elements: int | None = None) -> tuple:
     """``(heavy, light)``: the ms per floating-point operation of a matmul ``(rows x inner) @
-    (inner x cols)`` and per element that an activation, a softmax and a dropout write over its
-    output, on ``device`` (the best of three runs each): the rates a block's ops run at once they
-    are large, which the probes' few tokens are too small to show (their time is the ops' calls).
-    Call it with no dispatch mode active (the probes set the meter aside). Its random numbers come
-    from a forked generator: training's dropout masks stay those of a run without it."""
+    (inner x cols)``, and per kind of light op (``blocks.LIGHT_OP_CLASSES``) the ms per element
+    written by an add and a multiply, an activation, a softmax and a dropout over a tensor of
+    ``light_elements`` (default: the matmul's output's), as the ops this device runs them as (a
+    CPU's dropout is a Bernoulli draw, a divide and a multiply) count (the best of three runs
+    each): the rates a block's ops run at once they are large, which the probes' few tokens are too
+    small to show (their time is the ops' calls), and an op's rate per element grows once its
+    tensors outgrow the caches. Call it with no dispatch mode active (the probes set the meter
+    aside). Its random numbers come from a forked generator: training's dropout masks stay those
+    of a run without it."""
     device = torch.device(device)
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda, device_type="cuda"):
@@ -102,19 +132,28 @@ def work_rates_ms(rows: int, inner: int, cols: int, device, dtype=torch.float32)
         b = torch.randn(inner, cols, device=device, dtype=dtype)
         out = torch.mm(a, b)
         heavy = _best_ms(lambda: torch.mm(a, b, out=out), device) / (2.0 * rows * inner * cols)
-        # A transformer's light ops, each counted by the elements it writes as ``LiveProbe.works``
-        # does: an activation, a softmax, a dropout (its output and its mask).
-        light = sum(_best_ms(fn, device) for fn in (lambda: torch.nn.functional.gelu(out),
-                                                    lambda: torch.softmax(out, -1),
-                                                    lambda: torch.nn.functional.dropout(out, 0.1, True)))
-    return heavy, light / (4.0 * rows * cols)
+        if light_elements is not None:
+            out = torch.randn(max(1, light_elements // _LIGHT_ROW), _LIGHT_ROW, device=device, dtype=dtype)
+        light: dict = {}
+        for _ in range(3):
+            timer = _KindTimer(device)
+            with timer:
+                torch.add(out, out)
+                torch.mul(out, out)
+                torch.nn.functional.gelu(out)
+                torch.softmax(out, -1)
+                torch.nn.functional.dropout(out, 0.1, True)
+            for kind, ms in timer.ms.items():
+                light[kind] = min(light.get(kind, math.inf), ms / max(timer.elements[kind], 1))
+    return heavy, light
 
 
 def probe_rates_ms(raw, size: tuple, max_size: tuple, device) -> tuple | None:
     """``work_rates_ms`` on the matmul the largest compute-heavy op of ``raw`` (a probe step at
     ``size``) amounts to (``blocks.heavy_op_work``'s ``gemm``: a linear layer's, a convolution's),
     in its dtype, its rows grown with the tokens to ``max_size`` and every operand capped at
-    ``RATE_ELEMENTS`` elements; None when the probe ran no such op."""
+    ``RATE_ELEMENTS`` elements, and the light ops on a tensor as large as their largest at
+    ``max_size`` (as capped); None when the probe ran no such op."""
     gemms = [(factor * math.prod(dims), gemm) for works in raw.op_works.values()
              for heavy, dims, factor, gemm in works if heavy and gemm is not None]
     if not gemms:
@@ -124,7 +163,13 @@ def probe_rates_ms(raw, size: tuple, max_size: tuple, device) -> tuple | None:
     inner = min(inner, RATE_ELEMENTS // 64)
     rows = max(1, int(min(rows, RATE_ROWS, RATE_ELEMENTS // inner)))
     cols = max(1, min(cols, RATE_ELEMENTS // max(rows, inner)))
-    return work_rates_ms(rows, inner, cols, device, dtype if dtype.is_floating_point else torch.float32)
+    # The light ops' largest tensor at ``max_size`` (an attention's scores, quadratic in the
+    # length: grown by the tokens squared, an upper bound for the rest), capped as the operands.
+    lights = [math.prod(dims) for works in raw.op_works.values() for heavy, dims, _, _ in works if not heavy]
+    growth = max_size[0] / size[0] * (math.prod(max_size[1:]) / math.prod(size[1:])) ** 2
+    light_elements = int(min(RATE_ELEMENTS, max(lights) * growth)) if lights else None
+    return work_rates_ms(rows, inner, cols, device, dtype if dtype.is_floating_point else torch.float32,
+                         light_elements)
 
 
 def copy_costs_ms(device, small: int = 1 << 16, large: int = 1 << 23) -> tuple:
@@ -142,6 +187,8 @@ def copy_costs_ms(device, small: int = 1 << 16, large: int = 1 << 23) -> tuple:
     return max(times[0] - per_byte * small, 0.0), per_byte
 
 
+_LIGHT_ROW = 256
+"""The last dimension of the tensor the light ops' rates are timed on (a softmax's rows)."""
 RATE_ROWS, RATE_ELEMENTS = 2048, 1 << 22
 """``probe_rates_ms``'s caps: rows (a rate no longer changes past a few thousand) and elements of
 each operand (16 MiB in fp32), whatever the model's width or vocabulary."""
@@ -176,17 +223,21 @@ class ChoiceTimes:
     (``features.PARTIAL_LEVELS``) runs again in its recompute; NaN where a block has no such level."""
     partial_ops: np.ndarray | None = None
     """``(blocks, partial levels)``: how many heavy ops each partial level runs again."""
+    light_weights: dict | None = None
+    """Per kind of light op (``blocks.LIGHT_OP_CLASSES``), its ms per element over a pointwise op's,
+    as ``light_work`` counts it; None: every element alike."""
 
     @classmethod
     def from_probes(cls, raws: list, sizes: list, feature_set, stand_in: dict, costs: tuple,
                     rates: tuple | None = None, prefixes: list | None = None) -> "ChoiceTimes | None":
         """From the two probe steps (``RawStep.op_ms``, ``op_works``) at ``sizes``; a block not
         measured takes the values of ``stand_in[block]`` (the block like it that was). ``rates``:
-        the ms per unit of work of the heavy and the light ops (``work_rates_ms``: a device's, timed
-        on ops as large as training's); without them, the slope between the two probes, pooled
-        over the blocks. None when a block has no stand-in measured; ``storages`` None where the
-        probes did not count them. ``prefixes`` (``scaling.partial_prefixes``): the partial
-        levels' times too."""
+        the ms per unit of work of the heavy ops and of each kind of light op (``work_rates_ms``: a
+        device's, timed on ops as large as training's; a block's light work is counted in pointwise
+        elements, each kind's at its rate over the pointwise one: ``light_weights``); without them,
+        the slope between the two probes, pooled over the blocks, every light element alike. None
+        when a block has no stand-in measured; ``storages`` None where the probes did not count
+        them. ``prefixes`` (``scaling.partial_prefixes``): the partial levels' times too."""
         n = len(raws[0].per_block["saved_bytes"])
         values = {}
         for quantity in ("heavy_ms", "light_ms", "ops", "heavy_ops", "saved_storages"):
@@ -198,7 +249,12 @@ class ChoiceTimes:
         if any(values[q] is None for q in ("heavy_ms", "light_ms", "ops", "heavy_ops")):
             return None
         storages = values["saved_storages"]
-        works = _block_works(raws, sizes, feature_set, stand_in, n)
+        weights = None
+        if rates is not None:
+            unit = rates[1].get("pointwise", 0.0)
+            weights = {kind: rate / unit for kind, rate in rates[1].items()} if unit > 0 else None
+            rates = (rates[0], unit if unit > 0 else None)
+        works = _block_works(raws, sizes, feature_set, stand_in, n, weights)
         if works is None:
             return None
         f = np.stack([feature_set.of(size) for size in sizes])  # (2, features)
@@ -208,7 +264,7 @@ class ChoiceTimes:
         partial = (None, None) if prefixes is None else _partial_works(raws, sizes, feature_set, stand_in, prefixes, n)
         return cls(fits[0], fits[1], works[0], works[1], heavy_ops, ops - heavy_ops, *costs,
                    storages=None if storages is None else storages.max(axis=0),
-                   partial_work=partial[0], partial_ops=partial[1])
+                   partial_work=partial[0], partial_ops=partial[1], light_weights=weights)
 
     def at(self, features: np.ndarray) -> tuple:
         """``(recompute ms, selective ms)`` per block at an input size whose features
@@ -250,7 +306,8 @@ class ChoiceTimes:
                 "storages": None if self.storages is None else self.storages.tolist(),
                 "copy_ms": None if self.copy_ms is None else list(self.copy_ms),
                 "partial_work": None if self.partial_work is None else _plain(self.partial_work),
-                "partial_ops": None if self.partial_ops is None else _plain(self.partial_ops)}
+                "partial_ops": None if self.partial_ops is None else _plain(self.partial_ops),
+                "light_weights": self.light_weights}
 
     @classmethod
     def from_state(cls, state: dict | None, feature_set) -> "ChoiceTimes | None":
@@ -272,7 +329,8 @@ class ChoiceTimes:
                    None if storages is None else np.array(storages, dtype=float),
                    None if copy_ms is None else tuple(float(c) for c in copy_ms),
                    None if partial_work is None else np.array(partial_work, dtype=float),
-                   None if partial_ops is None else np.array(partial_ops, dtype=float))
+                   None if partial_ops is None else np.array(partial_ops, dtype=float),
+                   state.get("light_weights"))
 
 
 def _plain(array: np.ndarray) -> list:
@@ -304,13 +362,13 @@ def _partial_works(raws: list, sizes: list, feature_set, stand_in: dict, prefixe
     return work, ops
 
 
-def _block_works(raws: list, sizes: list, feature_set, stand_in: dict, n: int):
+def _block_works(raws: list, sizes: list, feature_set, stand_in: dict, n: int, light_weights: dict | None = None):
     """Each block's ``(heavy, light)`` work coefficients (blocks x features, two arrays) from the
-    two probes' ``op_works`` (``scaling.work_coefficients``), a block not measured taking its
-    stand-in's; None when a block's cannot be read."""
+    two probes' ``op_works`` (``scaling.work_coefficients``, the light ops' weighted by kind), a
+    block not measured taking its stand-in's; None when a block's cannot be read."""
     rows = {}
     for i in set(raws[0].op_works) & set(raws[1].op_works):
-        rows[i] = work_coefficients(raws[0].op_works[i], raws[1].op_works[i], *sizes, feature_set)
+        rows[i] = work_coefficients(raws[0].op_works[i], raws[1].op_works[i], *sizes, feature_set, light_weights)
     found = [rows.get(i) or rows.get(stand_in.get(i, i)) for i in range(n)]
     if any(row is None for row in found):
         return None

@@ -33,6 +33,7 @@ from mimose_cli.planners.blocks import (
     RngState,
     heavy_op_work,
     inside_checkpoint,
+    light_op_class,
     recomputing,
     restored_buffers,
     run_checkpointed,
@@ -242,7 +243,7 @@ class ShuttlingCollector(BlockRunner):
         its start, as the weights are: not counted when an op aliases it (a saved-tensor hook's
         ``detach`` of the images a convolution saves)."""
         self.probe = LiveProbe(flag=recomputing, lifetimes=self.lifetimes, heavy_ops=COMPUTE_HEAVY_OPS,
-                               heavy_work=heavy_op_work if self.lifetimes else None)
+                               heavy_work=heavy_op_work if self.lifetimes else None, light_class=light_op_class)
         # Gradients already live (accumulation in a loop of the user's) are not ignored: the
         # probe counts each when backward first writes into it, as if it were allocated then,
         # so samples with and without them agree.

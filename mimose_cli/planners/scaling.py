@@ -235,19 +235,21 @@ def coefficients(a: RawStep, b: RawStep, size_a: tuple, size_b: tuple, feature_s
     return coef
 
 
-def work_coefficients(works_a: list, works_b: list, size_a: tuple, size_b: tuple, feature_set):
+def work_coefficients(works_a: list, works_b: list, size_a: tuple, size_b: tuple, feature_set,
+                      light_weights: dict | None = None):
     """A block's work at any input size from its ops' work at the two probe sizes
     (``RawStep.op_works``): ``(heavy, light)``, coefficients over the features of the work in its
-    compute-heavy ops and in the others. Each op's dims are read as a polynomial in the size's
-    variables (``_polynomial``, as a tensor's bytes are), else its work is taken to follow the
-    feature that grew by the same factor. None when the ops differ between the two sizes or an
-    op's work follows no feature."""
+    compute-heavy ops and in the others, each of the others' weighted by ``light_weights`` of its
+    kind (``blocks.light_op_class``; 1 where not given). Each op's dims are read as a polynomial
+    in the size's variables (``_polynomial``, as a tensor's bytes are), else its work is taken to
+    follow the feature that grew by the same factor. None when the ops differ between the two
+    sizes or an op's work follows no feature."""
     if len(works_a) != len(works_b) or any(x[0] != y[0] for x, y in zip(works_a, works_b)):
         return None
     fa, fb = feature_set.of(size_a), feature_set.of(size_b)
     reading = _Reading(size_a, size_b, feature_set)
     coef = np.zeros((2, len(fa)))
-    for (heavy, dims_a, factor, _), (_, dims_b, _, _) in zip(works_a, works_b):
+    for (heavy, dims_a, factor, kind), (_, dims_b, _, _) in zip(works_a, works_b):
         row = reading.row(dims_a, dims_b, factor)
         if row is None:  # the growth factor of its whole work
             work_a, work_b = factor * math.prod(dims_a), factor * math.prod(dims_b)
@@ -256,7 +258,10 @@ def work_coefficients(works_a: list, works_b: list, size_a: tuple, size_b: tuple
                 return None
             row = np.zeros(len(fa))
             row[term] = work_a / fa[term]
-        coef[0 if heavy else 1] += row
+        if heavy:
+            coef[0] += row
+        else:
+            coef[1] += row * (light_weights or {}).get(kind, 1.0)
     return coef[0], coef[1]
 
 

@@ -285,7 +285,8 @@ def test_the_choice_times_say_selective_costs_the_light_ops_and_the_dispatch_mod
 
 def _measured_works(planner, size) -> dict:
     """Each block's ``(heavy, light)`` work in a measuring run at ``size``: the sums of its ops'
-    ``factor * prod(dims)`` (``LiveProbe.works``)."""
+    ``factor * prod(dims)`` (``LiveProbe.works``), a light op's weighted by its kind's rate over a
+    pointwise op's (``ChoiceTimes.light_weights``)."""
     batch = make(size)
     policy = planner.policy
     policy.measurer.lifetimes = True
@@ -296,8 +297,13 @@ def _measured_works(planner, size) -> dict:
         raw = policy.measurer.end()
     finally:
         policy.measurer.lifetimes = False
-    return {i: tuple(sum(factor * math.prod(dims) for heavy, dims, factor, _ in works if heavy == kind)
-                     for kind in (True, False)) for i, works in raw.op_works.items()}
+    weights = planner.policy.choice_times.light_weights or {}
+
+    def work(heavy, dims, factor, kind):
+        return factor * math.prod(dims) * (1.0 if heavy else weights.get(kind, 1.0))
+
+    return {i: tuple(sum(work(*op) for op in works if op[0] == heavy) for heavy in (True, False))
+            for i, works in raw.op_works.items()}
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
@@ -629,6 +635,38 @@ def _work_of(fn, *args):
         fn(*args)
     works = [w for w in probe.works if w[0]]
     return sum(factor * math.prod(dims) for _, dims, factor, _ in works), works[0][3] if len(works) == 1 else None
+
+
+def test_light_ops_are_counted_by_kind_at_each_kinds_rate():
+    """A light op's work is the elements it writes, told apart by kind (``blocks.light_op_class``):
+    a dropout's random draw, whatever the ops it runs as on this device, an activation, a softmax,
+    arithmetic. The rates are timed per kind as the ops run (``choices.work_rates_ms``), and a
+    block's light work counts each kind's elements at its rate over the pointwise one, so two ops
+    writing as many elements are priced apart (``scaling.work_coefficients``)."""
+    from mimose_cli.memory.probe import LiveProbe
+    from mimose_cli.planners.blocks import COMPUTE_HEAVY_OPS, heavy_op_work, light_op_class
+    from mimose_cli.planners.choices import work_rates_ms
+    from mimose_cli.planners.scaling import work_coefficients
+
+    x = torch.randn(6, 8)
+    with LiveProbe(heavy_ops=COMPUTE_HEAVY_OPS, heavy_work=heavy_op_work, light_class=light_op_class) as probe:
+        torch.nn.functional.dropout(x, 0.5, True)
+        torch.nn.functional.gelu(x)
+        torch.softmax(x, -1)
+        x + x
+    kinds = {kind for heavy, _, _, kind in probe.works if not heavy}
+    assert kinds == {"random", "transcendental", "softmax", "pointwise"}
+    heavy, light = work_rates_ms(64, 32, 64, "cpu")
+    assert heavy > 0 and set(light) == kinds and all(rate > 0 for rate in light.values())
+
+    def works(length):  # one random draw and one add over ``length`` elements
+        return [(False, (length,), 1, "random"), (False, (length,), 1, "pointwise")]
+
+    sizes = [(1, 8), (1, 16)]
+    plain = work_coefficients(works(8), works(16), *sizes, TOKENS)[1]
+    weighted = work_coefficients(works(8), works(16), *sizes, TOKENS, {"random": 5.0, "pointwise": 1.0})[1]
+    at = TOKENS.of((1, 40))
+    assert plain @ at == pytest.approx(80.0) and weighted @ at == pytest.approx(40.0 * 5 + 40.0)
 
 
 @pytest.mark.parametrize("case", ["mm", "addmm", "bmm", "baddbmm", "conv", "grouped conv", "transposed conv",
