@@ -457,8 +457,9 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
     ``savings[level][i]`` and ``costs[level][i]`` are what block ``i`` frees and costs under each
     level (``features.LEVELS``: keep, selective, the partial levels, recompute; or only keep,
     selective and recompute, the partial levels then left out; a level a block cannot take has NaN
-    savings, one whose time is not known NaN costs: neither is chosen); ``predict_peaks(levels)`` is the step's predicted peak for each row of ``levels``
-    (plans x blocks, a level per block: ``estimator.Timeline.level_peaks``). Each round upgrades
+    savings, one whose time is not known NaN costs: neither is chosen); ``predict_peaks(levels)``
+    is the step's predicted peak for each row of ``levels`` (plans x blocks, a level per block:
+    ``estimator.Timeline.level_peaks``). Each round upgrades
     blocks until their savings cover the excess (``_Upgrades.best``: the cheaper of the one upgrade
     that covers it alone and the best bytes-per-ms upgrades topped up; ties: the earlier block,
     whose savings last longest in backward), then predicts the whole plan again; once it fits, the
