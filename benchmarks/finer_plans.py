@@ -168,7 +168,9 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=(), wh
             "checkpointed": result.summary["mean_checkpointed_blocks"],
             "selective": result.summary.get("mean_selective_blocks"),
             "partial": result.summary.get("mean_partial_blocks"),
-            # the oracle's finer plans: input sizes searched exactly, and by the scheduler (too many plans)
+            # the oracle's finer plans: input sizes searched exactly (block by block, or every plan),
+            # and by the scheduler (too many plans)
+            "frontier_searches": result.summary["planner"].get("frontier_searches"),
             "exact_searches": result.summary["planner"].get("exact_searches"),
             "scheduler_searches": result.summary["planner"].get("scheduler_searches"),
             "offloaded": result.summary.get("mean_offloaded_blocks"),

@@ -8,9 +8,11 @@ step peaks match the simulated device to < 0.01 % on the transformers tested). T
 the plan with the least recompute time (Σ measured forward ms) whose peak, on top of the bytes
 at the step's start, fits the budget: an exact search over every plan up to ``EXACT_MAX_BLOCKS``
 blocks; beyond, a knapsack DP on the blocks' savings, topped up block by block until the
-timeline fits. With finer plans (``choices="selective"``) every keep / selective / partial
-(``features.PARTIAL_LEVELS``) / recompute plan up to ``EXACT_MAX_CHOICE_PLANS`` plans, beyond them
-Mimose's scheduler on the measurements (``stats``: ``exact_searches``, ``scheduler_searches``); with
+timeline fits. With finer plans (``choices="selective"``) the least over every keep / selective /
+partial (``features.PARTIAL_LEVELS``) / recompute plan: found block by block, carrying the partial
+plans no other beats (``_frontier_search``, exact for any number of blocks run in order), else by
+trying every plan up to ``EXACT_MAX_CHOICE_PLANS`` plans, else Mimose's scheduler on the
+measurements (``stats``: ``frontier_searches``, ``exact_searches``, ``scheduler_searches``); with
 ``choices="offload"`` the same plans, a block freed
 whole offloaded where its copies cost less than its recompute (``choices.freeing_ms``), as Mimose's.
 The times of alike blocks (the layers of a stack, ``blocks.twin_blocks``) that measured the same
@@ -98,11 +100,11 @@ def plan_peak(pred: Prediction, plan, selective=(), partial=()) -> float:
 
 
 EXACT_MAX_CHOICE_PLANS = 3 ** 12
-"""Up to this many plans the finer-plan oracle tries every plan (3^12 = 531441: 12 blocks of
-three choices, fewer with the partial levels; in chunks of ``_CHOICE_CHUNK``), the peaks only of
-plans no dearer than the scheduler's plan: 0.15 s per input size for 12 blocks on the 2-core CPU,
-up to ~1 s where nothing fits; excluded from the step's time. Beyond, Mimose's scheduler on the
-measurements."""
+"""Where ``_frontier_search`` does not apply, up to this many plans the finer-plan oracle tries
+every plan (3^12 = 531441: 12 blocks of three choices, fewer with the partial levels; in chunks of
+``_CHOICE_CHUNK``), the peaks only of plans no dearer than the scheduler's plan: 0.15 s per input
+size for 12 blocks on the 2-core CPU, up to ~1 s where nothing fits; excluded from the step's
+time. Beyond, Mimose's scheduler on the measurements."""
 _CHOICE_CHUNK = 3 ** 8
 
 
@@ -111,13 +113,14 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     """Finer plans (``choices="selective"``): ``(plan, selective, partial)`` with the least
     recompute time whose measured peak fits, over every block kept, checkpointed selectively,
     partially (``partial_ms``: each partial level's ms, NaN where a block has none) or recomputed:
-    every plan up to ``EXACT_MAX_CHOICE_PLANS`` plans, beyond them Mimose's scheduler
-    (``choices.choice_plan_checked``) on the measurements. A block's selective or partial checkpoint
+    block by block where the blocks run in order (``_frontier_search``), else every plan up to
+    ``EXACT_MAX_CHOICE_PLANS`` plans, beyond them Mimose's scheduler (``choices.choice_plan_checked``)
+    on the measurements. A block's selective or partial checkpoint
     that frees nothing (``choices.level_rows``), or a block that holds buffers (``selectable``
     False), is not a choice; every block recomputed when nothing fits. Ties (in whole nanoseconds,
     so that alike blocks' equal times tie exactly) go to fewer blocks, then to the plan met first,
     the earlier blocks upgraded (their savings last longest in backward). ``searched`` counts which
-    search ran (``"exact"`` or ``"scheduler"``)."""
+    search ran (``"frontier"``, ``"exact"`` or ``"scheduler"``)."""
     n = len(recompute_ms)
     every = tuple(range(n))
     if partial_ms is None:
@@ -134,17 +137,20 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     allowed = [(KEEP_LEVEL, *(SELECTIVE_LEVEL + k for k in range(len(freed)) if not np.isnan(freed[k][i])),
                 RECOMPUTE_LEVEL) for i in range(n)]
     radix = np.array([len(a) for a in allowed])
-    exact = float(np.prod(radix.astype(float))) <= EXACT_MAX_CHOICE_PLANS
+    level_ns = np.stack([np.zeros(n), selective_ms, *partial_ms.T, recompute_ms], axis=1) * 1e6
+    level_ns = np.round(np.nan_to_num(level_ns, nan=0.0)).astype(np.int64)
+    found = _frontier_search(timeline, allowed, level_ns, limit_bytes)
+    exact = found is None and float(np.prod(radix.astype(float))) <= EXACT_MAX_CHOICE_PLANS
     if searched is not None:
-        key = "exact" if exact else "scheduler"
+        key = "exact" if exact else "frontier" if found is not None else "scheduler"
         searched[key] = searched.get(key, 0) + 1
+    if found is not None:
+        return plan_of(found) if found else (every, (), ())
     if not exact:
         plan, selective, partial, _, fits = scheduled
         return (plan, selective, partial) if fits else (every, (), ())
     place = np.concatenate(([1], np.cumprod(radix)[:-1]))
     table = np.array([a + (RECOMPUTE_LEVEL,) * (LEVELS - len(a)) for a in allowed])
-    level_ns = np.stack([np.zeros(n), selective_ms, *partial_ms.T, recompute_ms], axis=1) * 1e6
-    level_ns = np.round(np.nan_to_num(level_ns, nan=0.0)).astype(np.int64)
 
     def key(levels: np.ndarray) -> np.ndarray:  # recompute ns, then the blocks upgraded
         return level_ns[np.arange(n), levels].sum(axis=-1) * (n + 1) + (levels > 0).sum(axis=-1)
@@ -170,6 +176,82 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     if best is None:
         return every, (), ()
     return plan_of(best.tolist())
+
+
+def _frontier_search(timeline: Timeline, allowed: list, level_ns: np.ndarray, limit_bytes: float):
+    """``choice_search``'s exact answer where there are too many plans to try each: the levels per
+    block (a list; empty where no plan fits), or None where this search does not apply (blocks
+    that let inputs go or leave bytes until the forward ends, a backward out of order, or more than
+    ``_FRONTIER_MAX`` partial plans to carry) and the caller falls back.
+
+    With the blocks run in order and backward in reverse, every event of a plan's step is what the
+    blocks before one hold (a running sum over the blocks in forward order) plus a term of that
+    block's level, and the head's is the whole sum plus a constant (``Timeline._parts``, the same
+    float operations in the same order). So the blocks are taken in forward order, carrying each
+    partial plan's held sum and its key (recompute ns times blocks + 1, plus the blocks upgraded:
+    the order of every-plan search); a partial plan whose events pass the limit is dropped, and one
+    is dropped where another holds no more and has a smaller key, or the same key and comes first
+    in the every-plan search's order (the lower levels at the higher blocks), as any completion of it
+    is then beaten. Exact, with its ties, as trying every plan."""
+    if timeline.consumers is not None or timeline.resident or not timeline.reversed:
+        return None
+    n, s = timeline.blocks, timeline.step
+    order = list(range(n)) if timeline.order is None else [int(i) for i in timeline.order]
+    held_t, fwd_t, own_t = (timeline.tables[q].reshape(-1, n) for q in range(3))  # (level, position)
+    pre = s["pre_bytes"]
+    held = np.zeros(1)  # per partial plan: the sum the blocks so far hold
+    key = np.zeros(1, dtype=np.int64)
+    levels = np.zeros((1, 0), dtype=np.intp)
+    for position, block in enumerate(order):
+        choices = np.array(allowed[block], dtype=np.intp)
+        at = held + pre
+        events = at[:, None] + np.maximum(fwd_t[choices, position], own_t[choices, position])[None, :]
+        ok = events <= limit_bytes  # (plans, choices)
+        plans, picks = np.nonzero(ok)
+        if not len(plans):
+            return []
+        held = held[plans] + held_t[choices[picks], position]
+        key = key[plans] + level_ns[block, choices[picks]] * (n + 1) + (choices[picks] > 0)
+        levels = np.concatenate((levels[plans], choices[picks][:, None]), axis=1)
+        # Where each comes in the every-plan search among these: its levels compared from the
+        # highest block down (the search's last digit changes slowest).
+        by_index = sorted(range(position + 1), key=lambda p: order[p])
+        rank = np.empty(len(key), dtype=np.int64)
+        rank[np.lexsort([levels[:, p] for p in by_index])] = np.arange(len(key))
+        # Keep the partial plans no other beats: sorted by held sum, then key, then rank, each
+        # kept where it beats every one before it (less key, or the same key and a lower rank).
+        sort = np.lexsort((rank, key, held))
+        best_key = np.minimum.accumulate(key[sort])
+        kept = np.ones(len(sort), dtype=bool)
+        kept[1:] = key[sort][1:] < best_key[:-1]
+        same = np.zeros(len(sort), dtype=bool)
+        same[1:] = key[sort][1:] == best_key[:-1]
+        if same.any():  # ties on key: kept only ahead of every earlier plan of that key in rank
+            sorted_key, sorted_rank = key[sort], rank[sort]
+            kept |= same
+            for tied in np.unique(sorted_key[same]).tolist():
+                at_key = np.flatnonzero(sorted_key == tied)
+                before = np.minimum.accumulate(sorted_rank[at_key])[:-1]
+                kept[at_key[1:]] &= ~(before < sorted_rank[at_key[1:]])
+        sort = sort[kept]
+        held, key, rank, levels = held[sort], key[sort], rank[sort], levels[sort]
+        if len(held) > _FRONTIER_MAX:
+            return None
+    top = held + pre
+    fits = ((top + max(s["head_peak_bytes"], s["head_bwd_peak_bytes"]) <= limit_bytes)
+            & (s["pre_peak_bytes"] <= limit_bytes) & (s["tail_peak_bytes"] <= limit_bytes))
+    if not fits.any():
+        return []
+    candidates = np.flatnonzero(fits)
+    best = candidates[np.lexsort((rank[candidates], key[candidates]))[0]]
+    by_block = [0] * n
+    for position, block in enumerate(order):
+        by_block[block] = int(levels[best, position])
+    return by_block
+
+
+_FRONTIER_MAX = 1 << 17
+"""``_frontier_search``'s most partial plans carried from one block to the next."""
 
 
 def exact_search(pred: Prediction, limit_bytes: float) -> tuple:
@@ -426,7 +508,8 @@ class OraclePolicy(Policy):
     def stats(self, counted: dict) -> dict:
         return {"measured_sizes": len(self.measured), "excluded_ms_total": self.excluded_ms_total,
                 "margin_bytes": self.margin_bytes,
-                # finer plans beyond EXACT_MAX_CHOICE_PLANS plans are Mimose's scheduler's, on measurements
+                # finer plans: exact block by block, else every plan, else Mimose's scheduler's on measurements
+                "frontier_searches": self.searched.get("frontier", 0),
                 "exact_searches": self.searched.get("exact", 0),
                 "scheduler_searches": self.searched.get("scheduler", 0)}
 

@@ -83,42 +83,80 @@ def _every_choice_plan(pred, limit, level_ms, usable):
     return plan_of(levels[best].tolist())
 
 
+def _random_choice_case(rng, n, alike, partial=True):
+    """A random stack for the finer-plan search: its prediction, limit and per-level times (the
+    partial levels offered with ``partial``)."""
+    pred = random_prediction(rng, n)
+    if alike:
+        recompute = np.array([rng.choice([1.0, 1.0, 2.0]) for _ in range(n)])
+        selective = recompute * 0.5
+        partial_ms = np.stack([recompute * f for f in (0.6, 0.7, 0.8)], axis=1)
+    else:
+        recompute = np.array([rng.uniform(0.5, 3.0) for _ in range(n)])
+        selective = recompute * np.array([rng.uniform(0.1, 1.2) for _ in range(n)])
+        partial_ms = recompute[:, None] * np.array([[rng.uniform(0.1, 1.2) for _ in range(3)] for _ in range(n)])
+    partial_ms[np.array([[rng.random() < 0.3 for _ in range(3)] for _ in range(n)])] = np.nan
+    selectable = np.array([rng.random() < 0.8 for _ in range(n)])
+    none_peak, full_peak = plan_peak(pred, ()), plan_peak(pred, range(n))
+    limit = full_peak + rng.uniform(-0.05, 0.9) * (none_peak - full_peak)
+    level_ms, usable = {KEEP_LEVEL: np.zeros(n), RECOMPUTE_LEVEL: recompute}, {}
+    for k, kept_set in enumerate(KEPT_SETS if partial else KEPT_SETS[:1]):
+        extra = np.maximum(pred.blocks[f"{kept_set}_extra_bytes"], 0.0)
+        level_ms[SELECTIVE_LEVEL + k] = partial_ms[:, k - 1] if k else selective
+        usable[SELECTIVE_LEVEL + k] = ((pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"])
+                                       & selectable & ~np.isnan(level_ms[SELECTIVE_LEVEL + k]))
+    return pred, limit, (recompute, selective, selectable, partial_ms), level_ms, usable
+
+
 def test_the_finer_plan_search_in_chunks_is_every_plan_at_once():
     """``choice_search`` walks the plans in chunks of 3^8 (up to 3^12 plans) and skips the peaks
     of plans dearer than the scheduler's: the same plan as evaluating them all at once, on stacks
     of 2 to 11 blocks (up to 3^11 plans, many chunks) and of 2 to 6 with the partial levels too
     (up to 6^6 plans), some blocks not selectable or without a partial level, with times drawn at
     random and with alike times (equal within a stack: the ties that ``alike_mean`` makes, which
-    must go to fewer blocks and then the earlier ones)."""
+    must go to fewer blocks and then the earlier ones); every block leaves bytes until the forward
+    ends, so the search block by block does not apply."""
     rng = random.Random(5)
     partial_plans = 0
     for n, partial in [(n, False) for n in (2, 3, 5, 7, 9, 10, 11)] + [(n, True) for n in (2, 3, 4, 5, 6)]:
         for alike in (False, True, True, True, True):
-            pred = random_prediction(rng, n)
-            if alike:
-                recompute = np.array([rng.choice([1.0, 1.0, 2.0]) for _ in range(n)])
-                selective = recompute * 0.5
-                partial_ms = np.stack([recompute * f for f in (0.6, 0.7, 0.8)], axis=1)
-            else:
-                recompute = np.array([rng.uniform(0.5, 3.0) for _ in range(n)])
-                selective = recompute * np.array([rng.uniform(0.1, 1.2) for _ in range(n)])
-                partial_ms = recompute[:, None] * np.array([[rng.uniform(0.1, 1.2) for _ in range(3)]
-                                                            for _ in range(n)])
-            partial_ms[np.array([[rng.random() < 0.3 for _ in range(3)] for _ in range(n)])] = np.nan
-            selectable = np.array([rng.random() < 0.8 for _ in range(n)])
-            none_peak, full_peak = plan_peak(pred, ()), plan_peak(pred, range(n))
-            limit = full_peak + rng.uniform(-0.05, 0.9) * (none_peak - full_peak)
-            level_ms, usable = {KEEP_LEVEL: np.zeros(n), RECOMPUTE_LEVEL: recompute}, {}
-            for k, kept_set in enumerate(KEPT_SETS if partial else KEPT_SETS[:1]):
-                extra = np.maximum(pred.blocks[f"{kept_set}_extra_bytes"], 0.0)
-                level_ms[SELECTIVE_LEVEL + k] = partial_ms[:, k - 1] if k else selective
-                usable[SELECTIVE_LEVEL + k] = ((pred.blocks["ckpt_bytes"] + extra < pred.blocks["plain_bytes"])
-                                               & selectable & ~np.isnan(level_ms[SELECTIVE_LEVEL + k]))
+            pred, limit, times, level_ms, usable = _random_choice_case(rng, n, alike, partial)
+            pred.blocks["resident_bytes"] += 1.0  # bytes left until the forward ends: every plan tried
+            recompute, selective, selectable, partial_ms = times
             expected = _every_choice_plan(pred, limit, level_ms, usable)
             found = choice_search(pred, limit, recompute, selective, selectable, partial_ms if partial else None)
             assert found == expected, (n, alike, partial)
             partial_plans += bool(found[2])
     assert partial_plans > 5  # the partial levels were chosen, not only offered
+
+
+def test_the_finer_plan_search_block_by_block_is_exact(monkeypatch):
+    """Where blocks leave nothing until the forward ends, the search carries partial plans block by
+    block, keeping those no other beats (``oracle._frontier_search``): the same plan, ties
+    included, as evaluating every plan at once, on stacks of 2 to 7 blocks with the partial levels
+    (up to 6^7 plans), alike times, blocks run out of index order; and it says which search ran.
+    Where blocks do leave bytes it does not apply: every plan is tried up to
+    ``EXACT_MAX_CHOICE_PLANS`` (set to none here), then the scheduler."""
+    import mimose_cli.planners.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "EXACT_MAX_CHOICE_PLANS", 0)
+    rng = random.Random(11)
+    searched, partial_plans = {}, 0
+    for n in (2, 3, 4, 5, 6, 7):
+        for alike in (False, True, True):
+            pred, limit, times, level_ms, usable = _random_choice_case(rng, n, alike)
+            pred.blocks["resident_bytes"] = np.zeros(n)
+            if rng.random() < 0.5:
+                pred.order = tuple(rng.sample(range(n), n))
+            expected = _every_choice_plan(pred, limit, level_ms, usable)
+            found = choice_search(pred, limit, *times, searched=searched)
+            assert found == expected, (n, alike)
+            partial_plans += bool(found[2])
+    assert searched == {"frontier": 18} and partial_plans > 3
+    pred, limit, times, _, _ = _random_choice_case(rng, 5, False)  # bytes left until the forward ends
+    searched = {}
+    choice_search(pred, limit, *times, searched=searched)
+    assert searched == {"scheduler": 1}
 
 
 def test_knapsack_search_fits_many_blocks():
