@@ -59,7 +59,7 @@ class _LifetimeLedger(StorageLedger):
 
 _aten = torch.ops.aten
 WRITES_NOTHING = frozenset((_aten._unsafe_view, _aten.empty_like, _aten.empty, _aten.empty_strided,
-                             _aten.new_empty, _aten.new_empty_strided))
+                            _aten.new_empty, _aten.new_empty_strided))
 """Ops that return a tensor without writing its elements (a view not marked one, allocations)."""
 
 
