@@ -237,7 +237,7 @@ class MimosePolicy(Policy):
         blocks = range(self.parts.num_blocks)
         self._selective_needs = set(blocks), {(q, i) for q in SELECTIVE_QUANTITIES for i in blocks}
         """What ``_selective_known`` looks for: every block's heavy outputs kept, its selective bytes."""
-        self._known: dict = {}  # ``_cached``'s: name -> (key, value)
+        self._known: dict = {}  # ``_cached``'s: name -> (key, the objects read, value)
         self.choice_times: ChoiceTimes | None = None
         """What recomputing each block costs per choice (``choices="selective"`` or ``"offload"``,
         from the probes), and offloading it (``"offload"``)."""

@@ -131,7 +131,6 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     open_to = [selectable, *(selectable & ~np.isnan(ms) for ms in partial_ms.T)]
     savings, costs = level_rows(pred, open_to, selective_ms, partial_ms, recompute_ms)
     freed = savings[1:-1]
-    scheduled = choice_plan_checked(savings, costs, timeline.level_peaks, limit_bytes)
     # Each block's levels (keep, the useful selective checkpoints, recompute), as the digits of a
     # mixed-radix number: plan k of the search is k's digits.
     allowed = [(KEEP_LEVEL, *(SELECTIVE_LEVEL + k for k in range(len(freed)) if not np.isnan(freed[k][i])),
@@ -146,8 +145,9 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
         searched[key] = searched.get(key, 0) + 1
     if found is not None:
         return plan_of(found) if found else (every, (), ())
+    # The scheduler on the measurements: the answer beyond every plan, else the bound below.
+    plan, selective, partial, _, fits = choice_plan_checked(savings, costs, timeline.level_peaks, limit_bytes)
     if not exact:
-        plan, selective, partial, _, fits = scheduled
         return (plan, selective, partial) if fits else (every, (), ())
     place = np.concatenate(([1], np.cumprod(radix)[:-1]))
     table = np.array([a + (RECOMPUTE_LEVEL,) * (LEVELS - len(a)) for a in allowed])
@@ -156,7 +156,6 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
         return level_ns[np.arange(n), levels].sum(axis=-1) * (n + 1) + (levels > 0).sum(axis=-1)
 
     best, bound = None, np.iinfo(np.int64).max
-    plan, selective, partial, _, fits = scheduled
     if fits:  # no plan dearer than the scheduler's can be the least: their peaks are not needed
         bound = int(key(plan_levels(n, plan, selective, partial))) + 1
     total = int(np.prod(radix))

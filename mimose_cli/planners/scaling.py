@@ -249,6 +249,7 @@ def work_coefficients(works_a: list, works_b: list, size_a: tuple, size_b: tuple
     fa, fb = feature_set.of(size_a), feature_set.of(size_b)
     reading = _Reading(size_a, size_b, feature_set)
     coef = np.zeros((2, len(fa)))
+    weights = light_weights or {}
     for (heavy, dims_a, factor, kind), (_, dims_b, _, _) in zip(works_a, works_b):
         row = reading.row(dims_a, dims_b, factor)
         if row is None:  # the growth factor of its whole work
@@ -261,7 +262,7 @@ def work_coefficients(works_a: list, works_b: list, size_a: tuple, size_b: tuple
         if heavy:
             coef[0] += row
         else:
-            coef[1] += row * (light_weights or {}).get(kind, 1.0)
+            coef[1] += row * weights.get(kind, 1.0)
     return coef[0], coef[1]
 
 
