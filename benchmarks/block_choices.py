@@ -48,6 +48,25 @@ def _base_bert():
                           num_attention_heads=12, intermediate_size=3072))
 
 
+def measured_rows(names: str, rounds: int, measure):
+    """``(name, row)`` of ``measure(name, spec, rounds)`` for each comma-separated model name (the
+    robustness matrix's, or ``bert-base-width``), in order; a row with an ``error`` (the model
+    cannot run the plans) is printed as not run and not yielded. Every row is appended to the
+    list returned first, for the JSON."""
+    rows = []
+
+    def each():
+        for name in names.split(","):
+            row = measure(name, _base_bert() if name == "bert-base-width" else MODELS[name], rounds)
+            rows.append(row)
+            if "error" in row:
+                print(f"{name:16} not run: {row['error']}", flush=True)
+                continue
+            yield name, row
+
+    return rows, each()
+
+
 def measure(name: str, spec, rounds: int) -> dict:
     model = build_model(spec).train()
     try:
@@ -89,16 +108,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = []
     print(f"{'model':16} {'keep MB':>8} {'selective MB':>12} {'recompute MB':>12} {'saved of keep':>13} "
           f"{'selective/keep ms':>17} {'recompute/keep ms':>17}")
-    for name in args.models.split(","):
-        spec = _base_bert() if name == "bert-base-width" else MODELS[name]
-        row = measure(name, spec, args.rounds)
-        rows.append(row)
-        if "error" in row:
-            print(f"{name:16} not run: {row['error']}", flush=True)
-            continue
+    rows, measured = measured_rows(args.models, args.rounds, measure)
+    for name, row in measured:
         mb = {k: v / 2**20 for k, v in row["peak_bytes"].items()}
         print(f"{name:16} {mb['keep']:8.1f} {mb['selective']:12.1f} {mb['recompute']:12.1f} "
               f"{row['selective_saved_of_keep']:13.2f} {row['selective_over_keep_ms']:17.3f} "

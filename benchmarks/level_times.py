@@ -20,8 +20,8 @@ import argparse
 import statistics
 
 import torch
-from block_choices import _base_bert
-from robustness import MODELS, Shape, build_model, make_batch
+from block_choices import measured_rows
+from robustness import Shape, build_model, make_batch
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import Mimose
@@ -101,16 +101,10 @@ def main():
     parser.add_argument("--out", default="level_times", help="benchmarks/results/<out>.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = []
     head = "".join(f"{level:>20}" for level in LEVELS[1:])
     print(f"{'model':16}{head}   (recompute ms measured / predicted; peak MB)")
-    for name in args.models.split(","):
-        spec = _base_bert() if name == "bert-base-width" else MODELS[name]
-        row = measure(name, spec, args.rounds)
-        rows.append(row)
-        if "error" in row:
-            print(f"{name:16} not run: {row['error']}", flush=True)
-            continue
+    rows, measured = measured_rows(args.models, args.rounds, measure)
+    for name, row in measured:
         cells = []
         for level in LEVELS[1:]:
             got, model = row["measured_ms"].get(level), row["predicted_ms"].get(level)
