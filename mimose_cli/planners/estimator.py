@@ -116,6 +116,22 @@ _LET_GO_ELEMENTS = 1 << 21
 """``Timeline._let_go``'s products, at most this many float64s at once (16 MiB)."""
 
 
+@dataclass(frozen=True)
+class InOrderTerms:
+    """A step's events where each is what the blocks before one hold plus a term of that block's
+    level (``Timeline.in_order_terms``): at position ``p`` (``order[p]`` the block), a level ``l``
+    holds ``held[l, p]`` until its backward and its forward and backward peak at most ``event[l, p]``
+    above ``pre`` plus what the blocks before hold; the head peaks ``head`` above ``pre`` plus what
+    every block holds; ``fixed`` is the events before the blocks and after them (the plan's no part)."""
+
+    order: list
+    pre: float
+    held: np.ndarray  # (levels, positions)
+    event: np.ndarray
+    head: float
+    fixed: float
+
+
 class Timeline:
     """``peak_timeline`` for one prediction: what does not depend on the plan (the blocks'
     quantities in forward order, the selective peaks, which inputs are let go of where) worked
@@ -240,6 +256,20 @@ class Timeline:
         tail = s["tail_peak_bytes"] + (0.0 if self.reversed else top)
         head = top + np.maximum(s["head_peak_bytes"], kept)
         return s["pre_peak_bytes"], at + fwd, head, bwd, tail
+
+    def in_order_terms(self) -> "InOrderTerms | None":
+        """The events as ``InOrderTerms`` where they add up block by block: nothing let go of,
+        nothing left until the forward ends, backward in reverse (``_parts`` with those terms
+        zero, the same float operations in the same order); None elsewhere."""
+        if self.consumers is not None or self.resident or not self.reversed:
+            return None
+        held, fwd, own = (self.tables[q].reshape(LEVELS, self.blocks) for q in range(3))
+        s = self.step
+        return InOrderTerms(
+            order=list(range(self.blocks)) if self.order is None else [int(i) for i in self.order],
+            pre=s["pre_bytes"], held=held, event=np.maximum(fwd, own),
+            head=max(s["head_peak_bytes"], s["head_bwd_peak_bytes"]),
+            fixed=max(s["pre_peak_bytes"], s["tail_peak_bytes"]))
 
     @staticmethod
     def levels(plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:

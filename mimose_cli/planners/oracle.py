@@ -185,31 +185,28 @@ def _frontier_search(timeline: Timeline, allowed: list, level_ns: np.ndarray, li
 
     With the blocks run in order and backward in reverse, every event of a plan's step is what the
     blocks before one hold (a running sum over the blocks in forward order) plus a term of that
-    block's level, and the head's is the whole sum plus a constant (``Timeline._parts``, the same
-    float operations in the same order). So the blocks are taken in forward order, carrying each
-    partial plan's held sum and its key (recompute ns times blocks + 1, plus the blocks upgraded:
-    the order of every-plan search); a partial plan whose events pass the limit is dropped, and one
-    is dropped where another holds no more and has a smaller key, or the same key and comes first
-    in the every-plan search's order (the lower levels at the higher blocks), as any completion of it
+    block's level, and the head's is the whole sum plus a constant (``Timeline.in_order_terms``).
+    So the blocks are taken in forward order, carrying each partial plan's held sum and its key
+    (recompute ns times blocks + 1, plus the blocks upgraded: the order of every-plan search); a
+    partial plan whose events pass the limit is dropped, and one is dropped where another holds no
+    more and has a smaller key, or the same key and comes first in the every-plan search's order (the lower levels at the higher blocks), as any completion of it
     is then beaten. Exact, with its ties, as trying every plan."""
-    if timeline.consumers is not None or timeline.resident or not timeline.reversed:
+    terms = timeline.in_order_terms()
+    if terms is None:
         return None
-    n, s = timeline.blocks, timeline.step
-    order = list(range(n)) if timeline.order is None else [int(i) for i in timeline.order]
-    held_t, fwd_t, own_t = (timeline.tables[q].reshape(-1, n) for q in range(3))  # (level, position)
-    pre = s["pre_bytes"]
+    n, order = timeline.blocks, terms.order
     held = np.zeros(1)  # per partial plan: the sum the blocks so far hold
     key = np.zeros(1, dtype=np.int64)
     levels = np.zeros((1, 0), dtype=np.intp)
     for position, block in enumerate(order):
         choices = np.array(allowed[block], dtype=np.intp)
-        at = held + pre
-        events = at[:, None] + np.maximum(fwd_t[choices, position], own_t[choices, position])[None, :]
+        at = held + terms.pre
+        events = at[:, None] + terms.event[choices, position][None, :]
         ok = events <= limit_bytes  # (plans, choices)
         plans, picks = np.nonzero(ok)
         if not len(plans):
             return []
-        held = held[plans] + held_t[choices[picks], position]
+        held = held[plans] + terms.held[choices[picks], position]
         key = key[plans] + level_ns[block, choices[picks]] * (n + 1) + (choices[picks] > 0)
         levels = np.concatenate((levels[plans], choices[picks][:, None]), axis=1)
         # Where each comes in the every-plan search among these: its levels compared from the
@@ -236,9 +233,7 @@ def _frontier_search(timeline: Timeline, allowed: list, level_ns: np.ndarray, li
         held, key, rank, levels = held[sort], key[sort], rank[sort], levels[sort]
         if len(held) > _FRONTIER_MAX:
             return None
-    top = held + pre
-    fits = ((top + max(s["head_peak_bytes"], s["head_bwd_peak_bytes"]) <= limit_bytes)
-            & (s["pre_peak_bytes"] <= limit_bytes) & (s["tail_peak_bytes"] <= limit_bytes))
+    fits = (held + terms.pre + terms.head <= limit_bytes) & (terms.fixed <= limit_bytes)
     if not fits.any():
         return []
     candidates = np.flatnonzero(fits)

@@ -159,6 +159,33 @@ def test_the_finer_plan_search_block_by_block_is_exact(monkeypatch):
     assert searched == {"scheduler": 1}
 
 
+def test_the_timelines_terms_block_by_block_give_its_peaks():
+    """``Timeline.in_order_terms`` (what the block-by-block search reads): what the blocks before
+    each hold plus its level's term, the head above them all, the events before and after the
+    blocks; their maximum is ``level_peaks``' peak, exactly (the same additions in the same order,
+    and a sum plus the larger of two terms is the larger of the two sums), for random stacks, levels
+    and forward orders. Where blocks leave bytes until the forward ends it says it does not apply."""
+    rng = random.Random(3)
+    for _ in range(60):
+        n = rng.randint(1, 8)
+        pred = random_prediction(rng, n)
+        pred.blocks["resident_bytes"] = np.zeros(n)
+        if rng.random() < 0.5:
+            pred.order = tuple(rng.sample(range(n), n))
+        timeline = Timeline(pred)
+        terms = timeline.in_order_terms()
+        for _ in range(5):
+            levels = np.array([rng.randrange(LEVELS) for _ in range(n)])
+            held, peak = 0.0, terms.fixed
+            for position, block in enumerate(terms.order):
+                peak = max(peak, held + terms.pre + terms.event[levels[block], position])
+                held = held + terms.held[levels[block], position]
+            peak = max(peak, held + terms.pre + terms.head)
+            assert peak == float(timeline.level_peaks(levels))
+    pred.blocks["resident_bytes"] = np.ones(n)
+    assert Timeline(pred).in_order_terms() is None
+
+
 def test_knapsack_search_fits_many_blocks():
     rng = random.Random(2)
     for _ in range(10):
