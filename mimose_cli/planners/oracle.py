@@ -190,7 +190,8 @@ def _frontier_search(timeline: Timeline, allowed: list, level_ns: np.ndarray, li
     (recompute ns times blocks + 1, plus the blocks upgraded: the order of every-plan search); a
     partial plan whose events pass the limit is dropped, and one is dropped where another holds no
     more and has a smaller key, or the same key and comes first in the every-plan search's order
-    (the lower levels at the higher blocks), as any completion of it is then beaten. Exact, with its ties, as trying every plan."""
+    (the lower levels at the higher blocks), as any completion of it is then beaten. Exact, with its
+    ties, as trying every plan."""
     terms = timeline.in_order_terms()
     if terms is None:
         return None
