@@ -118,17 +118,23 @@ _LET_GO_ELEMENTS = 1 << 21
 
 @dataclass(frozen=True)
 class InOrderTerms:
-    """A step's events where each is what the blocks before one hold plus a term of that block's
-    level (``Timeline.in_order_terms``): at position ``p`` (``order[p]`` the block), a level ``l``
-    holds ``held[l, p]`` until its backward and its forward and backward peak at most ``event[l, p]``
-    above ``pre`` plus what the blocks before hold; the head peaks ``head`` above ``pre`` plus what
-    every block holds; ``fixed`` is the events before the blocks and after them (the plan's no part)."""
+    """A step's events where each adds up block by block (``Timeline.in_order_terms``). At position
+    ``p`` of the forward (``order[p]`` the block) a level ``l`` holds ``held[l, p]`` until its
+    backward and leaves ``resident[l, p]`` from the head's backward until its own (None: no block
+    leaves anything); with ``H`` and ``R`` those summed over the blocks before, from a zero, its
+    forward peaks at ``(H + pre) + fwd[l, p]`` and its backward at ``((H + pre) + R) + own[l, p]``
+    (without ``R`` where none is left); with ``H`` and ``R`` summed over every block, the head at
+    ``(H + pre) + max(head, head_bwd + R)``; ``fixed`` is the events before the blocks and after them
+    (no plan moves them). The same float operations in the same order as ``Timeline._parts``."""
 
     order: list
     pre: float
     held: np.ndarray  # (levels, positions)
-    event: np.ndarray
+    fwd: np.ndarray
+    own: np.ndarray
+    resident: np.ndarray | None
     head: float
+    head_bwd: float
     fixed: float
 
 
@@ -258,17 +264,16 @@ class Timeline:
         return s["pre_peak_bytes"], at + fwd, head, bwd, tail
 
     def in_order_terms(self) -> "InOrderTerms | None":
-        """The events as ``InOrderTerms`` where they add up block by block: nothing let go of,
-        nothing left until the forward ends, backward in reverse (``_parts`` with those terms
-        zero, the same float operations in the same order); None elsewhere."""
-        if self.consumers is not None or self.resident or not self.reversed:
+        """The events as ``InOrderTerms`` where they add up block by block: no input let go of and
+        backward in reverse forward order; None elsewhere."""
+        if self.consumers is not None or not self.reversed:
             return None
-        held, fwd, own = (self.tables[q].reshape(LEVELS, self.blocks) for q in range(3))
+        held, fwd, own, resident = (self.tables[q].reshape(LEVELS, self.blocks) for q in range(4))
         s = self.step
         return InOrderTerms(
             order=list(range(self.blocks)) if self.order is None else [int(i) for i in self.order],
-            pre=s["pre_bytes"], held=held, event=np.maximum(fwd, own),
-            head=max(s["head_peak_bytes"], s["head_bwd_peak_bytes"]),
+            pre=s["pre_bytes"], held=held, fwd=fwd, own=own, resident=resident if self.resident else None,
+            head=s["head_peak_bytes"], head_bwd=s["head_bwd_peak_bytes"],
             fixed=max(s["pre_peak_bytes"], s["tail_peak_bytes"]))
 
     @staticmethod

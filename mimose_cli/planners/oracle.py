@@ -10,7 +10,8 @@ at the step's start, fits the budget: an exact search over every plan up to ``EX
 blocks; beyond, a knapsack DP on the blocks' savings, topped up block by block until the
 timeline fits. With finer plans (``choices="selective"``) the least over every keep / selective /
 partial (``features.PARTIAL_LEVELS``) / recompute plan: found block by block, carrying the partial
-plans no other beats (``_frontier_search``, exact for any number of blocks run in order), else by
+plans no other beats (``_frontier_search``, exact for any number of blocks whose backward runs in
+the reverse of their forward), else by
 trying every plan up to ``EXACT_MAX_CHOICE_PLANS`` plans, else Mimose's scheduler on the
 measurements (``stats``: ``frontier_searches``, ``exact_searches``, ``scheduler_searches``); with
 ``choices="offload"`` the same plans, a block freed
@@ -113,7 +114,7 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     """Finer plans (``choices="selective"``): ``(plan, selective, partial)`` with the least
     recompute time whose measured peak fits, over every block kept, checkpointed selectively,
     partially (``partial_ms``: each partial level's ms, NaN where a block has none) or recomputed:
-    block by block where the blocks run in order (``_frontier_search``), else every plan up to
+    block by block where backward runs in reverse (``_frontier_search``), else every plan up to
     ``EXACT_MAX_CHOICE_PLANS`` plans, beyond them Mimose's scheduler (``choices.choice_plan_checked``)
     on the measurements. A block's selective or partial checkpoint
     that frees nothing (``choices.level_rows``), or a block that holds buffers (``selectable``
@@ -180,73 +181,106 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
 def _frontier_search(timeline: Timeline, allowed: list, level_ns: np.ndarray, limit_bytes: float):
     """``choice_search``'s exact answer where there are too many plans to try each: the levels per
     block (a list; empty where no plan fits), or None where this search does not apply (blocks
-    that let inputs go or leave bytes until the forward ends, a backward out of order, or more than
-    ``_FRONTIER_MAX`` partial plans to carry) and the caller falls back.
+    that let inputs go, a backward out of order, more than ``_FRONTIER_MAX`` partial plans to
+    carry, or more than ``_FRONTIER_BUCKETS`` sums of what plain blocks leave until the forward
+    ends) and the caller falls back.
 
     With the blocks run in order and backward in reverse, every event of a plan's step is what the
-    blocks before one hold (a running sum over the blocks in forward order) plus a term of that
-    block's level, and the head's is the whole sum plus a constant (``Timeline.in_order_terms``).
-    So the blocks are taken in forward order, carrying each partial plan's held sum and its key
-    (recompute ns times blocks + 1, plus the blocks upgraded: the order of every-plan search); a
-    partial plan whose events pass the limit is dropped, and one is dropped where another holds no
-    more and has a smaller key, or the same key and comes first in the every-plan search's order
-    (the lower levels at the higher blocks), as any completion of it is then beaten. Exact, with its
-    ties, as trying every plan."""
+    blocks before one hold (and what the plain ones among them leave until the forward ends: autocast's
+    cached casts) plus a term of that block's level, and the head's is the whole sums plus a
+    constant (``Timeline.in_order_terms``). So the blocks are taken in forward order, carrying each
+    partial plan's two sums and its key (recompute ns times blocks + 1, plus the blocks upgraded:
+    the order of every-plan search); a partial plan whose events pass the limit is dropped, and one
+    is dropped where another holds no more in either sum and comes first by key, then by the
+    every-plan search's order (the lower levels at the higher blocks), as any completion of it is
+    then beaten. Exact, with its ties, as trying every plan."""
     terms = timeline.in_order_terms()
     if terms is None:
         return None
     n, order = timeline.blocks, terms.order
     held = np.zeros(1)  # per partial plan: the sum the blocks so far hold
+    left = np.zeros(1)  # and the sum the plain ones among them leave until the forward ends
     key = np.zeros(1, dtype=np.int64)
     levels = np.zeros((1, 0), dtype=np.intp)
     for position, block in enumerate(order):
         choices = np.array(allowed[block], dtype=np.intp)
         at = held + terms.pre
-        events = at[:, None] + terms.event[choices, position][None, :]
-        ok = events <= limit_bytes  # (plans, choices)
-        plans, picks = np.nonzero(ok)
+        fwd, own = terms.fwd[choices, position][None, :], terms.own[choices, position][None, :]
+        if terms.resident is None:
+            events = at[:, None] + np.maximum(fwd, own)
+        else:
+            events = np.maximum(at[:, None] + fwd, (at + left)[:, None] + own)
+        plans, picks = np.nonzero(events <= limit_bytes)  # (plans, choices)
         if not len(plans):
             return []
         held = held[plans] + terms.held[choices[picks], position]
+        if terms.resident is not None:
+            left = left[plans] + terms.resident[choices[picks], position]
         key = key[plans] + level_ns[block, choices[picks]] * (n + 1) + (choices[picks] > 0)
         levels = np.concatenate((levels[plans], choices[picks][:, None]), axis=1)
         # Where each comes in the every-plan search among these: its levels compared from the
-        # highest block down (the search's last digit changes slowest).
+        # highest block down (the search's last digit changes slowest); then by key first.
         by_index = sorted(range(position + 1), key=lambda p: order[p])
         rank = np.empty(len(key), dtype=np.int64)
         rank[np.lexsort([levels[:, p] for p in by_index])] = np.arange(len(key))
-        # Keep the partial plans no other beats: sorted by held sum, then key, then rank, each
-        # kept where it beats every one before it (less key, or the same key and a lower rank).
-        sort = np.lexsort((rank, key, held))
-        best_key = np.minimum.accumulate(key[sort])
-        kept = np.ones(len(sort), dtype=bool)
-        kept[1:] = key[sort][1:] < best_key[:-1]
-        same = np.zeros(len(sort), dtype=bool)
-        same[1:] = key[sort][1:] == best_key[:-1]
-        if same.any():  # ties on key: kept only ahead of every earlier plan of that key in rank
-            sorted_key, sorted_rank = key[sort], rank[sort]
-            kept |= same
-            for tied in np.unique(sorted_key[same]).tolist():
-                at_key = np.flatnonzero(sorted_key == tied)
-                before = np.minimum.accumulate(sorted_rank[at_key])[:-1]
-                kept[at_key[1:]] &= ~(before < sorted_rank[at_key[1:]])
-        sort = sort[kept]
-        held, key, rank, levels = held[sort], key[sort], rank[sort], levels[sort]
+        first = np.empty(len(key), dtype=np.int64)
+        first[np.lexsort((rank, key))] = np.arange(len(key))
+        kept = _unbeaten(held, left if terms.resident is not None else None, first)
+        if kept is None:
+            return None
+        held, key, rank, levels = held[kept], key[kept], rank[kept], levels[kept]
+        first = first[kept]
+        if terms.resident is not None:
+            left = left[kept]
         if len(held) > _FRONTIER_MAX:
             return None
-    fits = (held + terms.pre + terms.head <= limit_bytes) & (terms.fixed <= limit_bytes)
+    top = held + terms.pre
+    if terms.resident is None:
+        head = top + max(terms.head, terms.head_bwd)
+    else:
+        head = top + np.maximum(terms.head, terms.head_bwd + left)
+    fits = (head <= limit_bytes) & (terms.fixed <= limit_bytes)
     if not fits.any():
         return []
     candidates = np.flatnonzero(fits)
-    best = candidates[np.lexsort((rank[candidates], key[candidates]))[0]]
+    best = candidates[np.argmin(first[candidates])]
     by_block = [0] * n
     for position, block in enumerate(order):
         by_block[block] = int(levels[best, position])
     return by_block
 
 
+def _unbeaten(held: np.ndarray, left: np.ndarray | None, first: np.ndarray) -> np.ndarray | None:
+    """The partial plans no other beats (indices): another beats one where it holds no more
+    (``held``, and ``left`` where given) and comes ``first`` (distinct integers). Sorted by what
+    they hold, then by ``first``, a plan is kept where it comes before every plan ahead of it that
+    leaves no more; per value of ``left``, one pass. None with more than ``_FRONTIER_BUCKETS``
+    values of ``left``."""
+    sort = np.lexsort((first, held))
+    order = first[sort]
+    never = np.iinfo(np.int64).max
+    if left is None:
+        values, left_sorted = [None], None
+    else:
+        values, left_sorted = np.unique(left).tolist(), left[sort]
+        if len(values) > _FRONTIER_BUCKETS:
+            return None
+    kept = np.zeros(len(sort), dtype=bool)
+    before = np.empty(len(sort), dtype=np.int64)  # the least ``first`` ahead of each
+    before[0] = never
+    for value in values:
+        ranks = order if value is None else np.where(left_sorted <= value, order, never)
+        np.minimum.accumulate(ranks[:-1], out=before[1:])
+        ahead = order < before
+        kept |= ahead if value is None else ahead & (left_sorted == value)
+    return sort[kept]
+
+
 _FRONTIER_MAX = 1 << 17
 """``_frontier_search``'s most partial plans carried from one block to the next."""
+_FRONTIER_BUCKETS = 64
+"""``_frontier_search``'s most distinct sums of what plain blocks leave until the forward ends
+(alike layers leave alike bytes: one sum per count of plain layers)."""
 
 
 def exact_search(pred: Prediction, limit_bytes: float) -> tuple:

@@ -108,14 +108,17 @@ def _random_choice_case(rng, n, alike, partial=True):
     return pred, limit, (recompute, selective, selectable, partial_ms), level_ms, usable
 
 
-def test_the_finer_plan_search_in_chunks_is_every_plan_at_once():
+def test_the_finer_plan_search_in_chunks_is_every_plan_at_once(monkeypatch):
     """``choice_search`` walks the plans in chunks of 3^8 (up to 3^12 plans) and skips the peaks
     of plans dearer than the scheduler's: the same plan as evaluating them all at once, on stacks
     of 2 to 11 blocks (up to 3^11 plans, many chunks) and of 2 to 6 with the partial levels too
     (up to 6^6 plans), some blocks not selectable or without a partial level, with times drawn at
     random and with alike times (equal within a stack: the ties that ``alike_mean`` makes, which
     must go to fewer blocks and then the earlier ones); every block leaves bytes until the forward
-    ends, so the search block by block does not apply."""
+    ends, and the search block by block is switched off."""
+    import mimose_cli.planners.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "_frontier_search", lambda *args: None)
     rng = random.Random(5)
     partial_plans = 0
     for n, partial in [(n, False) for n in (2, 3, 5, 7, 9, 10, 11)] + [(n, True) for n in (2, 3, 4, 5, 6)]:
@@ -131,58 +134,72 @@ def test_the_finer_plan_search_in_chunks_is_every_plan_at_once():
 
 
 def test_the_finer_plan_search_block_by_block_is_exact(monkeypatch):
-    """Where blocks leave nothing until the forward ends, the search carries partial plans block by
+    """Where blocks run in order and backward in reverse, the search carries partial plans block by
     block, keeping those no other beats (``oracle._frontier_search``): the same plan, ties
     included, as evaluating every plan at once, on stacks of 2 to 7 blocks with the partial levels
-    (up to 6^7 plans), alike times, blocks run out of index order; and it says which search ran.
-    Where blocks do leave bytes it does not apply: every plan is tried up to
-    ``EXACT_MAX_CHOICE_PLANS`` (set to none here), then the scheduler."""
+    (up to 6^7 plans), alike times, blocks run out of index order, and blocks that leave nothing,
+    alike bytes or bytes of their own until the forward ends (autocast's cached casts: a second sum
+    carried); and it says which search ran. Where it does not apply (a backward out of order, too
+    many sums of what plain blocks leave) every plan is tried up to ``EXACT_MAX_CHOICE_PLANS`` (set
+    to none here), then the scheduler."""
     import mimose_cli.planners.oracle as oracle_module
 
     monkeypatch.setattr(oracle_module, "EXACT_MAX_CHOICE_PLANS", 0)
     rng = random.Random(11)
-    searched, partial_plans = {}, 0
-    for n in (2, 3, 4, 5, 6, 7):
-        for alike in (False, True, True):
+    searched, partial_plans, resident_plans = {}, 0, 0
+    for n in (2, 3, 3, 4, 4, 5, 5, 6, 7):
+        for alike, resident in ((False, "none"), (True, "none"), (True, "alike"), (False, "own"), (True, "own")):
             pred, limit, times, level_ms, usable = _random_choice_case(rng, n, alike)
-            pred.blocks["resident_bytes"] = np.zeros(n)
+            left = {"none": [0] * n, "alike": [rng.randint(1, 60)] * n, "own": [rng.randint(0, 120) for _ in range(n)]}
+            pred.blocks["resident_bytes"] = np.array(left[resident], dtype=float)
             if rng.random() < 0.5:
                 pred.order = tuple(rng.sample(range(n), n))
             expected = _every_choice_plan(pred, limit, level_ms, usable)
             found = choice_search(pred, limit, *times, searched=searched)
-            assert found == expected, (n, alike)
+            assert found == expected, (n, alike, resident)
             partial_plans += bool(found[2])
-    assert searched == {"frontier": 18} and partial_plans > 3
-    pred, limit, times, _, _ = _random_choice_case(rng, 5, False)  # bytes left until the forward ends
+            resident_plans += resident != "none" and len(found[0]) < n
+    assert searched == {"frontier": 45} and partial_plans > 3 and resident_plans > 10
+    pred, limit, times, _, _ = _random_choice_case(rng, 5, False)
+    pred.backward_reversed = False
     searched = {}
     choice_search(pred, limit, *times, searched=searched)
-    assert searched == {"scheduler": 1}
+    monkeypatch.setattr(oracle_module, "_FRONTIER_BUCKETS", 1)
+    pred, limit, times, _, _ = _random_choice_case(rng, 5, False)  # own bytes left: many sums
+    choice_search(pred, limit, *times, searched=searched)
+    assert searched == {"scheduler": 2}
 
 
 def test_the_timelines_terms_block_by_block_give_its_peaks():
     """``Timeline.in_order_terms`` (what the block-by-block search reads): what the blocks before
-    each hold plus its level's term, the head above them all, the events before and after the
-    blocks; their maximum is ``level_peaks``' peak, exactly (the same additions in the same order,
-    and a sum plus the larger of two terms is the larger of the two sums), for random stacks, levels
-    and forward orders. Where blocks leave bytes until the forward ends it says it does not apply."""
+    each hold (and what the plain ones among them leave until the forward ends) plus its level's
+    terms, the head above them all, the events before and after the blocks; their maximum is
+    ``level_peaks``' peak, exactly (the same additions in the same order), for random stacks with
+    and without bytes left until the forward ends, random levels and forward orders. Where inputs
+    are let go of or backward runs out of order it says it does not apply."""
     rng = random.Random(3)
-    for _ in range(60):
+    for case in range(80):
         n = rng.randint(1, 8)
         pred = random_prediction(rng, n)
-        pred.blocks["resident_bytes"] = np.zeros(n)
+        if case % 2:
+            pred.blocks["resident_bytes"] = np.zeros(n)
         if rng.random() < 0.5:
             pred.order = tuple(rng.sample(range(n), n))
         timeline = Timeline(pred)
         terms = timeline.in_order_terms()
+        assert (terms.resident is None) == (case % 2 == 1 or not pred.blocks["resident_bytes"].any())
         for _ in range(5):
             levels = np.array([rng.randrange(LEVELS) for _ in range(n)])
-            held, peak = 0.0, terms.fixed
+            held, left, peak = 0.0, 0.0, terms.fixed
             for position, block in enumerate(terms.order):
-                peak = max(peak, held + terms.pre + terms.event[levels[block], position])
-                held = held + terms.held[levels[block], position]
-            peak = max(peak, held + terms.pre + terms.head)
+                level, at = levels[block], held + terms.pre
+                peak = max(peak, at + terms.fwd[level, position], (at + left) + terms.own[level, position])
+                held = held + terms.held[level, position]
+                if terms.resident is not None:
+                    left = left + terms.resident[level, position]
+            peak = max(peak, (held + terms.pre) + max(terms.head, terms.head_bwd + left))
             assert peak == float(timeline.level_peaks(levels))
-    pred.blocks["resident_bytes"] = np.ones(n)
+    pred.backward_reversed = False
     assert Timeline(pred).in_order_terms() is None
 
 
