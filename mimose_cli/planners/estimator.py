@@ -274,7 +274,7 @@ class Timeline:
             order=list(range(self.blocks)) if self.order is None else [int(i) for i in self.order],
             pre=s["pre_bytes"], held=held, fwd=fwd, own=own, resident=resident if self.resident else None,
             head=s["head_peak_bytes"], head_bwd=s["head_bwd_peak_bytes"],
-            fixed=max(s["pre_peak_bytes"], s["tail_peak_bytes"]))
+            fixed=float(np.maximum(s["pre_peak_bytes"], s["tail_peak_bytes"])))  # NaN stays NaN: nothing fits
 
     @staticmethod
     def levels(plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:

@@ -11,7 +11,7 @@ blocks; beyond, a knapsack DP on the blocks' savings, topped up block by block u
 timeline fits. With finer plans (``choices="selective"``) the least over every keep / selective /
 partial (``features.PARTIAL_LEVELS``) / recompute plan: found block by block, carrying the partial
 plans no other beats (``_frontier_search``, exact for any number of blocks whose backward runs in
-the reverse of their forward), else by
+the reverse of their forward, where no input is let go of and the plans to carry stay few), else by
 trying every plan up to ``EXACT_MAX_CHOICE_PLANS`` plans, else Mimose's scheduler on the
 measurements (``stats``: ``frontier_searches``, ``exact_searches``, ``scheduler_searches``); with
 ``choices="offload"`` the same plans, a block freed
@@ -114,7 +114,7 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     """Finer plans (``choices="selective"``): ``(plan, selective, partial)`` with the least
     recompute time whose measured peak fits, over every block kept, checkpointed selectively,
     partially (``partial_ms``: each partial level's ms, NaN where a block has none) or recomputed:
-    block by block where backward runs in reverse (``_frontier_search``), else every plan up to
+    block by block where it applies (``_frontier_search``), else every plan up to
     ``EXACT_MAX_CHOICE_PLANS`` plans, beyond them Mimose's scheduler (``choices.choice_plan_checked``)
     on the measurements. A block's selective or partial checkpoint
     that frees nothing (``choices.level_rows``), or a block that holds buffers (``selectable``
@@ -228,15 +228,14 @@ def _frontier_search(timeline: Timeline, allowed: list, level_ns: np.ndarray, li
         kept = _unbeaten(held, left if terms.resident is not None else None, first)
         if kept is None:
             return None
-        held, key, rank, levels = held[kept], key[kept], rank[kept], levels[kept]
-        first = first[kept]
+        held, key, levels, first = held[kept], key[kept], levels[kept], first[kept]
         if terms.resident is not None:
             left = left[kept]
         if len(held) > _FRONTIER_MAX:
             return None
     top = held + terms.pre
     if terms.resident is None:
-        head = top + max(terms.head, terms.head_bwd)
+        head = top + np.maximum(terms.head, terms.head_bwd)
     else:
         head = top + np.maximum(terms.head, terms.head_bwd + left)
     fits = (head <= limit_bytes) & (terms.fixed <= limit_bytes)
