@@ -17,7 +17,8 @@ def compare(
     baselines: str = typer.Option(
         "sublinear,dtr,hf-every-n", help="Comma-separated planners run besides mimose, none and oracle; "
                                          "name:value picks a variant: sublinear:sqrt or sublinear:chen, "
-                                         "mimose:selective or oracle:selective (finer plans); "
+                                         "mimose:selective or oracle:selective (finer plans), "
+                                         "mimose:offload or oracle:offload; "
                                          "hf-every-n is the largest every_n_layers stride that fits."),
     budgets: Optional[str] = typer.Option(
         None, help=f"Comma-separated budgets (default: the recipe's). {SIZE_HELP}"),

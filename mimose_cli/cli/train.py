@@ -2,6 +2,7 @@
              [--nproc-per-node N] [key=value ...]
 mimose train --resume RUN_DIR [--max-steps N] [--nproc-per-node N]"""
 
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
@@ -42,7 +43,7 @@ def train(
              "yourself (README)."),
 ):
     """Train a recipe under a memory budget; writes runs/<id>/."""
-    from mimose_cli.launcher.recipe import RecipeError, load_recipe
+    from mimose_cli.launcher.recipe import RecipeError, idle_planner_overrides, load_recipe
     from mimose_cli.launcher.resume import resume_recipe
     from mimose_cli.launcher.spawn import other_rank, relaunch, under_torchrun
     from mimose_cli.runs.live import check_view
@@ -66,6 +67,9 @@ def train(
                           f"e.g. mimose train recipes/quickstart.yaml {recipe}")
     else:
         resolved = load_recipe(recipe, overrides or [], flags, FLAG_OF)
+        for text in idle_planner_overrides(resolved, overrides or []):
+            warnings.warn(f"override {text!r} has no effect: this run's planner is {resolved.planner.name}, "
+                          f"which reads planner.{resolved.planner.name.replace('-', '_')} only", stacklevel=1)
     if resume is not None and not under_torchrun():
         _check_processes(resume, nproc_per_node or 1)
     if nproc_per_node is not None:  # the recipe is checked above, before any process starts

@@ -281,10 +281,6 @@ class TrainingConfig:
     checkpointed and retries to runs/<id>/tensorboard/ (needs ``pip install tensorboard``)."""
 
     def __post_init__(self):
-        if self.max_steps is not None and self.warmup_steps > self.max_steps:  # a smoke test, or a slip
-            warnings.warn(f"training.warmup_steps={self.warmup_steps} is longer than the run "
-                          f"(training.max_steps={self.max_steps}): the learning rate never reaches "
-                          "training.lr", stacklevel=2)
         # Checked with the recipe, before anything is built; find_spec does not import it.
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise _Invalid("tensorboard", True, "false: the tensorboard package is not installed "
@@ -316,6 +312,11 @@ class PlannerConfig:
             raise _Invalid("name", self.name, " | ".join(sorted(PLANNER_OPTIONS)))
         if self.safety_margin != "auto":
             self.safety_margin_bytes = _size_bytes("safety_margin", self.safety_margin, allow_zero=True)
+        if self.mimose.choices != "block" and self.mimose.estimate != "probes":
+            raise _Invalid("mimose.choices", self.mimose.choices,
+                           "block with planner.mimose.estimate: sheltered (only the probes measure what a "
+                           "block holds checkpointed selectively or offloaded); set planner.mimose.estimate: "
+                           "probes or planner.mimose.choices: block")
 
     @property
     def keywords(self) -> dict:
@@ -509,11 +510,37 @@ def recipe_from_dict(data: dict, where: str = "<recipe>", overrides=(), flags=No
             _set_dotted(data, key, value, f"{where} (flag)")
     _read_earlier_keys(data, where, origins)
     try:
-        return _RECIPE.validate_python(data)
+        recipe = _RECIPE.validate_python(data)
     except RecursionError:
         raise RecipeError(f"{where}: {TOO_DEEP}") from None
     except ValidationError as err:
         raise _recipe_error(err, where, origins) from None
+    _warn_of(recipe)
+    return recipe
+
+
+def _warn_of(recipe: Recipe) -> None:
+    """What is valid but likely a slip, said of a recipe once it validates (an invalid one gets its
+    one-line error alone)."""
+    training = recipe.training
+    if training.max_steps is not None and training.warmup_steps > training.max_steps:  # a smoke test, or a slip
+        warnings.warn(f"training.warmup_steps={training.warmup_steps} is longer than the run "
+                      f"(training.max_steps={training.max_steps}): the learning rate never reaches "
+                      "training.lr", stacklevel=3)
+
+
+def idle_planner_overrides(recipe: Recipe, overrides) -> list:
+    """The ``overrides`` (``key=value`` texts) that set another planner's section than the one
+    ``recipe`` runs (``planner.mimose.choices=selective`` under ``--planner sublinear``): a recipe
+    keeps every planner's options, so they are valid, but a run reads only its own planner's."""
+    own = recipe.planner.name.replace("-", "_")
+    sections = {name.replace("-", "_") for name in PLANNER_OPTIONS}
+    idle = []
+    for text in overrides:
+        parts = text.split("=", 1)[0].strip().split(".")
+        if len(parts) >= 2 and parts[0] == "planner" and parts[1] in sections and parts[1] != own:
+            idle.append(text)
+    return idle
 
 
 def _not_a_file(path: Path) -> str:

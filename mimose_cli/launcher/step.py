@@ -115,7 +115,19 @@ def describe_device(device: torch.device, recipe: Recipe) -> str:
         return f"device: {device} ({torch.cuda.get_device_name(device)}, {format_bytes(total)}), budget {budget}"
     threads = torch.get_num_threads()
     cpu = f"device: cpu, {threads} thread{'s' if threads != 1 else ''}"
-    return f"{cpu}; the simulated device holds the budget {budget}" if recipe.budget_bytes is not None else cpu
+    if recipe.budget_bytes is not None:
+        cpu = f"{cpu}; the simulated device holds the budget {budget}"
+    if offloads(recipe):
+        cpu += ("; offloaded copies stay in this one memory (memcpys, counted apart as host bytes): their "
+                "device bytes are exact, their time is not a GPU's")
+    return cpu
+
+
+def offloads(recipe: Recipe) -> bool:
+    """Whether the recipe's planner may offload blocks to host memory."""
+    planner = recipe.planner
+    return planner.name == "offload" or (planner.name in ("mimose", "oracle")
+                                         and getattr(planner, planner.name).choices == "offload")
 
 
 def describe_model(model: torch.nn.Module, recipe: Recipe) -> str:
@@ -176,7 +188,8 @@ def train_step(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro_
         num_blocks=trainer.planner.num_blocks, loss=loss.item(), lr=lr, iter_ms=iter_ms,
         peak_bytes=mem.peak_bytes, fwd_bwd_peak_bytes=planned_peak, start_bytes=mem.start_bytes,
         activation_bytes=activation_bytes,
-        reserved_peak_bytes=mem.reserved_peak_bytes if trainer.device.type == "cuda" else None)
+        reserved_peak_bytes=mem.reserved_peak_bytes if trainer.device.type == "cuda" else None,
+        host_peak_bytes=mem.peak_host_bytes)
 
 
 def _oom_record(trainer: Trainer, batch: dict, error: Exception, micro_step: int = 0) -> StepRecord:

@@ -45,13 +45,16 @@ def planner_specs(baselines) -> list:
         spec = spec.strip()
         if not spec or spec in specs:
             continue
-        name, colon, _ = spec.partition(":")
+        name, colon, variant = spec.partition(":")
         if name not in PLANNERS:
             raise ValueError(f"unknown planner {name!r} among the baselines; choose from "
                              f"{', '.join(sorted(PLANNERS))}")
         if colon and PLANNERS[name].variant_option is None:
             raise ValueError(f"baseline {spec!r}: {name} has no variants (those that do: {', '.join(_variants())}); "
                              f"write {name} alone")
+        if colon and not variant.strip():
+            own = next(v for v in _variants() if v.startswith(f"{name}:"))
+            raise ValueError(f"baseline {spec!r} names no variant after the colon; write {name} alone or {own}")
         specs.append(spec)
     return specs
 

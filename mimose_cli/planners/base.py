@@ -19,7 +19,7 @@ from pathlib import Path
 from mimose_cli.files import write_text
 from mimose_cli.planners.blocks import selectable
 from mimose_cli.planners.inputs import infer_input_size
-from mimose_cli.planners.parts import PlannerParts, resolve_blocks
+from mimose_cli.planners.parts import PlannerParts, check_choices, resolve_blocks
 from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
 from mimose_cli.planners.recovery import run_recovering
 from mimose_cli.planners.usage import EnteredOnce, check_supported, claim, release
@@ -153,12 +153,13 @@ class Planner:
             plan = tuple(range(self.num_blocks))
             decision = Decision(plan, "recovery", predicted_peak_bytes=self.policy.predict_peak(size, plan))
         planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
-        plan = tuple(sorted(decision.plan))
-        return StepInfo(step=self.steps, input_size=size, plan=plan,
-                        selective=tuple(sorted(set(decision.selective) & set(plan))),
-                        offload=tuple(sorted(set(decision.offload) - set(plan))),
-                        partial=tuple(sorted((i, level) for i, level in decision.partial
-                                             if i in plan and i not in decision.selective)),
+        try:
+            check_choices(self.num_blocks, decision.plan, decision.selective, decision.offload, decision.partial)
+        except ValueError as err:
+            raise ValueError(f"{type(self.policy).__name__}.decide returned {err}") from None
+        return StepInfo(step=self.steps, input_size=size, plan=tuple(sorted(decision.plan)),
+                        selective=tuple(sorted(decision.selective)), offload=tuple(sorted(decision.offload)),
+                        partial=tuple(sorted((i, level) for i, level in decision.partial)),
                         planning_ms=planning_ms,
                         phase=decision.phase, cache_hit=decision.cache_hit,
                         predicted_peak_bytes=decision.predicted_peak_bytes,

@@ -11,7 +11,7 @@ import functools
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import PlanRunner, RecomputeClock, StepRouter, discover_blocks
-from mimose_cli.planners.features import SEQ2SEQ, TOKENS
+from mimose_cli.planners.features import PARTIAL_LEVELS, SEQ2SEQ, TOKENS
 from mimose_cli.planners.session import MeterSession
 from mimose_cli.planners.trial import model_device
 from mimose_cli.planners.usage import said, warn_if_eager
@@ -102,7 +102,9 @@ class PlannerParts:
 
     def set_plan(self, plan, selective=(), offload=(), partial=()) -> None:
         """Checkpoint ``plan`` (``selective`` of it selectively, ``partial`` partially) and offload
-        ``offload`` until the next step decides again (probes, experiments)."""
+        ``offload`` until the next step decides again (probes, experiments); ValueError where they
+        are not one choice per block (``policy.check_choices``)."""
+        check_choices(self.num_blocks, plan, selective, offload, partial)
         self.plan_runner.use(plan, selective, offload, partial)
 
     def timed_off_budget(self, timing):
@@ -140,3 +142,38 @@ class PlannerParts:
         if self._use_cache:
             self._config.use_cache, self._use_cache = self._use_cache, None
         self.session.close()
+
+
+def check_choices(num_blocks: int, plan, selective=(), offload=(), partial=()) -> None:
+    """Raise ValueError, in one line, where a plan's choices do not describe one choice per block
+    of ``num_blocks``: an index out of range or given twice, ``selective`` or ``partial`` blocks
+    outside ``plan`` (they are ways of checkpointing one of its blocks), a block both selective and
+    partial, ``offload`` blocks inside ``plan``, a partial level not in ``features.PARTIAL_LEVELS``."""
+    partial = list(partial)
+    named = {"plan": list(plan), "selective": list(selective), "offload": list(offload),
+             "partial": [entry[0] if isinstance(entry, (tuple, list)) and len(entry) == 2 else entry
+                         for entry in partial]}
+    for field, blocks in named.items():
+        wrong = [b for b in blocks if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < num_blocks]
+        if wrong:
+            form = " as (block, level) pairs" if field == "partial" else ""
+            raise ValueError(f"{field} {tuple(wrong)} names no block: give{form} block indices 0 to {num_blocks - 1}")
+        twice = sorted({b for b in blocks if blocks.count(b) > 1})
+        if twice:
+            raise ValueError(f"{field} names block(s) {tuple(twice)} more than once: give each block once")
+    in_plan = set(named["plan"])
+    for field in ("selective", "partial"):
+        outside = sorted(set(named[field]) - in_plan)
+        if outside:
+            raise ValueError(f"{field} block(s) {tuple(outside)} are not in plan {tuple(sorted(in_plan))}: a {field} "
+                             "checkpoint is a way of checkpointing a block of the plan; add them to plan")
+    both = sorted(set(named["selective"]) & set(named["partial"]))
+    if both:
+        raise ValueError(f"block(s) {tuple(both)} are both selective and partial: give each one choice")
+    inside = sorted(set(named["offload"]) & in_plan)
+    if inside:
+        raise ValueError(f"offload block(s) {tuple(inside)} are in plan too: an offloaded block is not "
+                         "checkpointed; take them out of plan or out of offload")
+    levels = sorted({str(level) for _, level in partial if level not in PARTIAL_LEVELS})
+    if levels:
+        raise ValueError(f"partial level(s) {', '.join(levels)} unknown: use {', '.join(PARTIAL_LEVELS)}")

@@ -349,6 +349,14 @@ class Plots:
     """(file name, reason) pairs."""
 
 
+def _plan_title(records, what: str) -> str:
+    """What the plan heat map shows: the blocks checkpointed (DTR: evicted), and offloaded where any was."""
+    checkpointed = any(r.plan for r in records) or not any(r.offload for r in records)
+    offloaded = any(r.offload for r in records)
+    return " or ".join(w for w, shown in ((f"blocks {what}", checkpointed), ("offloaded" if checkpointed
+                                          else "blocks offloaded", offloaded)) if shown)
+
+
 def run_figures(run_dir) -> dict:
     """A run directory's figures by file name; a plot that cannot be drawn maps to the reason."""
     run_dir = Path(run_dir)
@@ -360,7 +368,7 @@ def run_figures(run_dir) -> dict:
     figures = {"memory.png": memory_figure(records, summary.get("budget_bytes"), f"{run_dir.name}: memory per step",
                                            summary.get("budget")),
                "input_size.png": input_size_figure(records, f"{run_dir.name}: input size per step"),
-               "plan.png": plan_figure(records, f"{run_dir.name}: blocks {what} per step", what)}
+               "plan.png": plan_figure(records, f"{run_dir.name}: {_plan_title(records, what)} per step", what)}
     path = run_dir / "estimator.json"
     if not path.is_file():
         figures["estimator.png"] = "no estimator.json in the run directory (only the mimose planner keeps one)"

@@ -97,6 +97,9 @@ class StepRecord:
     """First line of the out-of-memory error (out of memory only)."""
     reserved_peak_bytes: int | None = None
     """Peak bytes the CUDA caching allocator reserved (``memory/reserved_peak_bytes``; CUDA only)."""
+    host_peak_bytes: int | None = None
+    """Peak bytes the step's offloaded copies held in host memory (``memory/host_peak_bytes``; None:
+    the step offloaded nothing). Not in the budget, which is the device's."""
     epoch: int | None = None
     """Pass over the data set, from 0 (set by the training loop)."""
     eval_loss: float | None = None
@@ -152,7 +155,7 @@ class StepRecord:
 _MAX_BYTES = 2**60
 """More than any device holds: a byte figure above it is not one a run writes."""
 _BYTES = ("peak_bytes", "fwd_bwd_peak_bytes", "start_bytes", "activation_bytes", "predicted_peak_bytes",
-          "reached_bytes", "reserved_peak_bytes", "eval_peak_bytes")
+          "reached_bytes", "reserved_peak_bytes", "host_peak_bytes", "eval_peak_bytes")
 _MS = ("iter_ms", "planner_ms", "excluded_ms", "recompute_ms", "eval_ms")
 _COUNTS = ("step", "micro_step", "retries", "num_blocks", "epoch")
 
@@ -176,7 +179,7 @@ def _check_values(record: "StepRecord") -> None:
 COMPLETED_STEP_KEYS = ("loss", "peak_bytes")
 """Figures every step that did not run out of memory has (summaries and reports use them)."""
 _MEMORY = frozenset({"peak_bytes", "fwd_bwd_peak_bytes", "start_bytes", "activation_bytes", "reserved_peak_bytes",
-                     "eval_peak_bytes"})
+                     "host_peak_bytes", "eval_peak_bytes"})
 
 
 def _key(name: str) -> str:
@@ -185,7 +188,8 @@ def _key(name: str) -> str:
 
 def completed_step(info, *, step: int, micro_step: int, input_shape, num_blocks: int, loss: float,
                    lr: float, iter_ms: float, peak_bytes: int, fwd_bwd_peak_bytes: int, start_bytes: int,
-                   activation_bytes: int, reserved_peak_bytes: int | None = None) -> StepRecord:
+                   activation_bytes: int, reserved_peak_bytes: int | None = None,
+                   host_peak_bytes: int | None = None) -> StepRecord:
     """The record of a step that finished, from the planner's ``StepInfo`` and the measurements."""
     return StepRecord(
         step=step, micro_step=micro_step, input_shape=list(input_shape), input_size=list(info.input_size),
@@ -196,7 +200,8 @@ def completed_step(info, *, step: int, micro_step: int, input_shape, num_blocks:
         num_blocks=num_blocks, planner_ms=info.planning_ms,
         phase=info.phase, cache_hit=info.cache_hit,
         predicted_peak_bytes=info.predicted_peak_bytes, retries=info.retries, excluded_ms=info.excluded_ms,
-        recompute_ms=info.recompute_ms, reserved_peak_bytes=reserved_peak_bytes)
+        recompute_ms=info.recompute_ms, reserved_peak_bytes=reserved_peak_bytes,
+        host_peak_bytes=host_peak_bytes if getattr(info, "offload", ()) else None)
 
 
 def oom_step(info, error: Exception, *, step: int, micro_step: int, input_shape, num_blocks: int,

@@ -54,6 +54,7 @@ def summarize(records, *, status, budget_bytes, wall_s=None, planner_stats=None)
         "mean_selective_blocks": _mean([len(r.selective) for r in done]),
         "mean_offloaded_blocks": _mean([len(r.offload) for r in done]),
         "mean_partial_blocks": _mean([len(r.partial) for r in done]),
+        "host_peak_bytes": max((r.host_peak_bytes for r in done if r.host_peak_bytes is not None), default=None),
         "num_blocks": records[0].num_blocks if records else None,
         "planning_ms_total": sum(r.planner_ms or 0.0 for r in done),
         "recompute_ms_total": _sum_known(r.recompute_ms for r in done),

@@ -7,10 +7,15 @@ from pathlib import Path
 
 TENSORBOARD_DIR = "tensorboard"
 SCALARS = (("train/loss", "loss"), ("train/lr", "lr"), ("memory/peak_bytes", "peak_bytes"),
-           ("memory/predicted_peak_bytes", "predicted_peak_bytes"), ("time/iter_ms", "iter_ms"),
+           ("memory/predicted_peak_bytes", "predicted_peak_bytes"), ("memory/host_peak_bytes", "host_peak_bytes"),
+           ("time/iter_ms", "iter_ms"),
            ("planner/retries", "retries"), ("eval/loss", "eval_loss"), ("eval/accuracy", "eval_accuracy"))
 """(TensorBoard tag, ``StepRecord`` field) logged per step where the record has it (the eval ones
-after an evaluation only); ``planner/checkpointed_blocks`` too."""
+after an evaluation only); ``planner/checkpointed_blocks`` too, and how many of them were selective
+or partial, and how many blocks were offloaded (``CHOICE_COUNTS``)."""
+CHOICE_COUNTS = (("planner/checkpointed_blocks", "plan"), ("planner/selective_blocks", "selective"),
+                 ("planner/partial_blocks", "partial"), ("planner/offloaded_blocks", "offload"))
+"""(TensorBoard tag, ``StepRecord`` field): the blocks of each choice in the step's plan."""
 
 
 class TensorBoardLog:
@@ -38,7 +43,8 @@ class TensorBoardLog:
             value = getattr(record, name)
             if value is not None:
                 self._writer.add_scalar(tag, value, index)
-        self._writer.add_scalar("planner/checkpointed_blocks", len(record.plan), index)
+        for tag, name in CHOICE_COUNTS:
+            self._writer.add_scalar(tag, len(getattr(record, name)), index)
 
     def close(self) -> None:
         if self._writer is not None:

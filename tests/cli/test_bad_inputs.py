@@ -99,6 +99,10 @@ OVERRIDES = [
     train("override-unclosed-list", "training.lr=[1,", named="override 'training.lr=[1,'"),
     train("override-unclosed-quote", "seed='3", named="override \"seed='3\""),
     train("override-without-equals", "training.lr", named="override 'training.lr': expected key=value"),
+    train("selective-choices-with-a-sheltered-estimate", "planner.mimose.estimate=sheltered",
+          "planner.mimose.choices=offload",
+          named="planner.mimose.choices='offload' is invalid; expected block with planner.mimose.estimate: "
+                "sheltered"),
     train("override-alias", "seed=*a", named="*a: anchors and aliases"),
     train("override-into-a-value", "seed.x=1", named="'seed.x' goes inside 'seed'"),
     train("override-unknown-key", "training.nope=1", named="unknown key training.nope"),
@@ -380,6 +384,13 @@ COMPARES = [
     compare("compare-variant-of-a-planner-without", "--baselines", "dtr:fast",
             named="baseline 'dtr:fast': dtr has no variants (those that do: mimose:block|selective|offload, "
                   "oracle:block|selective|offload, sublinear:greedy|sqrt|chen); write dtr alone"),
+    compare("compare-variant-left-empty", "--baselines", "sublinear:",
+            named="baseline 'sublinear:' names no variant after the colon; write sublinear alone or "
+                  "sublinear:greedy|sqrt|chen"),
+    compare("compare-selective-variant-of-a-sheltered-recipe", "--baselines", "mimose:selective",
+            "planner.mimose.estimate=sheltered",
+            named="compare mimose:selective: planner.mimose.choices='selective' is invalid; expected block "
+                  "with planner.mimose.estimate: sheltered"),
     compare("compare-unknown-choice-set", "--baselines", "mimose:fancy",
             named="compare mimose:fancy: planner.mimose.choices='fancy'"),
     compare("compare-budget-text", "--budgets", "1MB,lots", named="budget='lots'"),

@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import yaml
 
@@ -202,3 +204,28 @@ def test_a_mapping_override_sets_its_keys_in_the_section():
 def test_warmup_longer_than_the_run_is_said():
     with pytest.warns(UserWarning, match="training.warmup_steps=5 is longer than the run"):
         load_recipe(QUICKSTART, ["training.max_steps=3"])
+
+
+def test_an_invalid_recipe_is_its_error_alone():
+    """What a section warns of (warm-up longer than the run) is not said of a recipe that is then
+    refused: the refusal is the one line."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pytest.raises(RecipeError, match="planner.mimose.choices='selective' is invalid"):
+            load_recipe(QUICKSTART, ["training.max_steps=3", "planner.mimose.estimate=sheltered",
+                                     "planner.mimose.choices=selective"])
+    assert not [w for w in said if "warmup" in str(w.message)]
+
+
+def test_an_override_of_another_planners_section_is_named():
+    """A recipe holds every planner's options, but a run reads its own planner's: the overrides
+    that set another's are found (``mimose train`` warns of them)."""
+    from mimose_cli.launcher.recipe import idle_planner_overrides
+
+    overrides = ["planner.name=sublinear", "planner.mimose.choices=selective", "planner.sublinear.variant=sqrt",
+                 "planner.hf_every_n={every_n_layers: 2}", "planner.safety_margin=0", "training.max_steps=3"]
+    recipe = load_recipe(QUICKSTART, overrides)
+    assert idle_planner_overrides(recipe, overrides) == ["planner.mimose.choices=selective",
+                                                          "planner.hf_every_n={every_n_layers: 2}"]
+    recipe = load_recipe(QUICKSTART, ["planner.name=hf-every-n"])
+    assert idle_planner_overrides(recipe, ["planner.hf_every_n.every_n_layers=2"]) == []

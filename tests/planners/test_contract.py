@@ -165,3 +165,33 @@ def test_the_planners_warnings_point_at_the_users_line():
             with planner.step(input_size=(8, 64)):  # decided inside, entered through contextlib
                 model(torch.randn(8, 64, 32)).sum().backward()
         assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize("choices, says", [
+    (dict(plan=(7,)), "plan (7,) names no block: give block indices 0 to 3"),
+    (dict(plan=(-1,)), "plan (-1,) names no block"),
+    (dict(plan=(0, 0)), "plan names block(s) (0,) more than once"),
+    (dict(plan=(0,), selective=(1,)), "selective block(s) (1,) are not in plan (0,)"),
+    (dict(plan=(), partial=((1, "partial1"),)), "partial block(s) (1,) are not in plan ()"),
+    (dict(plan=(0,), selective=(0,), partial=((0, "partial1"),)), "block(s) (0,) are both selective and partial"),
+    (dict(plan=(0,), offload=(0,)), "offload block(s) (0,) are in plan too"),
+    (dict(plan=(0,), partial=((0, "partial9"),)), "partial level(s) partial9 unknown"),
+])
+def test_a_decision_that_is_not_one_choice_per_block_is_refused_in_one_line(choices, says):
+    """A custom policy's ``Decision`` (and ``set_plan``) whose choices contradict each other or name
+    no block raises ValueError naming the fields, instead of running a plan other than the one given."""
+    from mimose_cli.planners.base import Decision, NoCheckpointingPolicy
+
+    class Odd(NoCheckpointingPolicy):
+        def decide(self, input_size, context=None):
+            return Decision(**choices)
+
+    model = _model()
+    planner = Planner(model, Odd, None, blocks="*")
+    with pytest.raises(ValueError) as err:
+        _step(model, planner, 8)
+    assert str(err.value).startswith("Odd.decide returned ") and says in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        planner.set_plan(**choices)
+    planner.close()

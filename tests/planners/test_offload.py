@@ -72,7 +72,7 @@ def test_a_plan_mixes_the_choices_block_by_block_and_the_run_records_them():
 
     class Mixed(NoCheckpointingPolicy):
         def decide(self, input_size, context=None):
-            return Decision((0, 1), selective=(1,), offload=(2, 1))  # 1 is in the plan: not offloaded
+            return Decision((0, 1), selective=(1,), offload=(2,))
 
     kept_model, _, kept_loss, _ = _step("none")
     model, planner, loss, _ = _step(Mixed)

@@ -15,8 +15,8 @@ KEYS = ["step", "micro_step", "input_shape", "input_size", "loss", "lr", "iter_m
         "memory/fwd_bwd_peak_bytes", "memory/start_bytes", "memory/activation_bytes", "plan", "selective", "offload",
         "partial", "num_blocks",
         "planner_ms", "phase", "cache_hit", "predicted_peak_bytes", "reached_bytes", "retries", "excluded_ms",
-        "recompute_ms", "oom", "error", "memory/reserved_peak_bytes", "epoch", "eval_loss", "eval_accuracy",
-        "eval_ms", "memory/eval_peak_bytes", "rank", "ranks"]
+        "recompute_ms", "oom", "error", "memory/reserved_peak_bytes", "memory/host_peak_bytes", "epoch", "eval_loss",
+        "eval_accuracy", "eval_ms", "memory/eval_peak_bytes", "rank", "ranks"]
 
 
 def _info(**timings) -> StepInfo:
@@ -46,10 +46,12 @@ def test_a_completed_record_round_trips_with_every_key():
 
 def test_cuda_and_loop_fields_round_trip():
     record = _completed(reserved_peak_bytes=32_000_000)
+    record.host_peak_bytes = 5_000_000
     record.epoch = 2
     record.eval_loss, record.eval_accuracy, record.eval_ms, record.eval_peak_bytes = 0.75, 0.5, 12.5, 9_000_000
     data = record.to_json()
-    assert (data["memory/reserved_peak_bytes"], data["epoch"]) == (32_000_000, 2)
+    assert (data["memory/reserved_peak_bytes"], data["memory/host_peak_bytes"], data["epoch"]) == (
+        32_000_000, 5_000_000, 2)
     assert (data["eval_loss"], data["eval_accuracy"], data["memory/eval_peak_bytes"]) == (0.75, 0.5, 9_000_000)
     assert StepRecord.from_json(data) == record
 

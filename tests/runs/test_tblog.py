@@ -20,13 +20,18 @@ def scalars(log_dir) -> dict:
 
 def test_the_logged_scalars_are_the_metrics(quick_recipe):
     recipe = quick_recipe("training.tensorboard=true", "training.max_steps=7", "data.validation_examples=8",
-                          "training.eval_every=3")
+                          "training.eval_every=3", "planner.mimose.choices=offload")
     run_dir = mimose_cli.launcher.train.run_training(recipe, view="none").run_dir
     records = read_records(run_dir / "metrics.jsonl")
     logged = scalars(run_dir / "tensorboard")
     assert logged["train/loss"] == [(r.step, pytest.approx(r.loss)) for r in records]
     assert logged["memory/peak_bytes"] == [(r.step, pytest.approx(r.peak_bytes)) for r in records]
     assert logged["planner/checkpointed_blocks"] == [(r.step, len(r.plan)) for r in records]
+    assert logged["planner/offloaded_blocks"] == [(r.step, len(r.offload)) for r in records]
+    assert logged["planner/selective_blocks"] == [(r.step, len(r.selective)) for r in records]
+    offloaded = [(r.step, pytest.approx(r.host_peak_bytes)) for r in records if r.offload]
+    assert logged["memory/host_peak_bytes"] == offloaded
+    assert any(r.offload for r in records) and all(bool(r.host_peak_bytes) == bool(r.offload) for r in records)
     # Mimose predicts once past its 5 sheltered steps.
     # Planned from the first step (the probes' estimate): every step has a prediction.
     assert [step for step, _ in logged["memory/predicted_peak_bytes"]] == list(range(7))
