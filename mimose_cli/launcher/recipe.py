@@ -408,6 +408,7 @@ def _recipe_error(err: ValidationError, where: str, origins: dict) -> RecipeErro
     else:
         key, value = ".".join(loc), first["input"]
         expected = re.sub(r" or an instance of \w+$", "", first["msg"].removeprefix("Input should be "))
+        expected = "true or false" if expected == "a valid boolean" else expected
     return RecipeError(f"{_origin(key, origins, where)}: {key}={_shown(value)} is invalid; expected {expected}")
 
 

@@ -115,4 +115,5 @@ def parse_options(name: str, options: dict):
     except ValidationError as err:
         first = err.errors()[0]
         expected = first["msg"].removeprefix("Input should be ")
+        expected = "true or false" if expected == "a valid boolean" else expected
         raise OptionError(str(first["loc"][0]), first["input"], expected) from None

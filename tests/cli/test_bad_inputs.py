@@ -99,6 +99,8 @@ OVERRIDES = [
     train("override-unclosed-list", "training.lr=[1,", named="override 'training.lr=[1,'"),
     train("override-unclosed-quote", "seed='3", named="override \"seed='3\""),
     train("override-without-equals", "training.lr", named="override 'training.lr': expected key=value"),
+    train("full-selective-not-a-boolean", "planner.full.selective=selective",
+          named="planner.full.selective='selective' is invalid; expected true or false"),
     train("selective-choices-with-a-sheltered-estimate", "planner.mimose.estimate=sheltered",
           "planner.mimose.choices=offload",
           named="planner.mimose.choices='offload' is invalid; expected block with planner.mimose.estimate: "

@@ -187,6 +187,8 @@ def test_a_second_train_plans_again():
     ({}, "1GB", {"sheltered": 3}, "sheltered=3 is not an option of planner='mimose'; its options: bucket, "
                                   "choices, estimate, granularity, prediction_margin, sheltered_steps"),
     ({}, "1GB", {"bucket": "fast"}, "bucket='fast' is invalid for planner='mimose'; expected a valid number"),
+    ({}, "1GB", {"planner": "full", "selective": "yes"},
+     "selective='yes' is invalid for planner='full'; expected true or false"),
     ({}, "1GB", {"planner": "sublinear"}, "pass max_input_size=\\(batch_size, max_length\\)"),
     ({}, "1GB", {"planner": "hf-every-n"}, "planner='hf-every-n' plans once, for the largest batch"),
     ({}, "1GB", {"planner": "sublinear", "max_input_size": 120},
