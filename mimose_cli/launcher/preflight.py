@@ -45,6 +45,9 @@ class BudgetRange:
     """The least-memory plan, in words (``Policy.least_memory``)."""
     saves_memory: bool = True
     """Whether the planner trades time for memory (``Policy.saves_memory``; not ``none``)."""
+    leaner: str | None = None
+    """A setting of the planner's that needs less memory than its least-memory plan
+    (``Policy.leaner_setting``); None: none."""
 
     def describe(self) -> str:
         size = "x".join(str(d) for d in self.input_size)
@@ -67,7 +70,7 @@ def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) 
                                    offload=decision.offload, partial=decision.partial)
             peaks.append(None if peak is None else peak + later_bytes)
     return BudgetRange(tuple(input_size), *peaks, least=plan_in_words(least, planner.num_blocks),
-                       saves_memory=planner.policy.saves_memory)
+                       saves_memory=planner.policy.saves_memory, leaner=planner.policy.leaner_setting)
 
 
 def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:
@@ -77,8 +80,9 @@ def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | No
     if budget_bytes is None or (needs.full_bytes is not None and budget_bytes >= needs.full_bytes):
         return None
     return (f"budget {format_budget(written, budget_bytes)} is too small for this recipe: {needs.describe()}. "
-            f"Raise the budget to at least {_fmt(needs.full_bytes)}, or lower training.batch_size or "
-            "data.max_length")
+            f"Raise the budget to at least {_fmt(needs.full_bytes)}, "
+            + (f"set {needs.leaner}, " if needs.leaner else "")
+            + "or lower training.batch_size or data.max_length")
 
 
 def budget_warning(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:

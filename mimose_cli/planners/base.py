@@ -329,7 +329,10 @@ class FullCheckpointingPolicy(Policy):
     def __init__(self, parts, *, selective: bool = False):
         super().__init__(parts)
         self.selective = selective
-        if selective:
+        if selective:  # recomputing whole blocks keeps only their inputs: less than any selective plan
+            self.leaner_setting = "planner.full.selective: false"
+            self.oom_fix = (f"set {self.leaner_setting} (whole blocks recomputed keep less), raise the budget, "
+                            "or lower the batch size or sequence length",)
             held = next((name for (name, _), ok in zip(parts.blocks, selectable(parts.blocks)) if not ok), None)
             if held is not None:
                 raise ValueError(f"planner.full.selective cannot checkpoint block {held} selectively: it holds buffers "

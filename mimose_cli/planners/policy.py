@@ -103,6 +103,9 @@ class Policy:
     oom_fix: tuple = ()
     """What to suggest when a step runs out of memory for good, if not the default (raise the
     budget, shorter batches): never what the policy does already."""
+    leaner_setting: str | None = None
+    """A setting of this policy's that needs less memory than its least-memory plan (``full`` with
+    ``selective``: ``planner.full.selective: false``), named where a budget is below that plan."""
     builds_meter = False
     """Without a ``meter``, build one (Mimose measures every step), on only inside ``step`` and
     ``run``: code between the steps runs as if there were no planner."""

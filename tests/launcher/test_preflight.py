@@ -117,6 +117,20 @@ def test_planners_with_one_plan_are_held_to_it():
     assert "planner none will run out of memory on the longest batches" in budget_warning(800, needs, "800")
     assert budget_error(400, needs, "400") is not None  # below every plan: refused
     assert budget_warning(800, BudgetRange((16, 128), 500, 900)) is None  # a planner that checkpoints
+    # full with selective: its one plan keeps more than whole blocks recomputed, and the error says so.
+    from mimose_cli.planners.base import FullCheckpointingPolicy
+
+    assert FullCheckpointingPolicy.leaner_setting is None
+    from torch import nn
+
+    from mimose_cli.planners import build_planner
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with build_planner("full", model, None, blocks="*", selective=True) as planner:
+        assert planner.policy.leaner_setting == "planner.full.selective: false"
+    leaner = BudgetRange((16, 128), 500, 900, leaner="planner.full.selective: false")
+    assert "at least 500 B, set planner.full.selective: false, or lower" in budget_error(400, leaner, "400")
+    assert "selective" not in budget_error(400, BudgetRange((16, 128), 500, 900), "400")
 
 
 def test_a_dry_run_of_planner_none_under_its_need_says_it_will_run_out(tmp_path):
