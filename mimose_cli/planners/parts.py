@@ -8,6 +8,7 @@ blocks. The probe steps of ``planners.trial`` take them too.
 
 import contextlib
 import functools
+import operator
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import PlanRunner, RecomputeClock, StepRouter, discover_blocks
@@ -103,7 +104,7 @@ class PlannerParts:
     def set_plan(self, plan, selective=(), offload=(), partial=()) -> None:
         """Checkpoint ``plan`` (``selective`` of it selectively, ``partial`` partially) and offload
         ``offload`` until the next step decides again (probes, experiments); ValueError where they
-        are not one choice per block (``policy.check_choices``)."""
+        are not one choice per block (``check_choices``)."""
         check_choices(self.num_blocks, plan, selective, offload, partial)
         self.plan_runner.use(plan, selective, offload, partial)
 
@@ -154,12 +155,12 @@ def check_choices(num_blocks: int, plan, selective=(), offload=(), partial=()) -
              "partial": [entry[0] if isinstance(entry, (tuple, list)) and len(entry) == 2 else entry
                          for entry in partial]}
     for field, blocks in named.items():
-        wrong = [b for b in blocks if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < num_blocks]
+        wrong = [b for b in blocks if not _is_block(b, num_blocks)]
         if wrong:
             form = " as (block, level) pairs" if field == "partial" else ""
             raise ValueError(f"{field} {tuple(wrong)} names no block: give{form} block indices 0 to {num_blocks - 1}")
-        twice = sorted({b for b in blocks if blocks.count(b) > 1})
-        if twice:
+        if len(set(blocks)) < len(blocks):
+            twice = sorted({b for b in blocks if blocks.count(b) > 1})
             raise ValueError(f"{field} names block(s) {tuple(twice)} more than once: give each block once")
     in_plan = set(named["plan"])
     for field in ("selective", "partial"):
@@ -177,3 +178,13 @@ def check_choices(num_blocks: int, plan, selective=(), offload=(), partial=()) -
     levels = sorted({str(level) for _, level in partial if level not in PARTIAL_LEVELS})
     if levels:
         raise ValueError(f"partial level(s) {', '.join(levels)} unknown: use {', '.join(PARTIAL_LEVELS)}")
+
+
+def _is_block(index, num_blocks: int) -> bool:
+    """Whether ``index`` is an integer (Python's or numpy's, not a bool) naming one of ``num_blocks``."""
+    if isinstance(index, bool):
+        return False
+    try:
+        return 0 <= operator.index(index) < num_blocks
+    except TypeError:
+        return False

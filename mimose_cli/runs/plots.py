@@ -351,10 +351,9 @@ class Plots:
 
 def _plan_title(records, what: str) -> str:
     """What the plan heat map shows: the blocks checkpointed (DTR: evicted), and offloaded where any was."""
-    checkpointed = any(r.plan for r in records) or not any(r.offload for r in records)
-    offloaded = any(r.offload for r in records)
-    return " or ".join(w for w, shown in ((f"blocks {what}", checkpointed), ("offloaded" if checkpointed
-                                          else "blocks offloaded", offloaded)) if shown)
+    if not any(r.offload for r in records):
+        return f"blocks {what}"
+    return f"blocks {what} or offloaded" if any(r.plan for r in records) else "blocks offloaded"
 
 
 def run_figures(run_dir) -> dict:

@@ -195,3 +195,19 @@ def test_a_decision_that_is_not_one_choice_per_block_is_refused_in_one_line(choi
     with pytest.raises(ValueError, match=re.escape(says)):
         planner.set_plan(**choices)
     planner.close()
+
+
+def test_numpy_block_indices_are_block_indices():
+    """A plan worked out with numpy (``np.flatnonzero``) names blocks as numpy integers: taken as the
+    same indices (a bool is not an index)."""
+    import numpy as np
+
+    from mimose_cli.planners.base import NoCheckpointingPolicy
+
+    model = _model()
+    planner = Planner(model, NoCheckpointingPolicy, None, blocks="*")
+    planner.set_plan(tuple(np.flatnonzero([True, False, True, False])), selective=(np.int64(2),))
+    assert planner.plan == (0, 2) and planner.parts.plan_runner.choices(4) == ("recompute", "keep", "selective", "keep")
+    with pytest.raises(ValueError, match=r"plan \(True,\) names no block"):
+        planner.set_plan((True,))
+    planner.close()

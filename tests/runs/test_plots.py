@@ -193,3 +193,18 @@ def test_a_plot_that_cannot_be_written_is_named_and_leaves_no_file(mimose_run, t
     with pytest.raises(OSError, match=r"memory\.png could not be written \(No space left on device\); .*--no-plots"):
         write_plots(mimose_run, out)
     assert list(out.iterdir()) == []  # neither a torn PNG nor its temporary file
+
+
+def test_the_plan_map_is_titled_by_what_the_blocks_did():
+    """plan.png's title: blocks checkpointed (DTR: evicted), offloaded, or both where a run did both."""
+    from types import SimpleNamespace
+
+    from mimose_cli.runs.plots import _plan_title
+
+    def steps(*plans):
+        return [SimpleNamespace(plan=plan, offload=offload) for plan, offload in plans]
+
+    assert _plan_title(steps(([1], []), ([], [])), "checkpointed") == "blocks checkpointed"
+    assert _plan_title(steps(([], [0, 1]), ([], [])), "checkpointed") == "blocks offloaded"
+    assert _plan_title(steps(([1], []), ([], [2])), "checkpointed") == "blocks checkpointed or offloaded"
+    assert _plan_title(steps(([1], [])), "evicted") == "blocks evicted"
