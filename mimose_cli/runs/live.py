@@ -86,8 +86,9 @@ def _loss(record: StepRecord) -> str:
 
 def _phase(record: StepRecord) -> str:
     hit, retries = record.cache_hit, record.retries
-    return ((record.phase or "") + ("" if hit is None else (" hit" if hit else " miss"))
-            + (f" retried x{retries}" if retries else ""))
+    words = (record.phase, None if hit is None else ("hit" if hit else "miss"),
+             f"retried x{retries}" if retries else None)
+    return " ".join(word for word in words if word)
 
 
 def step_table(records: list[StepRecord], budget_bytes, title: str) -> Table:

@@ -36,6 +36,18 @@ def test_pipe_gets_plain_lines_every_log_every_steps_and_on_oom():
     lines = out.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["0/5", "2/5", "3/5"]
     assert "loss OOM" in lines[-1] and "(75%)" in lines[0]
+    assert "ckpt 2/4 responsive hit |" in lines[0]
+
+
+def test_a_plain_line_without_a_phase_has_single_spaces():
+    """A planner without phases (the oracle) says hit or miss alone: one space after the blocks."""
+    out = io.StringIO()
+    view = ProgressView("t", "40MiB", 40 * 2**20, console=Console(file=out, width=200))
+    view.begin(2)
+    record = _record(0)
+    record.phase, record.cache_hit, record.retries = None, False, 1
+    view.update(record)
+    assert "ckpt 2/4 miss retried x1 |" in out.getvalue()
 
 
 def test_each_micro_batch_line_says_which_it_is():
