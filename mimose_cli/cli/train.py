@@ -67,7 +67,7 @@ def train(
                           f"e.g. mimose train recipes/quickstart.yaml {recipe}")
     else:
         resolved = load_recipe(recipe, overrides or [], flags, FLAG_OF)
-        for text in idle_planner_overrides(resolved, overrides or []):
+        for text in [] if other_rank() else idle_planner_overrides(resolved, overrides or []):
             warnings.warn(f"override {text!r} has no effect: this run's planner is {resolved.planner.name}, "
                           f"which reads planner.{resolved.planner.name.replace('-', '_')} only", stacklevel=1)
     if resume is not None and not under_torchrun():

@@ -81,7 +81,7 @@ def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | No
         return None
     return (f"budget {format_budget(written, budget_bytes)} is too small for this recipe: {needs.describe()}. "
             f"Raise the budget to at least {_fmt(needs.full_bytes)}, "
-            + (f"set {needs.leaner}, " if needs.leaner else "")
+            + (f"set {needs.leaner} (it needs less), " if needs.leaner else "")
             + "or lower training.batch_size or data.max_length")
 
 

@@ -13,6 +13,7 @@ docs/DESIGN.md has a whole policy in 30 lines.
 import contextlib
 import inspect
 import json
+import operator
 import time
 from pathlib import Path
 
@@ -157,9 +158,10 @@ class Planner:
             check_choices(self.num_blocks, decision.plan, decision.selective, decision.offload, decision.partial)
         except ValueError as err:
             raise ValueError(f"{type(self.policy).__name__}.decide returned {err}") from None
-        return StepInfo(step=self.steps, input_size=size, plan=tuple(sorted(decision.plan)),
-                        selective=tuple(sorted(decision.selective)), offload=tuple(sorted(decision.offload)),
-                        partial=tuple(sorted((i, level) for i, level in decision.partial)),
+        blocks = lambda indices: tuple(sorted(map(operator.index, indices)))  # noqa: E731 (numpy's as Python's)
+        return StepInfo(step=self.steps, input_size=size, plan=blocks(decision.plan),
+                        selective=blocks(decision.selective), offload=blocks(decision.offload),
+                        partial=tuple(sorted((operator.index(i), level) for i, level in decision.partial)),
                         planning_ms=planning_ms,
                         phase=decision.phase, cache_hit=decision.cache_hit,
                         predicted_peak_bytes=decision.predicted_peak_bytes,
@@ -331,7 +333,7 @@ class FullCheckpointingPolicy(Policy):
         self.selective = selective
         if selective:  # recomputing whole blocks keeps only their inputs: less than any selective plan
             self.leaner_setting = "planner.full.selective: false"
-            self.oom_fix = (f"set {self.leaner_setting} (whole blocks recomputed keep less), raise the budget, "
+            self.oom_fix = (f"set {self.leaner_setting} (whole blocks recomputed need less), raise the budget, "
                             "or lower the batch size or sequence length",)
             held = next((name for (name, _), ok in zip(parts.blocks, selectable(parts.blocks)) if not ok), None)
             if held is not None:

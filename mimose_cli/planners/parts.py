@@ -151,14 +151,15 @@ def check_choices(num_blocks: int, plan, selective=(), offload=(), partial=()) -
     outside ``plan`` (they are ways of checkpointing one of its blocks), a block both selective and
     partial, ``offload`` blocks inside ``plan``, a partial level not in ``features.PARTIAL_LEVELS``."""
     partial = list(partial)
+    unpaired = [entry for entry in partial if not (isinstance(entry, (tuple, list)) and len(entry) == 2)]
+    if unpaired:
+        raise ValueError(f"partial {tuple(unpaired)} is not (block, level) pairs: give e.g. ((0, 'partial1'),)")
     named = {"plan": list(plan), "selective": list(selective), "offload": list(offload),
-             "partial": [entry[0] if isinstance(entry, (tuple, list)) and len(entry) == 2 else entry
-                         for entry in partial]}
+             "partial": [block for block, _ in partial]}
     for field, blocks in named.items():
         wrong = [b for b in blocks if not _is_block(b, num_blocks)]
         if wrong:
-            form = " as (block, level) pairs" if field == "partial" else ""
-            raise ValueError(f"{field} {tuple(wrong)} names no block: give{form} block indices 0 to {num_blocks - 1}")
+            raise ValueError(f"{field} {tuple(wrong)} names no block: give block indices 0 to {num_blocks - 1}")
         if len(set(blocks)) < len(blocks):
             twice = sorted({b for b in blocks if blocks.count(b) > 1})
             raise ValueError(f"{field} names block(s) {tuple(twice)} more than once: give each block once")

@@ -129,7 +129,8 @@ def test_planners_with_one_plan_are_held_to_it():
     with build_planner("full", model, None, blocks="*", selective=True) as planner:
         assert planner.policy.leaner_setting == "planner.full.selective: false"
     leaner = BudgetRange((16, 128), 500, 900, leaner="planner.full.selective: false")
-    assert "at least 500 B, set planner.full.selective: false, or lower" in budget_error(400, leaner, "400")
+    said = budget_error(400, leaner, "400")
+    assert "at least 500 B, set planner.full.selective: false (it needs less), or lower" in said
     assert "selective" not in budget_error(400, BudgetRange((16, 128), 500, 900), "400")
 
 

@@ -176,6 +176,7 @@ def test_the_planners_warnings_point_at_the_users_line():
     (dict(plan=(0,), selective=(0,), partial=((0, "partial1"),)), "block(s) (0,) are both selective and partial"),
     (dict(plan=(0,), offload=(0,)), "offload block(s) (0,) are in plan too"),
     (dict(plan=(0,), partial=((0, "partial9"),)), "partial level(s) partial9 unknown"),
+    (dict(plan=(0,), partial=(0,)), "partial (0,) is not (block, level) pairs"),
 ])
 def test_a_decision_that_is_not_one_choice_per_block_is_refused_in_one_line(choices, says):
     """A custom policy's ``Decision`` (and ``set_plan``) whose choices contradict each other or name
@@ -208,6 +209,18 @@ def test_numpy_block_indices_are_block_indices():
     planner = Planner(model, NoCheckpointingPolicy, None, blocks="*")
     planner.set_plan(tuple(np.flatnonzero([True, False, True, False])), selective=(np.int64(2),))
     assert planner.plan == (0, 2) and planner.parts.plan_runner.choices(4) == ("recompute", "keep", "selective", "keep")
+    planner.close()
+
+    class Numpy(NoCheckpointingPolicy):  # a policy's numpy indices are recorded as Python's (JSON)
+        def decide(self, input_size, context=None):
+            return Decision(tuple(np.flatnonzero([True, False, True, False])), selective=(np.int64(2),))
+
+    from mimose_cli.planners.base import Decision
+
+    planner = Planner(model, Numpy, None, blocks="*")
+    _step(model, planner, 8)
+    info = planner.last
+    assert info.plan == (0, 2) and all(type(i) is int for i in info.plan + info.selective)
     with pytest.raises(ValueError, match=r"plan \(True,\) names no block"):
         planner.set_plan((True,))
     planner.close()
