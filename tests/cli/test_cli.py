@@ -186,3 +186,21 @@ def test_a_run_of_two_processes_resumes_with_two_said_before_anything_is_built(t
     result = runner.invoke(app, ["train", "--resume", str(run_dir)])
     assert result.exit_code == 2
     assert f"resume it with mimose train --resume {run_dir} --nproc-per-node 2" in result.output
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_idle_override_is_said_by_the_launching_process_only(rank, monkeypatch):
+    """Under torchrun every rank reads the same overrides: the warning that one has no effect is
+    said once, by rank 0 (a command refused right after it stops here before anything is built)."""
+    import warnings
+
+    import mimose_cli.launcher.spawn
+
+    monkeypatch.setattr(mimose_cli.launcher.spawn, "other_rank", lambda: rank == 1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        result = runner.invoke(app, ["train", QUICK, "--planner", "sublinear", "planner.mimose.choices=selective",
+                                     "--nproc-per-node", "2", "--dry-run"])
+    assert result.exit_code == 2
+    idle = [w for w in said if "has no effect" in str(w.message)]
+    assert len(idle) == (0 if rank else 1)
