@@ -87,7 +87,8 @@ def main():
     for attention in ("sdpa", "eager"):
         ops = heavy_ops(attention, args.rounds)
         print(f"{attention}: " + ", ".join(f"{n} {ms:.0f} ms {b / 2**20:.0f} MiB" for n, ms, b in ops))
-        print(f"{'keep <=':>8} {'prefix ms':>10} {'prefix MiB':>10} {'best ms':>8} {'best MiB':>9} {'best/prefix':>11}  kept")
+        print(f"{'keep <=':>8} {'prefix ms':>10} {'prefix MiB':>10} {'best ms':>8} {'best MiB':>9} "
+              f"{'best/prefix':>11}  kept")
         for fraction in FRACTIONS:
             row = {"attention": attention, "ops": [list(o) for o in ops], **compare(ops, fraction)}
             rows.append(row)
