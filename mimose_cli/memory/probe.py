@@ -58,9 +58,15 @@ class _LifetimeLedger(StorageLedger):
 
 
 _aten = torch.ops.aten
-WRITES_NOTHING = frozenset((_aten._unsafe_view, _aten.empty_like, _aten.empty, _aten.empty_strided,
-                            _aten.new_empty, _aten.new_empty_strided))
+_WRITES_NOTHING = frozenset((_aten._unsafe_view, _aten.empty_like, _aten.empty, _aten.empty_strided,
+                             _aten.new_empty, _aten.new_empty_strided))
 """Ops that return a tensor without writing its elements (a view not marked one, allocations)."""
+
+
+def writes_elements(func) -> bool:
+    """Whether an op writes the elements of what it returns (not a view, not an allocation alone):
+    the elements that count as a light op's work."""
+    return not func.is_view and func.overloadpacket not in _WRITES_NOTHING
 
 
 class LiveProbe(UncompiledDispatchMode):
@@ -94,7 +100,7 @@ class LiveProbe(UncompiledDispatchMode):
         self.works: list = []
         """With ``heavy_work``, each op's work in the order they ran: ``(heavy, dims, factor, gemm)``;
         a heavy op's from ``heavy_work``, another's the elements of each tensor it returned (none for
-        a view or an op that only allocates: ``WRITES_NOTHING``), its ``light_class`` in place of
+        a view or an op that only allocates: ``writes_elements``), its ``light_class`` in place of
         ``gemm``."""
         self.heavy_now = False
         self.heavy_ms = 0.0
@@ -154,7 +160,7 @@ class LiveProbe(UncompiledDispatchMode):
                 self.works.append((True, *self.heavy_work(func, args, out)))
         else:
             self.light_ms += ms
-            if self.heavy_work is not None and not func.is_view and func.overloadpacket not in WRITES_NOTHING:
+            if self.heavy_work is not None and writes_elements(func):
                 kind = self.light_class(func)
                 self.works.extend((False, tuple(leaf.shape), 1, kind) for leaf in leaves
                                   if isinstance(leaf, torch.Tensor))

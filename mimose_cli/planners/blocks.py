@@ -573,14 +573,16 @@ class PlanRunner(BlockRunner):
         (``scaling.partial_prefixes``); a block not in it has none."""
 
     def use(self, plan, selective=(), offload=(), partial=()) -> None:
+        """Put a plan in force, its choices one per block as its callers checked them
+        (``parts.check_choices``: ``PlannerParts.set_plan``, ``Planner``'s decisions)."""
         self.plan = tuple(sorted(plan))
         self._plan_set = frozenset(self.plan)
         self.selective = frozenset(selective)
-        self.partial = {i: level for i, level in partial if i in self._plan_set and i not in self.selective}
+        self.partial = dict(partial)
         missing = [(i, level) for i, level in self.partial.items() if level not in self.partial_keep.get(i, {})]
         if missing:
             raise ValueError(f"blocks {missing} cannot be checkpointed partially: the probes found no such level")
-        self.offload = frozenset(offload) - self._plan_set
+        self.offload = frozenset(offload)
         self.offload_hooks = self._offload_hooks_for_plan() if self.offload and self._offload_hooks_for_plan else None
 
     def choice(self, index: int) -> str:

@@ -28,16 +28,15 @@ import torch
 
 from mimose_cli.memory import synchronize
 from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES, round_trip
-from mimose_cli.memory.probe import WRITES_NOTHING
+from mimose_cli.memory.probe import writes_elements
 from mimose_cli.planners.blocks import light_op_class
 from mimose_cli.planners.features import (
+    EXTRA_BYTES,
     KEEP_LEVEL,
-    KEPT_SETS,
     LEVELS,
     PARTIAL_LEVELS,
     RECOMPUTE_LEVEL,
     SELECTIVE_LEVEL,
-    kept_quantities,
 )
 from mimose_cli.planners.scaling import exponents, work_coefficients
 from mimose_cli.torch_private import UncompiledDispatchMode, tree_leaves, without_dispatch_modes
@@ -105,7 +104,7 @@ class _KindTimer(UncompiledDispatchMode):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         synchronize(self.device)
-        if not func.is_view and func.overloadpacket not in WRITES_NOTHING:
+        if writes_elements(func):
             kind = light_op_class(func)
             self.ms[kind] = self.ms.get(kind, 0.0) + (time.perf_counter() - start) * 1e3
             self.elements[kind] = self.elements.get(kind, 0) + sum(
@@ -436,17 +435,13 @@ def level_rows(pred, open_to: list, selective_ms: np.ndarray, partial_ms: np.nda
     levels); freed whole, all of it, for ``whole_ms``."""
     whole = pred.savings
     rows = np.zeros((LEVELS, len(whole)))  # every kept set's row at once (a miss builds them)
-    freed = whole - np.maximum([pred.blocks[quantity] for quantity in _EXTRA_BYTES], 0.0)
+    freed = whole - np.maximum([pred.blocks[quantity] for quantity in EXTRA_BYTES], 0.0)
     rows[SELECTIVE_LEVEL:RECOMPUTE_LEVEL] = np.where((freed > 0) & np.asarray(open_to, dtype=bool), freed, np.nan)
     rows[RECOMPUTE_LEVEL] = whole
     costs = np.zeros_like(rows)
     costs[SELECTIVE_LEVEL], costs[SELECTIVE_LEVEL + 1:RECOMPUTE_LEVEL], costs[RECOMPUTE_LEVEL] = (
         selective_ms, partial_ms.T, whole_ms)
     return rows, costs
-
-
-_EXTRA_BYTES = tuple(kept_quantities(kept_set)[0] for kept_set in KEPT_SETS)
-"""The bytes each selective checkpoint (``KEPT_SETS``, in level order) keeps beyond a whole one's."""
 
 
 def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequence[float]],

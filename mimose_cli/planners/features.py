@@ -24,6 +24,9 @@ def kept_quantities(kept_set: str) -> tuple:
     return tuple(f"{kept_set}_{q}_bytes" for q in ("extra", "fwd_peak", "recompute_peak", "bwd_peak"))
 
 
+EXTRA_BYTES = tuple(kept_quantities(kept_set)[0] for kept_set in KEPT_SETS)
+"""The bytes each selective checkpoint (``KEPT_SETS``, in level order) keeps beyond a whole one's."""
+
 KEEP_LEVEL, SELECTIVE_LEVEL = 0, 1
 PARTIAL_LEVEL = {level: SELECTIVE_LEVEL + 1 + k for k, level in enumerate(PARTIAL_LEVELS)}
 RECOMPUTE_LEVEL = SELECTIVE_LEVEL + 1 + len(PARTIAL_LEVELS)

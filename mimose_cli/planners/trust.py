@@ -5,20 +5,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mimose_cli.planners.features import (
-    KEPT_SETS,
-    RANK_RTOL,
-    REACH,
-    STEP_QUANTITIES,
-    TOKENS,
-    FeatureSet,
-    kept_quantities,
-)
+from mimose_cli.planners.features import EXTRA_BYTES, RANK_RTOL, REACH, STEP_QUANTITIES, TOKENS, FeatureSet
 
 _SPAN_RTOL = 1e-7
 _TIMELINE = ("plain_bytes", "ckpt_bytes", "bwd_peak_bytes")
-_HELD = ("plain_bytes", "ckpt_bytes", "pre_bytes", "resident_bytes", "release_bytes",
-         *(kept_quantities(kept_set)[0] for kept_set in KEPT_SETS))
+_HELD = ("plain_bytes", "ckpt_bytes", "pre_bytes", "resident_bytes", "release_bytes", *EXTRA_BYTES)
 """Quantities the timeline adds up over the blocks (what each holds, or lets go of, until its
 backward; what a selective or partial checkpoint keeps): a miss in each may add up too."""
 _STEP_PARTS = {"pre_bytes": "the bytes before the first block", "pre_peak_bytes": "the embeddings' peak",
