@@ -42,7 +42,7 @@ def plan_levels(num_blocks: int, plan=(), selective=(), partial=()) -> np.ndarra
     levels[list(plan)] = RECOMPUTE_LEVEL
     levels[[i for i in selective if levels[i] != KEEP_LEVEL]] = SELECTIVE_LEVEL
     for i, level in partial:
-        if levels[i] == RECOMPUTE_LEVEL:  # in the plan and not selective, as ``PlanRunner.use`` reads it
+        if levels[i] == RECOMPUTE_LEVEL:  # in the plan and not selective, as ``PlanRunner.choice`` reads it
             levels[i] = PARTIAL_LEVEL[level]
     return levels
 
