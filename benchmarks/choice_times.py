@@ -24,8 +24,8 @@ from robustness import MODELS, Shape, build_model, make_batch
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import Mimose, Oracle
-from mimose_cli.planners.choices import ChoiceTimes
-from mimose_cli.planners.features import TOKENS
+from mimose_cli.planners.mimose.choices import ChoiceTimes
+from mimose_cli.planners.mimose.features import TOKENS
 
 from _results import write_results
 

@@ -25,8 +25,8 @@ from mimose_cli.launcher.data.loader import make_batch
 from mimose_cli.launcher.models import build_model, model_config
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.memory import build_meter
-from mimose_cli.planners.estimator import peak_timeline
-from mimose_cli.planners.mimose import Mimose
+from mimose_cli.planners.mimose.estimator import peak_timeline
+from mimose_cli.planners.mimose.policy import Mimose
 
 from _results import write_results
 

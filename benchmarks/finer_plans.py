@@ -53,9 +53,9 @@ from mimose_safety import FLOOR, recipe_for
 from paper_figure import CONFIGS as PAPER_CONFIGS
 from paper_figure import fastest_steps_s, make_recipe
 
-from mimose_cli.planners.choices import ChoiceTimes
-from mimose_cli.planners.features import PARTIAL_LEVELS
-from mimose_cli.planners.oracle import OraclePolicy
+from mimose_cli.planners.baselines.oracle import OraclePolicy
+from mimose_cli.planners.blocks import PARTIAL_LEVELS
+from mimose_cli.planners.mimose.choices import ChoiceTimes
 
 from _results import run_training, write_results
 

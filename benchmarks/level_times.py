@@ -25,8 +25,8 @@ from robustness import Shape, build_model, make_batch
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import Mimose
-from mimose_cli.planners.features import PARTIAL_LEVELS
-from mimose_cli.planners.policy import Decision
+from mimose_cli.planners.blocks import PARTIAL_LEVELS
+from mimose_cli.planners.contract import Decision
 
 from _results import write_results
 

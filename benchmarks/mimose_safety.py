@@ -26,7 +26,7 @@ from mimose_cli.launcher.data.loader import build_dataloader
 from mimose_cli.launcher.models import model_config
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.planners import infer_input_size
-from mimose_cli.planners.estimator import Estimator, peak_timeline
+from mimose_cli.planners.mimose.estimator import Estimator, peak_timeline
 from mimose_cli.planners.options import MimoseOptions
 
 from _results import run_training, write_results

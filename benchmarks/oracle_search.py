@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction, plan_peak_bytes
-from mimose_cli.planners.oracle import choice_search
+from mimose_cli.planners.baselines.oracle import choice_search
+from mimose_cli.planners.mimose.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction, plan_peak_bytes
 
 from _results import write_results
 

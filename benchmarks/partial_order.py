@@ -21,7 +21,7 @@ import torch
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 
-from mimose_cli.planners.blocks import COMPUTE_HEAVY_OPS
+from mimose_cli.planners.ops import COMPUTE_HEAVY_OPS
 from mimose_cli.torch_private import UncompiledDispatchMode, tree_leaves
 
 from _results import write_results

@@ -27,9 +27,9 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from mimose_cli.memory import build_meter
-from mimose_cli.planners.estimator import peak_timeline
-from mimose_cli.planners.features import TOKENS
-from mimose_cli.planners.mimose import Mimose
+from mimose_cli.planners.mimose.estimator import peak_timeline
+from mimose_cli.planners.mimose.features import TOKENS
+from mimose_cli.planners.mimose.policy import Mimose
 
 from _results import write_results
 

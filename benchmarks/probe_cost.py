@@ -29,8 +29,8 @@ from short_run import recipe as short_recipe
 from mimose_cli.launcher.data.loader import make_batch
 from mimose_cli.launcher.models import build_model, model_config
 from mimose_cli.memory import build_meter
-from mimose_cli.planners import mimose as mimose_module
-from mimose_cli.planners.mimose import Mimose
+from mimose_cli.planners.mimose.policy import Mimose
+from mimose_cli.planners.mimose.policy import policy as mimose_module
 from mimose_cli.planners.trial import loss_of, run_model
 
 from _results import write_results

@@ -53,7 +53,7 @@ import transformers
 from mimose_cli.launcher.data.synthetic import data_rng, sample_lengths
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import build_planner
-from mimose_cli.planners.choices import CHOICE_SETS
+from mimose_cli.planners.mimose.choices import CHOICE_SETS
 
 from _results import write_results
 

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from planner_latency import SIZE, fitted_planner
 
-from mimose_cli.planners import choices, estimator
-from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction
+from mimose_cli.planners.mimose.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction
+from mimose_cli.planners.mimose.policy import choices, estimator
 
 from _results import write_results
 

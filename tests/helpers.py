@@ -73,7 +73,7 @@ def fitted_mimose(state, budget="1GB", model=None, **options):
     loaded into a planner for ``model`` (a fresh ``tiny_bert``) on a simulated device of
     ``budget``. Yields ``(planner, meter)``; the planner is closed and the device off on exit."""
     from mimose_cli.memory import build_meter
-    from mimose_cli.planners.mimose import Mimose
+    from mimose_cli.planners.mimose.policy import Mimose
     from mimose_cli.units import parse_size
 
     model = tiny_bert() if model is None else model

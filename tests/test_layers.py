@@ -82,3 +82,46 @@ def test_a_recipe_is_validated_without_importing_torch():
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+HOUSEHOLDS = [  # the planner wing's rooms, lowest first: a room may import its own and those below
+    ("framework", "mimose_cli.planners"),
+    ("mimose", "mimose_cli.planners.mimose"),
+    ("baselines", "mimose_cli.planners.baselines"),
+    ("registry", "mimose_cli.planners.registry"),  # names every planner, so it sits above them all
+]
+
+
+def household_of(module: str) -> int:
+    return max(level for level, (_, prefix) in enumerate(HOUSEHOLDS)
+               if module == prefix or module.startswith(prefix + "."))
+
+
+def test_the_planner_framework_imports_no_planner_and_mimose_no_baseline():
+    crossing = []
+    for path in sorted((PACKAGE / "planners").rglob("*.py")):
+        here = module_name(path)
+        for line, imported in package_imports(path):
+            if imported.startswith("mimose_cli.planners") and household_of(imported) > household_of(here):
+                crossing.append(f"{path.relative_to(ROOT)}:{line} ({HOUSEHOLDS[household_of(here)][0]}) imports "
+                                f"{imported} ({HOUSEHOLDS[household_of(imported)][0]})")
+    assert crossing == []
+
+
+def test_the_household_check_sees_the_framework_importing_a_baseline(tmp_path):
+    source = tmp_path / "mimose_cli" / "planners" / "x.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("from mimose_cli.planners.baselines.dtr import DTRPolicy\n")
+    (imported,) = [name for _, name in package_imports(source)]
+    assert household_of(imported) > household_of("mimose_cli.planners.x")
+
+
+def test_no_two_library_modules_share_a_name():
+    """The library's modules (planners, memory) each have a name of their own, so that a name in
+    a message, a docstring or a traceback points at one file."""
+    names: dict = {}
+    for wing in ("planners", "memory"):
+        for path in (PACKAGE / wing).rglob("*.py"):
+            if path.name != "__init__.py":
+                names.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from mimose_cli.planners.blocks import inside_checkpoint, recomputing
+from mimose_cli.planners.runners import inside_checkpoint, recomputing
 from mimose_cli.torch_private import tensor_version, top_saved_tensors_hook_name
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mimose_cli"

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from mimose_cli.launcher.preflight import optimizer_state_bytes
 from mimose_cli.memory import build_meter, param_bytes
-from mimose_cli.planners.base import Planner, StepInfo
+from mimose_cli.planners.base import Planner
+from mimose_cli.planners.contract import Policy, StepInfo
 from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.options import PLANNER_OPTIONS, OptionError, parse_options
-from mimose_cli.planners.policy import Policy
 from mimose_cli.planners.registry import PLANNERS, build_planner, library_keywords
 from mimose_cli.planners.trial import model_device
 from mimose_cli.units import format_bytes, parse_size

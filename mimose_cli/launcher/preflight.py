@@ -24,8 +24,8 @@ import torch
 from mimose_cli.launcher.data.loader import make_batch, max_input_size
 from mimose_cli.memory import param_bytes
 from mimose_cli.planners.base import Planner
+from mimose_cli.planners.contract import Decision, plan_in_words
 from mimose_cli.planners.inputs import with_padding
-from mimose_cli.planners.policy import Decision, plan_in_words
 from mimose_cli.planners.trial import probe_with_plan
 from mimose_cli.units import format_budget, format_bytes
 

@@ -1,5 +1,7 @@
-"""The planners (the library's policy wing): Mimose and the baselines, each a policy (``policy``)
-carried out by one ``Planner`` (``base``).
+"""The planners (the library's policy wing), three households: the framework here (the policy
+contract ``contract``, the ``Planner`` that carries a policy out ``base``, its parts, the router
+and runners, block discovery, the registry of options), Mimose's internals in ``mimose/`` and the
+baselines in ``baselines/`` (which may use Mimose's estimator; Mimose uses no baseline).
 
 ``from mimose_cli.planners import Mimose, build_planner`` works as before; the names are read
 lazily so that ``planners.options`` (what a recipe validates) is importable without torch.
@@ -9,14 +11,16 @@ import importlib
 
 _EXPORTS = {
     "PLANNERS": "registry", "build_planner": "registry",
-    "Decision": "policy", "FullCheckpointing": "base", "NoCheckpointing": "base", "Planner": "base",
-    "FullCheckpointingPolicy": "base", "NoCheckpointingPolicy": "base", "Policy": "policy",
-    "PlannerParts": "parts", "StepContext": "policy", "StepInfo": "policy",
-    "BlockRunner": "blocks", "PlanRunner": "blocks", "discover_blocks": "blocks",
-    "DTR": "dtr", "DTRPolicy": "dtr", "EveryN": "every_n", "EveryNPolicy": "every_n", "FullOffload": "offload",
-    "FullOffloadPolicy": "offload", "Mimose": "mimose", "MimosePolicy": "mimose", "Oracle": "oracle",
-    "OraclePolicy": "oracle", "Sublinear": "sublinear", "SublinearPolicy": "sublinear",
-    "infer_input_size": "inputs",
+    "Decision": "contract", "Policy": "contract", "StepContext": "contract", "StepInfo": "contract",
+    "Planner": "base", "PlannerParts": "parts", "infer_input_size": "inputs",
+    "BlockRunner": "runners", "PlanRunner": "runners", "discover_blocks": "blocks",
+    "FullCheckpointing": "baselines.uniform", "NoCheckpointing": "baselines.uniform",
+    "FullCheckpointingPolicy": "baselines.uniform", "NoCheckpointingPolicy": "baselines.uniform",
+    "DTR": "baselines.dtr", "DTRPolicy": "baselines.dtr", "EveryN": "baselines.every_n",
+    "EveryNPolicy": "baselines.every_n", "FullOffload": "baselines.full_offload",
+    "FullOffloadPolicy": "baselines.full_offload", "Oracle": "baselines.oracle", "OraclePolicy": "baselines.oracle",
+    "Sublinear": "baselines.sublinear", "SublinearPolicy": "baselines.sublinear",
+    "Mimose": "mimose.policy", "MimosePolicy": "mimose.policy",
 }
 
 

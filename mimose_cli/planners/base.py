@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 from mimose_cli.files import write_text
-from mimose_cli.planners.blocks import selectable
+from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
 from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.parts import PlannerParts, check_choices, resolve_blocks
-from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
 from mimose_cli.planners.recovery import run_recovering
 from mimose_cli.planners.usage import EnteredOnce, check_supported, claim, release
 
@@ -43,7 +42,7 @@ class Planner:
 
     def __init_subclass__(cls, **kwargs):
         raise TypeError(f"class {cls.__name__}(Planner): a planner is no longer a subclass of Planner; write a "
-                        "Policy (mimose_cli.planners.policy) and run it as Planner(model, YourPolicy, budget)")
+                        "Policy (mimose_cli.planners.contract) and run it as Planner(model, YourPolicy, budget)")
 
     def __init__(self, model, policy: type, budget=None, *, blocks=None, safety_margin="auto", meter=None,
                  **options):
@@ -307,53 +306,3 @@ def _check_options(policy: type, options: dict) -> None:
     if unknown:
         raise TypeError(f"planner {policy.name!r} has no option {', '.join(unknown)}; it takes "
                         f"{', '.join(takes) or 'none of its own'} (and blocks, safety_margin, meter)")
-
-
-class NoCheckpointingPolicy(Policy):
-    """Checkpoint nothing: the speed limit, and out of memory on large batches."""
-
-    name = "none"
-    adapts = False
-    saves_memory = False
-    oom_fix = ("let a planner checkpoint (mimose), raise the budget, or lower the batch size or sequence length",)
-
-    def decide(self, input_size, context=NO_CONTEXT):
-        return Decision(())
-
-
-class FullCheckpointingPolicy(Policy):
-    """Checkpoint every block, as ``gradient_checkpointing_enable()`` does; ``selective``: keep
-    each block's compute-heavy ops' outputs and recompute the rest (``blocks.SELECTIVE``)."""
-
-    name = "full"
-    adapts = False
-
-    def __init__(self, parts, *, selective: bool = False):
-        super().__init__(parts)
-        self.selective = selective
-        if selective:  # recomputing whole blocks keeps only their inputs: less than any selective plan
-            self.leaner_setting = "planner.full.selective: false"
-            self.oom_fix = (f"set {self.leaner_setting} (whole blocks recomputed need less), raise the budget, "
-                            "or lower the batch size or sequence length",)
-            held = next((name for (name, _), ok in zip(parts.blocks, selectable(parts.blocks)) if not ok), None)
-            if held is not None:
-                raise ValueError(f"planner.full.selective cannot checkpoint block {held} selectively: it holds buffers "
-                                 "(BatchNorm statistics) that its recompute puts back, which torch's selective "
-                                 "checkpointing refuses; set planner.full.selective: false")
-
-    def decide(self, input_size, context=NO_CONTEXT):
-        every = tuple(range(self.parts.num_blocks))
-        return Decision(every, selective=every if self.selective else ())
-
-    def least_memory(self) -> Decision:
-        return self.decide(())
-
-
-def NoCheckpointing(model, budget=None, **options) -> Planner:
-    """``Planner(model, NoCheckpointingPolicy, budget, **options)``."""
-    return Planner(model, NoCheckpointingPolicy, budget, **options)
-
-
-def FullCheckpointing(model, budget=None, **options) -> Planner:
-    """``Planner(model, FullCheckpointingPolicy, budget, **options)`` (``selective=True``: selectively)."""
-    return Planner(model, FullCheckpointingPolicy, budget, **options)

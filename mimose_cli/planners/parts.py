@@ -11,8 +11,8 @@ import functools
 import operator
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
-from mimose_cli.planners.blocks import PlanRunner, RecomputeClock, StepRouter, discover_blocks
-from mimose_cli.planners.features import PARTIAL_LEVELS, SEQ2SEQ, TOKENS
+from mimose_cli.planners.blocks import PARTIAL_LEVELS, discover_blocks
+from mimose_cli.planners.runners import PlanRunner, RecomputeClock, StepRouter
 from mimose_cli.planners.session import MeterSession
 from mimose_cli.planners.trial import model_device
 from mimose_cli.planners.usage import said, warn_if_eager
@@ -67,12 +67,6 @@ class PlannerParts:
         self._use_cache = getattr(self._config, "use_cache", None)
         if self._use_cache:
             self._config.use_cache = False
-
-    @property
-    def feature_set(self):
-        """What an input size's memory and work grow with (``features``): the encoder's and the
-        decoder's lengths of an encoder-decoder model, the tokens of any other."""
-        return SEQ2SEQ if self.encoder_decoder else TOKENS
 
     @property
     def meter(self):
@@ -189,3 +183,13 @@ def _is_block(index, num_blocks: int) -> bool:
         return 0 <= operator.index(index) < num_blocks
     except TypeError:
         return False
+
+
+def check_offload_device(model, who: str, instead: str) -> None:
+    """Refuse, in one line, to offload from a model on a device other than CUDA or the CPU (whose
+    simulated device counts the host copies apart): anywhere else the copies would stay on the
+    device and free nothing."""
+    device = model_device(model)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{who} moves saved tensors between a CUDA device and host memory (simulated "
+                         f"on the CPU), but the model is on {device.type}; {instead}")

@@ -11,7 +11,7 @@ import gc
 
 import torch
 
-from mimose_cli.planners.blocks import RngState, buffer_snapshot, restore_buffers
+from mimose_cli.planners.snapshots import RngState, buffer_snapshot, restore_buffers
 from mimose_cli.torch_private import tree_leaves
 from mimose_cli.units import format_bytes
 

@@ -3,14 +3,15 @@
 **options)``, ``options`` being the fields of its ``planners.options`` dataclass (and, from code
 only, a few more: DTR's ``cost_fn``)."""
 
-from mimose_cli.planners.base import FullCheckpointingPolicy, NoCheckpointingPolicy, Planner, policy_options
-from mimose_cli.planners.dtr import DTRPolicy
-from mimose_cli.planners.every_n import EveryNPolicy
-from mimose_cli.planners.mimose import MimosePolicy
-from mimose_cli.planners.offload import FullOffloadPolicy
+from mimose_cli.planners.base import Planner, policy_options
+from mimose_cli.planners.baselines.dtr import DTRPolicy
+from mimose_cli.planners.baselines.every_n import EveryNPolicy
+from mimose_cli.planners.baselines.full_offload import FullOffloadPolicy
+from mimose_cli.planners.baselines.oracle import OraclePolicy
+from mimose_cli.planners.baselines.sublinear import SublinearPolicy
+from mimose_cli.planners.baselines.uniform import FullCheckpointingPolicy, NoCheckpointingPolicy
+from mimose_cli.planners.mimose.policy import MimosePolicy
 from mimose_cli.planners.options import PLANNER_NAMES
-from mimose_cli.planners.oracle import OraclePolicy
-from mimose_cli.planners.sublinear import SublinearPolicy
 
 PLANNERS = {
     "mimose": MimosePolicy,

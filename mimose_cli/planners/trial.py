@@ -4,7 +4,7 @@ import contextlib
 
 import torch
 
-from mimose_cli.planners.blocks import restored_buffers
+from mimose_cli.planners.snapshots import restored_buffers
 from mimose_cli.torch_private import tree_leaves
 
 

@@ -18,8 +18,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from mimose_cli.files import read_json
-from mimose_cli.planners.estimator import Estimator
-from mimose_cli.planners.features import SEQ2SEQ, TOKENS
+from mimose_cli.planners.mimose.estimator import Estimator
+from mimose_cli.planners.mimose.features import SEQ2SEQ, TOKENS
 from mimose_cli.runs.compare import COMPARE_FILE
 from mimose_cli.runs.rundir import load_run
 from mimose_cli.units import format_budget, format_bytes

@@ -23,7 +23,7 @@ from mimose_cli.launcher.models import model_config
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.launcher.resume import resume_recipe
 from mimose_cli.launcher.train import _setup, run_training
-from mimose_cli.planners.blocks import PlanRunner
+from mimose_cli.planners.runners import PlanRunner
 from mimose_cli.runs.live import ProgressView
 from mimose_cli.runs.records import StepRecord, merge_ranks
 

@@ -106,7 +106,7 @@ def test_planners_with_one_plan_are_held_to_it():
     above, it is let run (its running out of memory on the long batches is its answer), with a
     warning that points to a planner that checkpoints."""
     from mimose_cli.launcher.preflight import BudgetRange, budget_error, budget_warning
-    from mimose_cli.planners.policy import Decision, plan_in_words
+    from mimose_cli.planners.contract import Decision, plan_in_words
 
     assert plan_in_words(Decision(()), 4) == "without checkpointing"
     assert plan_in_words(Decision((0, 1, 2, 3), selective=(0, 1, 2, 3)), 4) == "with every block checkpointed selectively"
@@ -118,7 +118,7 @@ def test_planners_with_one_plan_are_held_to_it():
     assert budget_error(400, needs, "400") is not None  # below every plan: refused
     assert budget_warning(800, BudgetRange((16, 128), 500, 900)) is None  # a planner that checkpoints
     # full with selective: its one plan keeps more than whole blocks recomputed, and the error says so.
-    from mimose_cli.planners.base import FullCheckpointingPolicy
+    from mimose_cli.planners.baselines.uniform import FullCheckpointingPolicy
 
     assert FullCheckpointingPolicy.leaner_setting is None
     from torch import nn

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 from mimose_cli.memory import build_meter
-from mimose_cli.planners.mimose import Mimose
+from mimose_cli.planners.mimose.policy import Mimose
 
 from helpers import bert_batch, fitted_mimose, run_step, tiny_bert
 

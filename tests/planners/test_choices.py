@@ -12,9 +12,10 @@ from test_oracle import random_prediction
 from test_scaling import HELD_OUT, metered_mimose, padded
 
 from mimose_cli.launcher.recipe import load_recipe
-from mimose_cli.planners.choices import ChoiceTimes, choice_plan_checked, plan_of
-from mimose_cli.planners.estimator import Timeline, plan_peak_bytes
-from mimose_cli.planners.features import KEPT_SETS, LEVELS, PARTIAL_LEVELS, TOKENS
+from mimose_cli.planners.blocks import PARTIAL_LEVELS
+from mimose_cli.planners.mimose.choices import ChoiceTimes, choice_plan_checked, plan_of
+from mimose_cli.planners.mimose.estimator import Timeline, plan_peak_bytes
+from mimose_cli.planners.mimose.features import KEPT_SETS, LEVELS, TOKENS
 from mimose_cli.planners.trial import probe_step, probe_with_plan
 from mimose_cli.runs.plots import plan_figure
 from mimose_cli.runs.records import StepRecord
@@ -487,8 +488,8 @@ def test_a_step_planned_with_selective_blocks_says_so_and_trains_as_plain():
     model, reference = tiny_bert(4), tiny_bert(4)
     data = bert_batch(4, 64)
     from mimose_cli.memory import build_meter
-    from mimose_cli.planners.base import NoCheckpointing
-    from mimose_cli.planners.mimose import Mimose
+    from mimose_cli.planners.baselines.uniform import NoCheckpointing
+    from mimose_cli.planners.mimose.policy import Mimose
 
     meter = build_meter("simulated", 10**9)
     with meter.activate():
@@ -559,7 +560,7 @@ def test_the_oracle_searches_the_same_choices_and_its_plans_fit():
     budget takes selective blocks, the step fits, and its recompute time is no more than the
     block-level oracle's plan costs under the same times."""
     from mimose_cli.memory import build_meter
-    from mimose_cli.planners.oracle import Oracle, optimal_plan, plan_peak
+    from mimose_cli.planners.baselines.oracle import Oracle, optimal_plan, plan_peak
 
     model = tiny_bert(4)
     data = bert_batch(4, 64)
@@ -629,7 +630,7 @@ def _work_of(fn, *args):
     """``heavy_op_work`` of the compute-heavy ops ``fn(*args)`` runs: their flops, and the gemm
     of the one op (None when several ran or it is an attention kernel)."""
     from mimose_cli.memory.probe import LiveProbe
-    from mimose_cli.planners.blocks import COMPUTE_HEAVY_OPS, heavy_op_work
+    from mimose_cli.planners.ops import COMPUTE_HEAVY_OPS, heavy_op_work
 
     with LiveProbe(heavy_ops=COMPUTE_HEAVY_OPS, heavy_work=heavy_op_work) as probe:
         fn(*args)
@@ -644,9 +645,9 @@ def test_light_ops_are_counted_by_kind_at_each_kinds_rate():
     block's light work counts each kind's elements at its rate over the pointwise one, so two ops
     writing as many elements are priced apart (``scaling.work_coefficients``)."""
     from mimose_cli.memory.probe import LiveProbe
-    from mimose_cli.planners.blocks import COMPUTE_HEAVY_OPS, heavy_op_work, light_op_class
-    from mimose_cli.planners.choices import work_rates_ms
-    from mimose_cli.planners.scaling import work_coefficients
+    from mimose_cli.planners.mimose.choices import work_rates_ms
+    from mimose_cli.planners.mimose.scaling import work_coefficients
+    from mimose_cli.planners.ops import COMPUTE_HEAVY_OPS, heavy_op_work, light_op_class
 
     x = torch.randn(6, 8)
     with LiveProbe(heavy_ops=COMPUTE_HEAVY_OPS, heavy_work=heavy_op_work, light_class=light_op_class) as probe:
@@ -708,7 +709,7 @@ def test_a_heavy_ops_work_is_its_floating_point_operations(case):
 
 
 def test_rates_that_cannot_be_timed_leave_the_probes_own_timings_and_say_so(monkeypatch):
-    import mimose_cli.planners.mimose as mimose_module
+    import mimose_cli.planners.mimose.policy as mimose_module
 
     def fails(*args, **kwargs):
         raise torch.OutOfMemoryError("no room for the rates")

@@ -181,7 +181,8 @@ def test_the_planners_warnings_point_at_the_users_line():
 def test_a_decision_that_is_not_one_choice_per_block_is_refused_in_one_line(choices, says):
     """A custom policy's ``Decision`` (and ``set_plan``) whose choices contradict each other or name
     no block raises ValueError naming the fields, instead of running a plan other than the one given."""
-    from mimose_cli.planners.base import Decision, NoCheckpointingPolicy
+    from mimose_cli.planners.baselines.uniform import NoCheckpointingPolicy
+    from mimose_cli.planners.contract import Decision
 
     class Odd(NoCheckpointingPolicy):
         def decide(self, input_size, context=None):
@@ -203,7 +204,7 @@ def test_numpy_block_indices_are_block_indices():
     same indices (a bool is not an index)."""
     import numpy as np
 
-    from mimose_cli.planners.base import NoCheckpointingPolicy
+    from mimose_cli.planners.baselines.uniform import NoCheckpointingPolicy
 
     model = _model()
     planner = Planner(model, NoCheckpointingPolicy, None, blocks="*")
@@ -215,7 +216,7 @@ def test_numpy_block_indices_are_block_indices():
         def decide(self, input_size, context=None):
             return Decision(tuple(np.flatnonzero([True, False, True, False])), selective=(np.int64(2),))
 
-    from mimose_cli.planners.base import Decision
+    from mimose_cli.planners.contract import Decision
 
     planner = Planner(model, Numpy, None, blocks="*")
     _step(model, planner, 8)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mimose_cli.planners.estimator import (
+from mimose_cli.planners.mimose.estimator import (
     BLOCK_QUANTITIES,
     STEP_QUANTITIES,
     Estimator,

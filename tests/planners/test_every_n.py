@@ -6,7 +6,7 @@ import inspect
 import pytest
 
 from mimose_cli.memory import build_meter
-from mimose_cli.planners.every_n import EveryN, stride_plan
+from mimose_cli.planners.baselines.every_n import EveryN, stride_plan
 from mimose_cli.planners.options import PLANNER_OPTIONS
 from mimose_cli.planners.registry import PLANNERS, build_planner
 from mimose_cli.planners.trial import probe_with_plan

@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_scaling import HELD_OUT, _bf16_step, assert_estimate_is_measured, metered_mimose, padded, probed_stats
 
-from mimose_cli.planners.blocks import left_out, stack_runs, twin_blocks
-from mimose_cli.planners.features import Releases
+from mimose_cli.planners.mimose.features import Releases
+from mimose_cli.planners.mimose.layout import left_out, stack_runs, twin_blocks
 from mimose_cli.planners.trial import probe_with_plan
 from mimose_cli.torch_private import without_dispatch_modes
 

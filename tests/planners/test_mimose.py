@@ -6,9 +6,9 @@ import torch
 import mimose_cli
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import PLANNERS, build_planner
-from mimose_cli.planners.base import NoCheckpointing
-from mimose_cli.planners.collector import drop_reason
-from mimose_cli.planners.mimose import Mimose, MimosePolicy
+from mimose_cli.planners.baselines.uniform import NoCheckpointing
+from mimose_cli.planners.mimose.collector import drop_reason
+from mimose_cli.planners.mimose.policy import Mimose, MimosePolicy
 
 from helpers import assert_tensors_close, bert_batch, fitted_mimose, run_step, tiny_bert
 
@@ -181,7 +181,7 @@ def test_build_planner_accepts_the_loops_keywords():
 def test_every_counter_is_in_stats_and_survives_a_state_dict(sheltered):
     from dataclasses import fields
 
-    from mimose_cli.planners.mimose import MimoseCounters
+    from mimose_cli.planners.mimose.policy import MimoseCounters
 
     with fitted_mimose(sheltered.state) as (planner, meter):
         run_step(planner, meter, bert_batch(3, 30))  # a planned step: a miss, a responsive step

@@ -66,7 +66,8 @@ def test_a_plan_mixes_the_choices_block_by_block_and_the_run_records_them():
     """One plan, four choices: block 0 recomputed, 1 checkpointed selectively, 2 offloaded, 3
     kept; the step computes what keeping every block computes (the same ops in the same order,
     byte-exact copies and recomputes), and the heat map has a colour for each choice."""
-    from mimose_cli.planners.base import Decision, NoCheckpointingPolicy
+    from mimose_cli.planners.baselines.uniform import NoCheckpointingPolicy
+    from mimose_cli.planners.contract import Decision
     from mimose_cli.runs.plots import plan_figure
     from mimose_cli.runs.records import completed_step
 

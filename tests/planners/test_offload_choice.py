@@ -11,9 +11,15 @@ from test_scaling import HELD_OUT, metered_mimose
 from mimose_cli.memory import build_meter
 from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES
 from mimose_cli.planners import Mimose, build_planner
-from mimose_cli.planners.choices import ChoiceTimes, bounded_for_offload, copy_costs_ms, freeing_ms, split_offload
-from mimose_cli.planners.estimator import Timeline, plan_peak_bytes
-from mimose_cli.planners.features import TOKENS
+from mimose_cli.planners.mimose.choices import (
+    ChoiceTimes,
+    bounded_for_offload,
+    copy_costs_ms,
+    freeing_ms,
+    split_offload,
+)
+from mimose_cli.planners.mimose.estimator import Timeline, plan_peak_bytes
+from mimose_cli.planners.mimose.features import TOKENS
 from mimose_cli.planners.trial import probe_with_plan
 
 from helpers import bert_batch, tiny_bert

@@ -9,10 +9,7 @@ import torch
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import Decision, build_planner
-from mimose_cli.planners.choices import plan_of
-from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction, Timeline
-from mimose_cli.planners.features import KEEP_LEVEL, KEPT_SETS, LEVELS, RECOMPUTE_LEVEL, SELECTIVE_LEVEL
-from mimose_cli.planners.oracle import (
+from mimose_cli.planners.baselines.oracle import (
     choice_search,
     exact_search,
     knapsack_plan,
@@ -20,7 +17,10 @@ from mimose_cli.planners.oracle import (
     min_cost_cover,
     plan_peak,
 )
-from mimose_cli.planners.sublinear import BlockProfile
+from mimose_cli.planners.baselines.sublinear import BlockProfile
+from mimose_cli.planners.mimose.choices import plan_of
+from mimose_cli.planners.mimose.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction, Timeline
+from mimose_cli.planners.mimose.features import KEEP_LEVEL, KEPT_SETS, LEVELS, RECOMPUTE_LEVEL, SELECTIVE_LEVEL
 
 from helpers import bert_batch, tiny_bert
 
@@ -116,7 +116,7 @@ def test_the_finer_plan_search_in_chunks_is_every_plan_at_once(monkeypatch):
     random and with alike times (equal within a stack: the ties that ``alike_mean`` makes, which
     must go to fewer blocks and then the earlier ones); every block leaves bytes until the forward
     ends, and the search block by block is switched off."""
-    import mimose_cli.planners.oracle as oracle_module
+    import mimose_cli.planners.baselines.oracle as oracle_module
 
     monkeypatch.setattr(oracle_module, "_frontier_search", lambda *args: None)
     rng = random.Random(5)
@@ -142,7 +142,7 @@ def test_the_finer_plan_search_block_by_block_is_exact(monkeypatch):
     carried); and it says which search ran. Where it does not apply (a backward out of order, too
     many sums of what plain blocks leave) every plan is tried up to ``EXACT_MAX_CHOICE_PLANS`` (set
     to none here), then the scheduler."""
-    import mimose_cli.planners.oracle as oracle_module
+    import mimose_cli.planners.baselines.oracle as oracle_module
 
     monkeypatch.setattr(oracle_module, "EXACT_MAX_CHOICE_PLANS", 0)
     rng = random.Random(11)

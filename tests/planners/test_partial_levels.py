@@ -7,18 +7,18 @@ import pytest
 import torch
 from test_scaling import HELD_OUT, metered_mimose, padded
 
-from mimose_cli.planners.blocks import PlanRunner
-from mimose_cli.planners.choices import choice_plan_checked
-from mimose_cli.planners.features import (
+from mimose_cli.planners.blocks import PARTIAL_LEVELS
+from mimose_cli.planners.mimose.choices import choice_plan_checked
+from mimose_cli.planners.mimose.features import (
     KEPT_SETS,
     PARTIAL_LEVEL,
-    PARTIAL_LEVELS,
     RECOMPUTE_LEVEL,
     SELECTIVE_LEVEL,
     TOKENS,
     kept_quantities,
     plan_levels,
 )
+from mimose_cli.planners.runners import PlanRunner
 from mimose_cli.planners.trial import probe_with_plan
 
 from helpers import bert_batch, tiny_bert

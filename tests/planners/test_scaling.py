@@ -1,4 +1,4 @@
-"""Plan from the first step: two probe steps scaled to every size (planners/scaling.py)."""
+"""Plan from the first step: two probe steps scaled to every size (planners/mimose/scaling.py)."""
 
 import contextlib
 
@@ -7,10 +7,17 @@ import pytest
 import torch
 
 from mimose_cli.memory import build_meter
-from mimose_cli.planners.blocks import twin_blocks
-from mimose_cli.planners.features import BLOCK_QUANTITIES, NO_EVENT, PARTIAL_QUANTITIES, STEP_QUANTITIES, TOKENS
-from mimose_cli.planners.mimose import Mimose
-from mimose_cli.planners.scaling import _dimension, _polynomial, exponents, probe_batches, probe_sizes, raw_sample
+from mimose_cli.planners.mimose.features import BLOCK_QUANTITIES, NO_EVENT, PARTIAL_QUANTITIES, STEP_QUANTITIES, TOKENS
+from mimose_cli.planners.mimose.layout import twin_blocks
+from mimose_cli.planners.mimose.policy import Mimose
+from mimose_cli.planners.mimose.scaling import (
+    _dimension,
+    _polynomial,
+    exponents,
+    probe_batches,
+    probe_sizes,
+    raw_sample,
+)
 from mimose_cli.planners.trial import probe_step, probe_with_plan
 
 from helpers import bert_batch, run_step, tiny_bert

@@ -1,6 +1,6 @@
 import pytest
 
-from mimose_cli.planners.scheduler import Greedy, buckets_of, greedy_plan, greedy_plan_checked
+from mimose_cli.planners.mimose.scheduler import Greedy, buckets_of, greedy_plan, greedy_plan_checked
 
 
 def test_buckets_group_sizes_within_ten_percent_smallest_first():

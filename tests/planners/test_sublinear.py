@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from mimose_cli.planners import build_planner
-from mimose_cli.planners.sublinear import BlockProfile, chen_budget_candidates, chen_plan, chen_segments, sqrt_plan
+from mimose_cli.planners.baselines.sublinear import (
+    BlockProfile,
+    chen_budget_candidates,
+    chen_plan,
+    chen_segments,
+    sqrt_plan,
+)
 
 WIDTHS = (16, 32, 64, 32, 16)
 BATCH = 8

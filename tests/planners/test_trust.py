@@ -10,8 +10,8 @@ from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
 from mimose_cli.memory import build_meter
-from mimose_cli.planners.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Estimator
-from mimose_cli.planners.mimose import Mimose
+from mimose_cli.planners.mimose.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Estimator
+from mimose_cli.planners.mimose.policy import Mimose
 
 
 def tiny_bert(layers=3):
@@ -255,7 +255,7 @@ def test_a_fits_miss_in_what_blocks_hold_is_added_up_over_the_blocks():
     keeps, until its backward) counts once per block and once more, a miss in a peak once."""
     from types import SimpleNamespace
 
-    from mimose_cli.planners.trust import Trust
+    from mimose_cli.planners.mimose.trust import Trust
 
     estimator = SimpleNamespace(sizes=[(2, 8), (4, 16)], feature_set=Estimator(1).feature_set, num_blocks=3,
                                 layout={}, empty=set(), shape_changed=False, side_multiple=1)

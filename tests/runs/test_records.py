@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mimose_cli.launcher.train import run_training
-from mimose_cli.planners.base import StepInfo
+from mimose_cli.planners.contract import StepInfo
 from mimose_cli.planners.recovery import PlanOutOfMemoryError
 from mimose_cli.runs.records import StepRecord, completed_step, oom_step, read_records
 from mimose_cli.runs.summary import summarize

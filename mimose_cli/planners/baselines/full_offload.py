@@ -4,18 +4,8 @@ host memory until backward (``blocks.OFFLOAD``). Off unless named: the copies' t
 
 
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy
-from mimose_cli.planners.trial import model_device
-
-
-def check_offload_device(model, who: str, instead: str) -> None:
-    """Refuse, in one line, to offload from a model on a device other than CUDA or the CPU (whose
-    simulated device counts the host copies apart): anywhere else the copies would stay on the
-    device and free nothing."""
-    device = model_device(model)
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"{who} moves saved tensors between a CUDA device and host memory (simulated "
-                         f"on the CPU), but the model is on {device.type}; {instead}")
+from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy
+from mimose_cli.planners.parts import check_offload_device
 
 
 class FullOffloadPolicy(Policy):

@@ -8,11 +8,10 @@ from typing import Callable
 
 import numpy as np
 
+from mimose_cli.planners.blocks import PARTIAL_LEVELS
+
 FEATURES = ("BL2", "BL", "1", "B", "L2", "L")
 TIME_FEATURES = ("BL2", "BL", "1")
-PARTIAL_LEVELS = ("partial1", "partial2", "partial3")
-"""A selective checkpoint that keeps only the first heavy outputs of a block (most kept first):
-levels between ``selective`` (all it keeps) and a whole recompute (``scaling.partial_prefixes``)."""
 KEPT_SETS = ("selective", *PARTIAL_LEVELS)
 """The selective checkpoints of a block, by what they keep: every heavy output its recompute takes
 back (``selective``), or the first of them (``PARTIAL_LEVELS``)."""
@@ -173,3 +172,10 @@ TOKENS = FeatureSet(FEATURES, TIME_FEATURES, features, lambda size: (math.prod(s
 SEQ2SEQ = FeatureSet(("BE2", "BE", "BD2", "BD", "BED", "1", "B", "E2", "E", "D2", "D", "ED"),
                      ("BE2", "BE", "BD2", "BD", "BED", "1"), seq2seq_features, lambda size: tuple(size[1:]))
 """(B, E, D) for encoder-decoders: the encoder's and the decoder's lengths apart."""
+
+
+def feature_set_of(parts) -> FeatureSet:
+    """What an input size's memory and work grow with for the planner's model: the encoder's and
+    the decoder's lengths of an encoder-decoder model (``parts.encoder_decoder``), the tokens of any
+    other."""
+    return SEQ2SEQ if parts.encoder_decoder else TOKENS

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mimose_cli.planners.features import EXTRA_BYTES, RANK_RTOL, REACH, STEP_QUANTITIES, TOKENS, FeatureSet
+from mimose_cli.planners.mimose.features import EXTRA_BYTES, RANK_RTOL, REACH, STEP_QUANTITIES, TOKENS, FeatureSet
 
 _SPAN_RTOL = 1e-7
 _TIMELINE = ("plain_bytes", "ckpt_bytes", "bwd_peak_bytes")

@@ -33,8 +33,10 @@ from typing import NamedTuple
 import numpy as np
 
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.blocks import first_runs_otherwise, left_out, selectable, stack_runs, twin_blocks
-from mimose_cli.planners.choices import (
+from mimose_cli.planners.blocks import PARTIAL_LEVELS, selectable
+from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
+from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
+from mimose_cli.planners.mimose.choices import (
     CHOICE_SETS,
     ChoiceSet,
     ChoiceTimes,
@@ -47,13 +49,11 @@ from mimose_cli.planners.choices import (
     probe_rates_ms,
     split_offload,
 )
-from mimose_cli.planners.collector import InputReleases, ShuttlingCollector
-from mimose_cli.planners.estimator import Estimator, Timeline, plan_peak_bytes
-from mimose_cli.planners.features import PARTIAL_LEVELS, kept_quantities
-from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
-from mimose_cli.planners.offload import check_offload_device
-from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
-from mimose_cli.planners.scaling import (
+from mimose_cli.planners.mimose.collector import InputReleases, ShuttlingCollector
+from mimose_cli.planners.mimose.estimator import Estimator, Timeline, plan_peak_bytes
+from mimose_cli.planners.mimose.features import feature_set_of, kept_quantities
+from mimose_cli.planners.mimose.layout import first_runs_otherwise, left_out, stack_runs, twin_blocks
+from mimose_cli.planners.mimose.scaling import (
     SELECTIVE_QUANTITIES,
     SIDE_PAIR,
     ScaledStep,
@@ -70,7 +70,8 @@ from mimose_cli.planners.scaling import (
     structure_difference,
     twin_difference,
 )
-from mimose_cli.planners.scheduler import greedy_plan_checked
+from mimose_cli.planners.mimose.scheduler import greedy_plan_checked
+from mimose_cli.planners.parts import check_offload_device
 from mimose_cli.planners.trial import probe_step, probe_with_runner, to_model_device
 from mimose_cli.planners.usage import said, warn_user
 from mimose_cli.torch_private import without_dispatch_modes
@@ -249,7 +250,7 @@ class MimosePolicy(Policy):
         # Predictions are exact to ~100 bytes on the simulated device (the sheltered steps are
         # measured checkpointed, the planned ones are not): a relative margin absorbs that.
         self.prediction_margin = prediction_margin
-        self.estimator = Estimator(self.parts.num_blocks, self.parts.feature_set)
+        self.estimator = Estimator(self.parts.num_blocks, feature_set_of(self.parts))
         self.measurer = ShuttlingCollector(parts.model, parts.blocks, parts.recompute_clock)
         self.cache: dict = {}
         self.recovery_margins: dict = {}  # cache key -> bytes kept free after it ran out of memory

@@ -27,8 +27,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mimose_cli.planners.collector import RawStep, Trace, backward_stretch, build_sample
-from mimose_cli.planners.features import KEPT_SETS, PARTIAL_LEVELS, kept_quantities
+from mimose_cli.planners.blocks import PARTIAL_LEVELS
+from mimose_cli.planners.mimose.collector import RawStep, Trace, backward_stretch, build_sample
+from mimose_cli.planners.mimose.features import KEPT_SETS, kept_quantities
 
 _RTOL = 1e-9
 _LENGTH_PAIRS = ((8, 12), (4, 6))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mimose_cli.planners.features import (
+from mimose_cli.planners.mimose.features import (
     BLOCK_QUANTITIES,
     FEATURES,
     KEEP_LEVEL,
@@ -36,7 +36,7 @@ from mimose_cli.planners.features import (
     kept_quantities,
     plan_levels,
 )
-from mimose_cli.planners.trust import Trust
+from mimose_cli.planners.mimose.trust import Trust
 
 _MAX_SAMPLES = 60  # the most recent samples fitted (a bit per sample marks which are missing)
 

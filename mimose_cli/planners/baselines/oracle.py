@@ -28,8 +28,10 @@ import time
 import numpy as np
 
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.blocks import alike_mean, selectable, twin_blocks
-from mimose_cli.planners.choices import (
+from mimose_cli.planners.baselines.sublinear import BlockProfile
+from mimose_cli.planners.blocks import PARTIAL_LEVELS, selectable
+from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
+from mimose_cli.planners.mimose.choices import (
     CHOICE_SETS,
     ChoiceSet,
     ChoiceTimes,
@@ -42,8 +44,8 @@ from mimose_cli.planners.choices import (
     plan_of,
     split_offload,
 )
-from mimose_cli.planners.collector import ShuttlingCollector
-from mimose_cli.planners.estimator import (
+from mimose_cli.planners.mimose.collector import ShuttlingCollector
+from mimose_cli.planners.mimose.estimator import (
     BLOCK_QUANTITIES,
     NO_EVENT,
     STEP_QUANTITIES,
@@ -51,25 +53,24 @@ from mimose_cli.planners.estimator import (
     Timeline,
     plan_peak_bytes,
 )
-from mimose_cli.planners.features import (
+from mimose_cli.planners.mimose.features import (
     KEEP_LEVEL,
     LEVELS,
-    PARTIAL_LEVELS,
     RECOMPUTE_LEVEL,
     SELECTIVE_LEVEL,
+    feature_set_of,
     kept_quantities,
     plan_levels,
 )
-from mimose_cli.planners.offload import check_offload_device
-from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
-from mimose_cli.planners.scaling import (
+from mimose_cli.planners.mimose.layout import alike_mean, twin_blocks
+from mimose_cli.planners.mimose.scaling import (
     SELECTIVE_QUANTITIES,
     partial_keeps,
     partial_prefixes,
     raw_sample,
     selective_keeps,
 )
-from mimose_cli.planners.sublinear import BlockProfile
+from mimose_cli.planners.parts import check_offload_device
 from mimose_cli.planners.trial import probe_step, to_model_device
 from mimose_cli.planners.usage import warn_user
 
@@ -441,7 +442,7 @@ class OraclePolicy(Policy):
                 raw = None
             if self._dispatch_costs is None:
                 self._dispatch_costs = dispatch_costs_ms()
-            feature_set = self.parts.feature_set
+            feature_set = feature_set_of(self.parts)
             times = None if raw is None else ChoiceTimes.from_probes([raw, raw], [size, size], feature_set, {},
                                                                       self._dispatch_costs, prefixes=self.prefixes)
             if raw is not None:  # the heavy outputs a selective checkpoint keeps, as Mimose's probes count them

@@ -12,7 +12,7 @@ peak, plus what the optimizer's first step will allocate, fits is applied to eve
 import time
 
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext
+from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext
 from mimose_cli.planners.trial import probe_with_plan, to_model_device
 from mimose_cli.planners.usage import warn_user
 

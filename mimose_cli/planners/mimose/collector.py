@@ -27,18 +27,10 @@ import torch
 
 from mimose_cli.memory import SavedBytesCounter, synchronize
 from mimose_cli.memory.probe import LiveProbe
-from mimose_cli.planners.blocks import (
-    COMPUTE_HEAVY_OPS,
-    BlockRunner,
-    RngState,
-    heavy_op_work,
-    inside_checkpoint,
-    light_op_class,
-    recomputing,
-    restored_buffers,
-    run_checkpointed,
-)
-from mimose_cli.planners.features import BLOCK_QUANTITIES, KEPT_SETS, STEP_QUANTITIES, Releases, kept_quantities
+from mimose_cli.planners.mimose.features import BLOCK_QUANTITIES, KEPT_SETS, STEP_QUANTITIES, Releases, kept_quantities
+from mimose_cli.planners.ops import COMPUTE_HEAVY_OPS, heavy_op_work, light_op_class
+from mimose_cli.planners.runners import BlockRunner, inside_checkpoint, recomputing, run_checkpointed
+from mimose_cli.planners.snapshots import RngState, restored_buffers
 from mimose_cli.torch_private import autocast_enabled, tree_leaves, tree_map
 
 OP_QUANTITIES = ("heavy_ms", "light_ms", "ops", "heavy_ops")

@@ -38,9 +38,10 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from mimose_cli.memory import storage_bytes, storage_ids
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.blocks import BlockRunner, RngState, restored_buffers
+from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy
 from mimose_cli.planners.parts import PlannerParts
-from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy
+from mimose_cli.planners.runners import BlockRunner
+from mimose_cli.planners.snapshots import RngState, restored_buffers
 from mimose_cli.torch_private import tensor_version, tree_leaves, tree_map
 
 _AUTOCAST_DEVICES = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)

@@ -29,16 +29,10 @@ import torch
 from mimose_cli.memory import synchronize
 from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES, round_trip
 from mimose_cli.memory.probe import writes_elements
-from mimose_cli.planners.blocks import light_op_class
-from mimose_cli.planners.features import (
-    EXTRA_BYTES,
-    KEEP_LEVEL,
-    LEVELS,
-    PARTIAL_LEVELS,
-    RECOMPUTE_LEVEL,
-    SELECTIVE_LEVEL,
-)
-from mimose_cli.planners.scaling import exponents, work_coefficients
+from mimose_cli.planners.blocks import PARTIAL_LEVELS
+from mimose_cli.planners.mimose.features import EXTRA_BYTES, KEEP_LEVEL, LEVELS, RECOMPUTE_LEVEL, SELECTIVE_LEVEL
+from mimose_cli.planners.mimose.scaling import exponents, work_coefficients
+from mimose_cli.planners.ops import light_op_class
 from mimose_cli.torch_private import UncompiledDispatchMode, tree_leaves, without_dispatch_modes
 
 ChoiceSet = Literal["block", "selective", "offload"]

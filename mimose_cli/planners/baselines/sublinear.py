@@ -22,8 +22,8 @@ import torch
 
 from mimose_cli.memory.profiler import BlockProfiler
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.policy import NO_CONTEXT, Decision, Policy, StepContext
-from mimose_cli.planners.scheduler import greedy_plan_checked
+from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext
+from mimose_cli.planners.mimose.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import model_device, probe_with_plan, run_model, side_effect_free, to_model_device
 from mimose_cli.planners.usage import warn_user
 

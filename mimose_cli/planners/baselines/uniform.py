@@ -1,0 +1,57 @@
+"""The two planners that treat every block alike: ``none`` (no block checkpointed: the speed
+limit) and ``full`` (every block checkpointed: what Hugging Face's
+``gradient_checkpointing_enable()`` does)."""
+
+from mimose_cli.planners.base import Planner
+from mimose_cli.planners.blocks import selectable
+from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy
+
+
+class NoCheckpointingPolicy(Policy):
+    """Checkpoint nothing: the speed limit, and out of memory on large batches."""
+
+    name = "none"
+    adapts = False
+    saves_memory = False
+    oom_fix = ("let a planner checkpoint (mimose), raise the budget, or lower the batch size or sequence length",)
+
+    def decide(self, input_size, context=NO_CONTEXT):
+        return Decision(())
+
+
+class FullCheckpointingPolicy(Policy):
+    """Checkpoint every block, as ``gradient_checkpointing_enable()`` does; ``selective``: keep
+    each block's compute-heavy ops' outputs and recompute the rest (``blocks.SELECTIVE``)."""
+
+    name = "full"
+    adapts = False
+
+    def __init__(self, parts, *, selective: bool = False):
+        super().__init__(parts)
+        self.selective = selective
+        if selective:  # recomputing whole blocks keeps only their inputs: less than any selective plan
+            self.leaner_setting = "planner.full.selective: false"
+            self.oom_fix = (f"set {self.leaner_setting} (whole blocks recomputed need less), raise the budget, "
+                            "or lower the batch size or sequence length",)
+            held = next((name for (name, _), ok in zip(parts.blocks, selectable(parts.blocks)) if not ok), None)
+            if held is not None:
+                raise ValueError(f"planner.full.selective cannot checkpoint block {held} selectively: it holds buffers "
+                                 "(BatchNorm statistics) that its recompute puts back, which torch's selective "
+                                 "checkpointing refuses; set planner.full.selective: false")
+
+    def decide(self, input_size, context=NO_CONTEXT):
+        every = tuple(range(self.parts.num_blocks))
+        return Decision(every, selective=every if self.selective else ())
+
+    def least_memory(self) -> Decision:
+        return self.decide(())
+
+
+def NoCheckpointing(model, budget=None, **options) -> Planner:
+    """``Planner(model, NoCheckpointingPolicy, budget, **options)``."""
+    return Planner(model, NoCheckpointingPolicy, budget, **options)
+
+
+def FullCheckpointing(model, budget=None, **options) -> Planner:
+    """``Planner(model, FullCheckpointingPolicy, budget, **options)`` (``selective=True``: selectively)."""
+    return Planner(model, FullCheckpointingPolicy, budget, **options)
