@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from mimose_cli.launcher.preflight import optimizer_state_bytes
 from mimose_cli.memory import build_meter, param_bytes
 from mimose_cli.planners.base import Planner
+from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.planners.contract import Policy, StepInfo
 from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.options import PLANNER_OPTIONS, OptionError, parse_options
@@ -59,9 +60,10 @@ class Tally:
 
     def add(self, info: StepInfo, peak_bytes: int) -> None:
         self.micro_batches += 1
-        self.checkpointed += bool(info.plan)
+        checkpointing = checkpointed(info.plan)
+        self.checkpointed += bool(checkpointing)
         self.measured += info.measured
-        self.blocks += len(info.plan)
+        self.blocks += len(checkpointing)
         self.retries += info.retries
         self.peak_bytes = max(self.peak_bytes, peak_bytes)
         if info.predicted_peak_bytes is not None:

@@ -24,7 +24,8 @@ import torch
 from mimose_cli.launcher.data.loader import make_batch, max_input_size
 from mimose_cli.memory import param_bytes
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.contract import Decision, plan_in_words
+from mimose_cli.planners.blocks import KEEP
+from mimose_cli.planners.contract import plan_in_words
 from mimose_cli.planners.inputs import with_padding
 from mimose_cli.planners.trial import probe_with_plan
 from mimose_cli.units import format_budget, format_bytes
@@ -65,9 +66,8 @@ def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) 
     least = planner.policy.least_memory()
     peaks = []
     with planner.meter.unlimited():
-        for decision in (least, Decision(())):
-            peak = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective,
-                                   offload=decision.offload, partial=decision.partial)
+        for plan in (least.plan, (KEEP,) * planner.num_blocks):
+            peak = probe_with_plan(planner.parts, batch, plan)
             peaks.append(None if peak is None else peak + later_bytes)
     return BudgetRange(tuple(input_size), *peaks, least=plan_in_words(least, planner.num_blocks),
                        saves_memory=planner.policy.saves_memory, leaner=planner.policy.leaner_setting)

@@ -192,11 +192,7 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop
                 end.error = evaluate(record)  # None, or why evaluating ran out of memory
             end.records.append(record)
             writer.metric(record)
-            writer.plan({"step": record.step, "micro_step": micro_step,
-                         "input_size": record.input_size, "plan": record.plan,
-                         **({"selective": record.selective} if record.selective else {}),
-                         **({"offload": record.offload} if record.offload else {}),
-                         **({"partial": record.partial} if record.partial else {})})
+            writer.plan(record)
             if end.status == "oom":
                 end.error = record.error
                 view.message(f"[red]step {record.step} ran out of memory[/red]: {record.error}")

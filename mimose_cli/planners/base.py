@@ -13,14 +13,14 @@ docs/DESIGN.md has a whole policy in 30 lines.
 import contextlib
 import inspect
 import json
-import operator
 import time
 from pathlib import Path
 
 from mimose_cli.files import write_text
+from mimose_cli.planners.blocks import RECOMPUTE
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
 from mimose_cli.planners.inputs import infer_input_size
-from mimose_cli.planners.parts import PlannerParts, check_choices, resolve_blocks
+from mimose_cli.planners.parts import PlannerParts, resolve_blocks
 from mimose_cli.planners.recovery import run_recovering
 from mimose_cli.planners.usage import EnteredOnce, check_supported, claim, release
 
@@ -116,12 +116,12 @@ class Planner:
 
     @property
     def plan(self) -> tuple:
-        """The plan in force (the last step's, or ``set_plan``'s)."""
+        """The plan in force, one choice per block (the last step's, or ``set_plan``'s)."""
         return self.parts.plan_runner.plan
 
-    def set_plan(self, plan, selective=(), offload=(), partial=()) -> None:
+    def set_plan(self, plan) -> None:
         """``PlannerParts.set_plan``: the plan in force until the next step decides again."""
-        self.parts.set_plan(plan, selective, offload, partial)
+        self.parts.set_plan(plan)
 
     def track(self, *objects) -> None:
         """Count memory that lives between the steps in every step's figures and budget
@@ -138,9 +138,10 @@ class Planner:
     def prepared_note(self) -> str | None:
         return self.policy.prepared_note()
 
-    def predict_peak(self, size: tuple, plan: tuple, *args) -> int | None:
-        """The policy's predicted step peak for ``plan`` at ``size`` (None: it cannot say)."""
-        return self.policy.predict_peak(size, plan, *args)
+    def predict_peak(self, size: tuple, plan: tuple) -> int | None:
+        """The policy's predicted step peak for ``plan`` (one choice per block) at ``size`` (None:
+        it cannot say)."""
+        return self.policy.predict_peak(size, plan)
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -150,18 +151,14 @@ class Planner:
         start = time.perf_counter()
         decision = self.policy.decide(size, context)
         if self.policy.size_key(size) in self.full_sizes:
-            plan = tuple(range(self.num_blocks))
+            plan = (RECOMPUTE,) * self.num_blocks
             decision = Decision(plan, "recovery", predicted_peak_bytes=self.policy.predict_peak(size, plan))
         planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
         try:
-            check_choices(self.num_blocks, decision.plan, decision.selective, decision.offload, decision.partial)
+            plan = self.parts.plan_runner.checked(decision.plan, self.num_blocks)
         except ValueError as err:
             raise ValueError(f"{type(self.policy).__name__}.decide returned {err}") from None
-        blocks = lambda indices: tuple(sorted(map(operator.index, indices)))  # noqa: E731 (numpy's as Python's)
-        return StepInfo(step=self.steps, input_size=size, plan=blocks(decision.plan),
-                        selective=blocks(decision.selective), offload=blocks(decision.offload),
-                        partial=tuple(sorted((operator.index(i), level) for i, level in decision.partial)),
-                        planning_ms=planning_ms,
+        return StepInfo(step=self.steps, input_size=size, plan=plan, planning_ms=planning_ms,
                         phase=decision.phase, cache_hit=decision.cache_hit,
                         predicted_peak_bytes=decision.predicted_peak_bytes,
                         measured=decision.measure and self.policy.measurer is not None,

@@ -122,3 +122,76 @@ def selectable(blocks: list) -> list:
     """Whether each block may be checkpointed selectively: not when it holds buffers (BatchNorm
     statistics), whose restore before its recompute torch's selective checkpointing refuses."""
     return [next(block.buffers(), None) is None for _, block in blocks]
+
+
+# A plan: one entry of ``CHOICES`` per block, in block order, e.g. ("keep", "recompute",
+# "selective", "partial2", "offload"). Plain tuples, so that a plan is its own JSON form.
+
+CHECKPOINTED = (SELECTIVE, *PARTIAL_LEVELS, RECOMPUTE)
+"""The choices that checkpoint a block (its backward recomputes some or all of its forward)."""
+CHOICE_LEVEL = {choice: min(k, CHOICES.index(RECOMPUTE)) for k, choice in enumerate(CHOICES)}
+"""Each choice's level, as Mimose's scheduler and timeline count them (``features.LEVELS``): by
+what it frees, keep 0, selective 1, partial1-3 2-4, recompute 5, and offload 5 too (its bytes
+bounded as recomputed)."""
+
+
+def recomputed(blocks, num_blocks: int) -> tuple:
+    """The plan recomputing the blocks at the indices ``blocks`` and keeping the others."""
+    chosen = set(blocks)
+    return tuple(RECOMPUTE if i in chosen else KEEP for i in range(num_blocks))
+
+
+def recompute_first(k: int, num_blocks: int) -> tuple:
+    """The plan recomputing the first ``k`` of ``num_blocks`` blocks and keeping the rest."""
+    return (RECOMPUTE,) * k + (KEEP,) * (num_blocks - k)
+
+
+def checkpointed(plan) -> tuple:
+    """The indices of the blocks ``plan`` checkpoints (``CHECKPOINTED``: not kept, not offloaded)."""
+    return tuple(i for i, choice in enumerate(plan) if choice in CHECKPOINTED)
+
+
+def plan_levels(plan) -> list:
+    """``plan``'s level per block (``CHOICE_LEVEL``)."""
+    return [CHOICE_LEVEL[choice] for choice in plan]
+
+
+def plan_of_levels(levels) -> tuple:
+    """The plan of levels per block (``CHOICE_LEVEL``; the recompute level recomputes)."""
+    return tuple(CHOICES[level] for level in levels)
+
+
+def offloading(plan, offloaded) -> tuple:
+    """``plan`` with the blocks it recomputes offloaded instead where ``offloaded`` (a mask over
+    blocks) says so: the cheaper way of freeing them."""
+    return tuple(OFFLOAD if choice == RECOMPUTE and off else choice for choice, off in zip(plan, offloaded))
+
+
+def plan_of_fields(num_blocks: int, plan=(), selective=(), offload=(), partial=()) -> tuple:
+    """The plan the previous release wrote as four fields (old ``metrics.jsonl``, ``plans.jsonl``
+    and plan caches): ``plan`` the blocks checkpointed, ``selective`` those of them checkpointed
+    selectively, ``partial`` ``[block, level]`` those checkpointed partially, ``offload`` blocks
+    outside ``plan`` offloaded."""
+    choices = [KEEP] * num_blocks
+    for i in plan:
+        choices[i] = RECOMPUTE
+    for i in offload:
+        choices[i] = OFFLOAD
+    for i, level in partial:
+        choices[i] = level
+    for i in selective:
+        choices[i] = SELECTIVE
+    return tuple(choices)
+
+
+def check_plan(plan, num_blocks: int) -> tuple:
+    """``plan`` as a tuple, or ValueError in one line where it is not one of ``CHOICES`` per block."""
+    if isinstance(plan, str) or not isinstance(plan, (tuple, list)):
+        raise ValueError(f"plan {plan!r} is not one choice per block: give a tuple such as "
+                         f"{recompute_first(1, num_blocks)}")
+    if len(plan) != num_blocks:
+        raise ValueError(f"plan {tuple(plan)} has {len(plan)} choices for {num_blocks} blocks: give one per block")
+    unknown = sorted({repr(choice) for choice in plan if choice not in CHOICES})
+    if unknown:
+        raise ValueError(f"plan {tuple(plan)} holds unknown choice(s) {', '.join(unknown)}: use {', '.join(CHOICES)}")
+    return tuple(plan)

@@ -15,13 +15,16 @@ policy in 30 lines.
 
 from dataclasses import dataclass
 
+from mimose_cli.planners.blocks import OFFLOAD, SELECTIVE, checkpointed, recompute_first
+
 
 @dataclass
 class Decision:
     """What a policy decides for one input size."""
 
     plan: tuple
-    """Indices of the blocks to checkpoint (the others are kept, or offloaded: ``offload``)."""
+    """One choice per block (``blocks.CHOICES``: keep, selective, partial1-3, recompute, offload),
+    e.g. ``blocks.recompute_first(k, num_blocks)``."""
     phase: str | None = None
     """A label for reports (Mimose: sheltered, measuring, responsive, untrusted; any planner:
     recovery, a retry's plan); None: the policy has no phases."""
@@ -34,15 +37,6 @@ class Decision:
     what it measured to ``observe``."""
     excluded_ms: float = 0.0
     """Time deciding took that is not the step's (the oracle's measurements)."""
-    selective: tuple = ()
-    """Those of ``plan`` checkpointed selectively (``blocks.SELECTIVE``: their compute-heavy ops'
-    outputs kept); the rest of ``plan`` are recomputed whole."""
-    offload: tuple = ()
-    """Blocks outside ``plan`` run as they are with what autograd saves inside them in host memory
-    until backward (``blocks.OFFLOAD``); the rest outside ``plan`` are kept."""
-    partial: tuple = ()
-    """``(block, level)`` for those of ``plan`` checkpointed partially (``level`` one of
-    ``features.PARTIAL_LEVELS``: the first of their compute-heavy ops' outputs kept)."""
 
 
 @dataclass(frozen=True)
@@ -68,13 +62,8 @@ class StepInfo:
     step: int
     input_size: tuple
     plan: tuple
+    """One choice per block (``Decision.plan``; DTR: its evicted blocks recomputed)."""
     planning_ms: float = 0.0
-    selective: tuple = ()
-    """The blocks of ``plan`` checkpointed selectively (``Decision.selective``)."""
-    offload: tuple = ()
-    """The blocks outside ``plan`` offloaded (``Decision.offload``)."""
-    partial: tuple = ()
-    """``(block, level)`` for the blocks of ``plan`` checkpointed partially (``Decision.partial``)."""
     phase: str | None = None
     cache_hit: bool | None = None
     predicted_peak_bytes: int | None = None
@@ -163,10 +152,11 @@ class Policy:
         measures at the largest input (no budget below it runs the recipe with this policy): every
         block checkpointed, the planners' last resort; a policy whose one plan needs less or more
         (``full`` with ``selective``, ``offload``) returns that plan."""
-        return Decision(tuple(range(self.parts.num_blocks)))
+        return Decision(recompute_first(self.parts.num_blocks, self.parts.num_blocks))
 
     def predict_peak(self, size: tuple, plan: tuple) -> int | None:
-        """The step peak this policy predicts for ``plan`` at ``size`` (None: it cannot say)."""
+        """The step peak this policy predicts for ``plan`` (one choice per block) at ``size`` (None:
+        it cannot say)."""
         return None
 
     def size_key(self, size: tuple) -> tuple:
@@ -190,9 +180,9 @@ class Policy:
 def plan_in_words(decision: Decision, num_blocks: int) -> str:
     """How a report says ``decision``'s plan: "with every block checkpointed", "... offloaded",
     "without checkpointing", or how many blocks it checkpoints."""
-    every = tuple(range(num_blocks))
-    if tuple(decision.plan) == every:
-        return "with every block checkpointed" + (" selectively" if tuple(decision.selective) == every else "")
-    if not decision.plan:
-        return "with every block offloaded" if tuple(decision.offload) == every else "without checkpointing"
-    return f"with {len(decision.plan)} of {num_blocks} blocks checkpointed"
+    plan, checkpointing = tuple(decision.plan), checkpointed(decision.plan)
+    if len(checkpointing) == num_blocks:
+        return "with every block checkpointed" + (" selectively" if plan == (SELECTIVE,) * num_blocks else "")
+    if not checkpointing:
+        return "with every block offloaded" if plan == (OFFLOAD,) * num_blocks else "without checkpointing"
+    return f"with {len(checkpointing)} of {num_blocks} blocks checkpointed"

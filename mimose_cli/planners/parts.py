@@ -8,10 +8,9 @@ blocks. The probe steps of ``planners.trial`` take them too.
 
 import contextlib
 import functools
-import operator
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
-from mimose_cli.planners.blocks import PARTIAL_LEVELS, discover_blocks
+from mimose_cli.planners.blocks import discover_blocks
 from mimose_cli.planners.runners import PlanRunner, RecomputeClock, StepRouter
 from mimose_cli.planners.session import MeterSession
 from mimose_cli.planners.trial import model_device
@@ -95,12 +94,11 @@ class PlannerParts:
             return None
         return self.budget_bytes - self.safety_margin_bytes
 
-    def set_plan(self, plan, selective=(), offload=(), partial=()) -> None:
-        """Checkpoint ``plan`` (``selective`` of it selectively, ``partial`` partially) and offload
-        ``offload`` until the next step decides again (probes, experiments); ValueError where they
-        are not one choice per block (``check_choices``)."""
-        check_choices(self.num_blocks, plan, selective, offload, partial)
-        self.plan_runner.use(plan, selective, offload, partial)
+    def set_plan(self, plan) -> None:
+        """Put ``plan`` (one of ``blocks.CHOICES`` per block) in force until the next step decides
+        again (probes, experiments); ValueError where it is not one the runner can run
+        (``PlanRunner.checked``)."""
+        self.plan_runner.use(self.plan_runner.checked(plan, self.num_blocks))
 
     def timed_off_budget(self, timing):
         """``timing(device)`` on the model's device as the planner's own work, not training's: no
@@ -137,52 +135,6 @@ class PlannerParts:
         if self._use_cache:
             self._config.use_cache, self._use_cache = self._use_cache, None
         self.session.close()
-
-
-def check_choices(num_blocks: int, plan, selective=(), offload=(), partial=()) -> None:
-    """Raise ValueError, in one line, where a plan's choices do not describe one choice per block
-    of ``num_blocks``: an index out of range or given twice, ``selective`` or ``partial`` blocks
-    outside ``plan`` (they are ways of checkpointing one of its blocks), a block both selective and
-    partial, ``offload`` blocks inside ``plan``, a partial level not in ``features.PARTIAL_LEVELS``."""
-    partial = list(partial)
-    unpaired = [entry for entry in partial if not (isinstance(entry, (tuple, list)) and len(entry) == 2)]
-    if unpaired:
-        raise ValueError(f"partial {tuple(unpaired)} is not (block, level) pairs: give e.g. ((0, 'partial1'),)")
-    named = {"plan": list(plan), "selective": list(selective), "offload": list(offload),
-             "partial": [block for block, _ in partial]}
-    for field, blocks in named.items():
-        wrong = [b for b in blocks if not _is_block(b, num_blocks)]
-        if wrong:
-            raise ValueError(f"{field} {tuple(wrong)} names no block: give block indices 0 to {num_blocks - 1}")
-        if len(set(blocks)) < len(blocks):
-            twice = sorted({b for b in blocks if blocks.count(b) > 1})
-            raise ValueError(f"{field} names block(s) {tuple(twice)} more than once: give each block once")
-    in_plan = set(named["plan"])
-    for field in ("selective", "partial"):
-        outside = sorted(set(named[field]) - in_plan)
-        if outside:
-            raise ValueError(f"{field} block(s) {tuple(outside)} are not in plan {tuple(sorted(in_plan))}: a {field} "
-                             "checkpoint is a way of checkpointing a block of the plan; add them to plan")
-    both = sorted(set(named["selective"]) & set(named["partial"]))
-    if both:
-        raise ValueError(f"block(s) {tuple(both)} are both selective and partial: give each one choice")
-    inside = sorted(set(named["offload"]) & in_plan)
-    if inside:
-        raise ValueError(f"offload block(s) {tuple(inside)} are in plan too: an offloaded block is not "
-                         "checkpointed; take them out of plan or out of offload")
-    levels = sorted({str(level) for _, level in partial if level not in PARTIAL_LEVELS})
-    if levels:
-        raise ValueError(f"partial level(s) {', '.join(levels)} unknown: use {', '.join(PARTIAL_LEVELS)}")
-
-
-def _is_block(index, num_blocks: int) -> bool:
-    """Whether ``index`` is an integer (Python's or numpy's, not a bool) naming one of ``num_blocks``."""
-    if isinstance(index, bool):
-        return False
-    try:
-        return 0 <= operator.index(index) < num_blocks
-    except TypeError:
-        return False
 
 
 def check_offload_device(model, who: str, instead: str) -> None:

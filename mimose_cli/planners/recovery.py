@@ -11,6 +11,7 @@ import gc
 
 import torch
 
+from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.planners.snapshots import RngState, buffer_snapshot, restore_buffers
 from mimose_cli.torch_private import tree_leaves
 from mimose_cli.units import format_bytes
@@ -120,8 +121,8 @@ def run_recovering(planner, step_fn, batch, size: tuple):
         guard.finish()
         raise
     guard.finish()  # the failed attempt is undone; gradients of earlier micro-batches stay
-    n = planner.num_blocks
-    blocks = "every block" if len(info.plan) == n else f"{len(info.plan)} of {n} blocks"
+    n, checkpointing = planner.num_blocks, len(checkpointed(info.plan))
+    blocks = "every block" if checkpointing == n else f"{checkpointing} of {n} blocks"
     device = getattr(planner.meter, "budget_bytes", None) or planner.budget_bytes  # what the device holds
     message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached, *planner.policy.oom_fix)
     raise PlanOutOfMemoryError(message, device, info.predicted_peak_bytes, reached, last_try)

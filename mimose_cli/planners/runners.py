@@ -14,7 +14,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mimose_cli.planners.blocks import KEEP, OFFLOAD, PARTIAL_LEVELS, RECOMPUTE, SELECTIVE, _is_hf_checkpoint_layer
+from mimose_cli.planners.blocks import (
+    KEEP,
+    OFFLOAD,
+    PARTIAL_LEVELS,
+    RECOMPUTE,
+    SELECTIVE,
+    _is_hf_checkpoint_layer,
+    check_plan,
+)
 from mimose_cli.planners.ops import COMPUTE_HEAVY_OPS
 from mimose_cli.planners.snapshots import restored_buffers
 from mimose_cli.torch_private import top_saved_tensors_hook_name, tree_leaves
@@ -199,11 +207,7 @@ class PlanRunner(BlockRunner):
     def __init__(self, clock: RecomputeClock | None = None, offload_hooks_for_plan=None):
         self.clock = clock
         self.plan: tuple = ()
-        self._plan_set: frozenset = frozenset()
-        self.selective: frozenset = frozenset()
-        """Blocks of the plan checkpointed selectively (``SELECTIVE``) rather than recomputed whole."""
-        self.offload: frozenset = frozenset()
-        """Blocks outside the plan offloaded (``OFFLOAD``) rather than kept."""
+        """The plan in force: one of ``CHOICES`` per block (a block past its end is kept)."""
         self._offload_hooks_for_plan = offload_hooks_for_plan
         """Called once for each plan that offloads: returns what makes the
         ``memory.offload.OffloadHooks`` of one offloaded block's call."""
@@ -213,38 +217,35 @@ class PlanRunner(BlockRunner):
         """Per block, how many compute-heavy outputs a selective checkpoint of it keeps: those its
         recompute takes back, as the probes counted them (``scaling.selective_keeps``); a block not
         in it keeps them all."""
-        self.partial: dict = {}
-        """Blocks of the plan checkpointed partially: ``{block: level}`` (``PARTIAL_LEVELS``)."""
         self.partial_keep: dict = {}
         """Per block, how many compute-heavy outputs each partial level keeps, ``{level: count}``
         (``scaling.partial_prefixes``); a block not in it has none."""
 
-    def use(self, plan, selective=(), offload=(), partial=()) -> None:
-        """Put a plan in force, its choices one per block as its callers checked them
-        (``parts.check_choices``: ``PlannerParts.set_plan``, ``Planner``'s decisions)."""
-        self.plan = tuple(sorted(plan))
-        self._plan_set = frozenset(self.plan)
-        self.selective = frozenset(selective)
-        self.partial = dict(partial)
-        missing = [(i, level) for i, level in self.partial.items() if level not in self.partial_keep.get(i, {})]
+    def checked(self, plan, num_blocks: int) -> tuple:
+        """``plan`` as a tuple, or ValueError in one line where it is not one of ``CHOICES`` per
+        block (``blocks.check_plan``) or takes a partial level the probes found no outputs for."""
+        plan = check_plan(plan, num_blocks)
+        missing = [(i, choice) for i, choice in enumerate(plan)
+                   if choice in PARTIAL_LEVELS and choice not in self.partial_keep.get(i, {})]
         if missing:
-            raise ValueError(f"blocks {missing} cannot be checkpointed partially: the probes found no such level")
-        self.offload = frozenset(offload)
-        self.offload_hooks = self._offload_hooks_for_plan() if self.offload and self._offload_hooks_for_plan else None
+            raise ValueError(f"plan {plan} checkpoints blocks {missing} partially, but the probes found no such "
+                             "level for them: choose selective or recompute there")
+        return plan
+
+    def use(self, plan) -> None:
+        """Put a plan in force, as its callers checked it (``checked``: ``PlannerParts.set_plan``,
+        ``Planner``'s decisions)."""
+        self.plan = tuple(plan)
+        offloads = OFFLOAD in self.plan and self._offload_hooks_for_plan is not None
+        self.offload_hooks = self._offload_hooks_for_plan() if offloads else None
 
     def choice(self, index: int) -> str:
         """What the plan in force does with block ``index`` (``CHOICES``)."""
-        if index not in self._plan_set:
-            return OFFLOAD if index in self.offload else KEEP
-        return SELECTIVE if index in self.selective else self.partial.get(index, RECOMPUTE)
-
-    def choices(self, num_blocks: int) -> tuple:
-        """The plan in force as one choice per block."""
-        return tuple(self.choice(i) for i in range(num_blocks))
+        return self.plan[index] if index < len(self.plan) else KEEP
 
     def begin(self, info, inputs=None) -> None:
         super().begin(info)
-        self.use(info.plan, info.selective, info.offload, info.partial)
+        self.use(info.plan)
 
     def run(self, index, forward, args, kwargs):
         choice = self.choice(index)

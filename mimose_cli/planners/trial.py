@@ -93,15 +93,14 @@ def probe_with_runner(parts, batch, runner, step_fn=None):
     return runner.end(None)
 
 
-def probe_with_plan(parts, batch, plan, step_fn=None, selective=(), offload=(), partial=()):
-    """``probe_step`` (with ``step_fn``) with ``plan`` checkpointed (``selective`` of it
-    selectively, ``partial`` partially) and ``offload`` offloaded by the plan runner of ``parts``;
-    the plan in force is put back after. Returns what ``probe_step`` returns."""
+def probe_with_plan(parts, batch, plan, step_fn=None):
+    """``probe_step`` (with ``step_fn``) with ``plan`` (one choice per block) run by the plan
+    runner of ``parts``; the plan in force is put back after. Returns what ``probe_step`` returns."""
     runner = parts.plan_runner
-    saved = runner.plan, runner.selective, runner.offload, tuple(runner.partial.items())
-    parts.set_plan(plan, selective, offload, partial)
+    saved = runner.plan
+    parts.set_plan(plan)
     try:
-        with parts.router.using(parts.plan_runner):
+        with parts.router.using(runner):
             return probe_step(parts, batch, step_fn)
     finally:
-        parts.set_plan(*saved)
+        runner.use(saved)

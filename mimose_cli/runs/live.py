@@ -66,10 +66,10 @@ def _shape(record: StepRecord) -> str:
 
 
 def _blocks(record: StepRecord) -> str:
-    parts = [f"{len(blocks)} {label}" for blocks, label in ((record.selective, "sel"), (record.partial, "part"),
-                                                           (record.offload, "off")) if blocks]
+    parts = [f"{record.blocks(kind)} {label}" for kind, label in (("selective", "sel"), ("partial", "part"),
+                                                                  ("offload", "off")) if record.blocks(kind)]
     extra = f" ({', '.join(parts)})" if parts else ""
-    return f"{len(record.plan)}/{'?' if record.num_blocks is None else record.num_blocks}{extra}"
+    return f"{record.blocks('checkpointed')}/{'?' if record.num_blocks is None else record.num_blocks}{extra}"
 
 
 def _peak(record: StepRecord, budget_bytes) -> str:

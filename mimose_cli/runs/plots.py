@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from mimose_cli.files import read_json
+from mimose_cli.planners import blocks
 from mimose_cli.planners.mimose.estimator import Estimator
 from mimose_cli.planners.mimose.features import SEQ2SEQ, TOKENS
 from mimose_cli.runs.compare import COMPARE_FILE
@@ -135,30 +136,32 @@ def input_size_figure(records, title: str = "input size per step") -> Figure:
     return fig
 
 
+_SHADE = {blocks.KEEP: 0.0, blocks.OFFLOAD: 1.0, blocks.SELECTIVE: 2.0, **dict.fromkeys(blocks.PARTIAL_LEVELS, 3.0),
+          blocks.RECOMPUTE: 4.0}
+"""Each choice's shade in the plan heat map (``plan_figure``'s colour map)."""
+
+
 def plan_figure(records, title: str = "blocks checkpointed per step", what: str = "checkpointed") -> Figure:
     """Heat map of the plan: one column per step, one row per block, coloured by the block's
     choice: in the plan (``what`` a block in it is: checkpointed; DTR's plan is what it evicted),
     checkpointed selectively (its compute-heavy ops' outputs kept) or partially (the first of
     them kept), offloaded (what it saves held in host memory), or run plainly."""
-    num_blocks = max([r.num_blocks or 0 for r in records] + [max(r.plan) + 1 for r in records if r.plan] + [1])
+    num_blocks = max([r.num_blocks or 0 for r in records] + [len(r.plan) for r in records] + [1])
     grid = np.zeros((num_blocks, len(records)))
     for i, record in enumerate(records):
-        grid[list(record.offload), i] = 1.0
-        grid[list(record.plan), i] = 4.0
-        grid[list(record.selective), i] = 2.0
-        grid[[block for block, _ in record.partial], i] = 3.0
+        grid[:len(record.plan), i] = [_SHADE[choice] for choice in record.plan]
     fig, ax = new_figure()
     ax.imshow(grid, cmap=ListedColormap([PLAIN, OFFLOADED, SELECTIVE, PARTIAL, CHECKPOINTED]), vmin=0, vmax=4,
               aspect="auto", origin="lower", interpolation="nearest",
               extent=(-0.5, len(records) - 0.5, -0.5, num_blocks - 0.5))
     handles = [Patch(color=CHECKPOINTED, label=what), Patch(color=PLAIN, label="run plainly")]
-    if any(r.selective for r in records):
+    if any(r.blocks("selective") for r in records):
         handles[0] = Patch(color=CHECKPOINTED, label=f"{what} (recomputed whole)")
         handles.insert(1, Patch(color=SELECTIVE, label="checkpointed selectively"))
-    if any(r.partial for r in records):
+    if any(r.blocks("partial") for r in records):
         handles[0] = Patch(color=CHECKPOINTED, label=f"{what} (recomputed whole)")
         handles.insert(1, Patch(color=PARTIAL, label="checkpointed partially"))
-    if any(r.offload for r in records):
+    if any(r.blocks("offload") for r in records):
         handles.insert(-1, Patch(color=OFFLOADED, label="offloaded to host memory"))
     oom = [i for i, r in enumerate(records) if r.oom]
     for i in oom:
@@ -351,9 +354,9 @@ class Plots:
 
 def _plan_title(records, what: str) -> str:
     """What the plan heat map shows: the blocks checkpointed (DTR: evicted), and offloaded where any was."""
-    if not any(r.offload for r in records):
+    if not any(r.blocks("offload") for r in records):
         return f"blocks {what}"
-    return f"blocks {what} or offloaded" if any(r.plan for r in records) else "blocks offloaded"
+    return f"blocks {what} or offloaded" if any(r.blocks("checkpointed") for r in records) else "blocks offloaded"
 
 
 def run_figures(run_dir) -> dict:

@@ -4,7 +4,10 @@ or reads that file's lines.
 A step that ran out of memory for good is a record of the same shape: the figures only a
 finished step has are None (null in the file), ``oom`` is set and ``error`` says why. Every line
 has every key; the keys are the ones the file has always had (``memory/peak_bytes`` for
-``peak_bytes``...), so old run directories (whose out-of-memory lines lack some) still read.
+``peak_bytes``...), so old run directories (whose out-of-memory lines lack some) still read. A
+plan is one choice per block (``blocks.CHOICES``); the previous release wrote it as four fields
+(``plan`` the blocks checkpointed, ``selective``, ``partial``, ``offload``), converted on reading
+here, as are the lines of ``plans.jsonl`` (``plan_line``, ``read_plans``).
 """
 
 import math
@@ -14,6 +17,7 @@ from pathlib import Path
 from pydantic import TypeAdapter, ValidationError
 
 from mimose_cli.files import read_jsonl
+from mimose_cli.planners.blocks import CHECKPOINTED, OFFLOAD, PARTIAL_LEVELS, SELECTIVE, plan_of_fields
 
 
 @dataclass(kw_only=True)
@@ -62,17 +66,9 @@ class StepRecord:
     activation_bytes: int | None = None
     """Bytes the forward saved for backward (``memory/activation_bytes``)."""
     plan: list = field(default_factory=list)
-    """Indices of the blocks checkpointed (DTR: evicted)."""
-    selective: list = field(default_factory=list)
-    """Those of ``plan`` checkpointed selectively (their compute-heavy ops' outputs kept); the
-    others of ``plan`` were recomputed whole, the blocks not in ``plan`` kept or offloaded."""
-    offload: list = field(default_factory=list)
-    """Blocks outside ``plan`` offloaded: run as they are, what they save held in host memory
-    until backward."""
-    partial: list = field(default_factory=list)
-    """``[block, level]`` for those of ``plan`` checkpointed partially: a selective checkpoint
-    that keeps only the outputs of its first compute-heavy ops ("partial1" keeps the most, then
-    "partial2", "partial3"); neither in ``selective`` nor recomputed whole."""
+    """One choice per block (``blocks.CHOICES``): keep, selective (its compute-heavy ops' outputs
+    kept), partial1-3 (only the first of them: "partial1" keeps the most), recompute (DTR: evicted)
+    or offload (what it saves held in host memory until backward)."""
     num_blocks: int | None = None
     """Blocks the planner chooses from."""
     planner_ms: float | None = None
@@ -119,6 +115,11 @@ class StepRecord:
     ranks: list[RankFigures] | None = None
     """Multi-process runs: every rank's own figures, in rank order. None for one process."""
 
+    def blocks(self, kind: str) -> int:
+        """How many blocks the plan gives a choice of ``kind`` (``CHOICE_KINDS``: checkpointed,
+        selective, partial, offload)."""
+        return sum(choice in CHOICE_KINDS[kind] for choice in self.plan)
+
     @property
     def train_ms(self) -> float:
         """``iter_ms`` less ``excluded_ms``: the step's time as training, in ms."""
@@ -134,6 +135,7 @@ class StepRecord:
         this version does not know are ignored. A missing ``step`` or a value of the wrong type
         raises ValueError naming the key."""
         names = {_key(f.name): f.name for f in fields(cls)}
+        data = _with_plan(data, data.get("num_blocks"))
         try:
             record = _RECORD.validate_python({names[key]: value for key, value in data.items() if key in names})
         except ValidationError as err:
@@ -150,6 +152,40 @@ class StepRecord:
             raise ValueError(f"key {_key(missing[0])!r} is missing (every completed step has it)")
         _check_values(record)
         return record
+
+
+CHOICE_KINDS = {"checkpointed": CHECKPOINTED, "selective": (SELECTIVE,), "partial": PARTIAL_LEVELS,
+                "offload": (OFFLOAD,)}
+"""The choices ``StepRecord.blocks`` counts under each name (the views' columns)."""
+_OLD_FIELDS = ("selective", "offload", "partial")
+"""The fields beside ``plan`` the previous release wrote a plan in."""
+
+
+def _with_plan(data: dict, num_blocks) -> dict:
+    """``data`` (a ``metrics.jsonl`` or ``plans.jsonl`` object) with its plan, and its ranks',
+    one choice per block: the previous release's four fields (``plan`` the indices of the blocks
+    checkpointed) converted (``blocks.plan_of_fields``), and dropped. ValueError for a plan of
+    neither form."""
+    plan = data.get("plan")
+    ranks = data.get("ranks")
+    if isinstance(ranks, list) and any(isinstance(rank, dict) and _indices(rank.get("plan")) for rank in ranks):
+        ranks = [_with_plan(rank, num_blocks) if isinstance(rank, dict) else rank for rank in ranks]
+        data = {**data, "ranks": ranks}
+    if not (_indices(plan) or plan == [] and num_blocks or any(name in data for name in _OLD_FIELDS)):
+        return data
+    old = {name: data.get(name) or [] for name in _OLD_FIELDS}
+    try:
+        if num_blocks is None:  # a line without it (plans.jsonl): as many blocks as it names
+            num_blocks = max([*plan, *old["selective"], *old["offload"], *(i for i, _ in old["partial"])], default=-1) + 1
+        converted = plan_of_fields(num_blocks, plan or (), old["selective"], old["offload"], old["partial"])
+    except (TypeError, IndexError, ValueError):
+        raise ValueError(f"plan={plan!r} is invalid; expected one choice per block") from None
+    return {**{key: value for key, value in data.items() if key not in _OLD_FIELDS}, "plan": list(converted)}
+
+
+def _indices(plan) -> bool:
+    """Whether ``plan`` is the previous release's: block indices (none of them a choice)."""
+    return isinstance(plan, list) and any(not isinstance(choice, str) for choice in plan)
 
 
 _MAX_BYTES = 2**60
@@ -194,14 +230,11 @@ def completed_step(info, *, step: int, micro_step: int, input_shape, num_blocks:
     return StepRecord(
         step=step, micro_step=micro_step, input_shape=list(input_shape), input_size=list(info.input_size),
         loss=loss, lr=lr, iter_ms=iter_ms, peak_bytes=peak_bytes, fwd_bwd_peak_bytes=fwd_bwd_peak_bytes,
-        start_bytes=start_bytes, activation_bytes=activation_bytes, plan=list(info.plan),
-        selective=list(getattr(info, "selective", ())), offload=list(getattr(info, "offload", ())),
-        partial=[list(pair) for pair in getattr(info, "partial", ())],
-        num_blocks=num_blocks, planner_ms=info.planning_ms,
+        start_bytes=start_bytes, activation_bytes=activation_bytes, plan=list(info.plan), num_blocks=num_blocks, planner_ms=info.planning_ms,
         phase=info.phase, cache_hit=info.cache_hit,
         predicted_peak_bytes=info.predicted_peak_bytes, retries=info.retries, excluded_ms=info.excluded_ms,
         recompute_ms=info.recompute_ms, reserved_peak_bytes=reserved_peak_bytes,
-        host_peak_bytes=host_peak_bytes if getattr(info, "offload", ()) else None)
+        host_peak_bytes=host_peak_bytes if OFFLOAD in info.plan else None)
 
 
 def oom_step(info, error: Exception, *, step: int, micro_step: int, input_shape, num_blocks: int,
@@ -213,10 +246,7 @@ def oom_step(info, error: Exception, *, step: int, micro_step: int, input_shape,
     return StepRecord(
         step=step, micro_step=micro_step, input_shape=list(input_shape),
         input_size=list(info.input_size) if info else None, peak_bytes=peak_bytes,
-        plan=list(info.plan) if info else [], selective=list(getattr(info, "selective", ())) if info else [],
-        offload=list(getattr(info, "offload", ())) if info else [],
-        partial=[list(pair) for pair in getattr(info, "partial", ())] if info else [],
-        num_blocks=num_blocks, phase=info.phase if info else None, cache_hit=info.cache_hit if info else None,
+        plan=list(info.plan) if info else [], num_blocks=num_blocks, phase=info.phase if info else None, cache_hit=info.cache_hit if info else None,
         predicted_peak_bytes=getattr(error, "predicted_bytes", info.predicted_peak_bytes if info else None),
         reached_bytes=getattr(error, "reached_bytes", None),
         retries=getattr(error, "retries", 0),
@@ -242,6 +272,19 @@ def read_records(path) -> list:
         seen[where] = number
         records.append(record)
     return records
+
+
+def plan_line(record: StepRecord) -> dict:
+    """A record's line in ``plans.jsonl``: its step, input size and plan."""
+    return {"step": record.step, "micro_step": record.micro_step, "input_size": record.input_size,
+            "plan": record.plan}
+
+
+def read_plans(path, num_blocks: int) -> list:
+    """The lines of a ``plans.jsonl`` (``plan_line``), a plan of the previous release's four fields
+    as one choice per block of ``num_blocks`` (its lines do not say how many; ``metrics.jsonl``'s do);
+    a torn last line is skipped."""
+    return [_with_plan(data, num_blocks) for data in read_jsonl(Path(path))]
 
 
 def rank_figures(record: StepRecord, rank: int) -> RankFigures:

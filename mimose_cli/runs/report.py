@@ -19,9 +19,9 @@ def length_table(records) -> Table:
     """Per-iteration statistics grouped by padded sequence length."""
     done = [r for r in records if not r.oom and r.input_size]
     table = Table(title="per-iteration statistics by sequence length", title_justify="left")
-    finer = [(name, field) for name, field in (("mean blocks sel", "selective"), ("mean blocks part", "partial"),
-                                               ("mean blocks off", "offload"))
-             if any(getattr(r, field) for r in done)]  # the finer choices, where the run made any
+    finer = [(name, kind) for name, kind in (("mean blocks sel", "selective"), ("mean blocks part", "partial"),
+                                             ("mean blocks off", "offload"))
+             if any(r.blocks(kind) for r in done)]  # the finer choices, where the run made any
     for name in ("length", "steps", "mean ms/iter", "mean peak", "max peak", "mean blocks ckpt", *(n for n, _ in finer)):
         table.add_column(name, justify="right")
     if not done:
@@ -38,8 +38,7 @@ def length_table(records) -> Table:
             f"{sum(r.iter_ms for r in rows) / len(rows):.1f}",
             format_bytes(sum(r.peak_bytes for r in rows) / len(rows)),
             format_bytes(max(r.peak_bytes for r in rows)),
-            f"{sum(len(r.plan) for r in rows) / len(rows):.2f}",
-            *(f"{sum(len(getattr(r, field)) for r in rows) / len(rows):.2f}" for _, field in finer),
+            *(f"{sum(r.blocks(kind) for r in rows) / len(rows):.2f}" for kind in ("checkpointed", *(k for _, k in finer))),
         )
     return table
 

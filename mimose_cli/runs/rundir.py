@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from mimose_cli.files import read_json, read_text, write_json, write_text
-from mimose_cli.runs.records import StepRecord, read_records
+from mimose_cli.runs.records import StepRecord, plan_line, read_records
 from mimose_cli.runs.summary import SUMMARY_FILE, summarize
 from mimose_cli.runs.tblog import TensorBoardLog
 from mimose_cli.units import parse_size
@@ -122,8 +122,8 @@ class RunWriter:
         if self._tensorboard is not None:
             self._tensorboard.add(record)
 
-    def plan(self, record: dict) -> None:
-        _append_line(self._plans, record)
+    def plan(self, record: StepRecord) -> None:
+        _append_line(self._plans, plan_line(record))
 
     def write_json(self, name: str, data) -> None:
         write_json(self.path / name, data)

@@ -13,9 +13,9 @@ SCALARS = (("train/loss", "loss"), ("train/lr", "lr"), ("memory/peak_bytes", "pe
 """(TensorBoard tag, ``StepRecord`` field) logged per step where the record has it (the eval ones
 after an evaluation only); ``planner/checkpointed_blocks`` too, and how many of them were selective
 or partial, and how many blocks were offloaded (``CHOICE_COUNTS``)."""
-CHOICE_COUNTS = (("planner/checkpointed_blocks", "plan"), ("planner/selective_blocks", "selective"),
+CHOICE_COUNTS = (("planner/checkpointed_blocks", "checkpointed"), ("planner/selective_blocks", "selective"),
                  ("planner/partial_blocks", "partial"), ("planner/offloaded_blocks", "offload"))
-"""(TensorBoard tag, ``StepRecord`` field): the blocks of each choice in the step's plan."""
+"""(TensorBoard tag, ``StepRecord.blocks`` kind): the blocks of each choice in the step's plan."""
 
 
 class TensorBoardLog:
@@ -44,7 +44,7 @@ class TensorBoardLog:
             if value is not None:
                 self._writer.add_scalar(tag, value, index)
         for tag, name in CHOICE_COUNTS:
-            self._writer.add_scalar(tag, len(getattr(record, name)), index)
+            self._writer.add_scalar(tag, record.blocks(name), index)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -167,26 +167,24 @@ def test_the_planners_warnings_point_at_the_users_line():
         assert caught[0].filename == __file__
 
 
-@pytest.mark.parametrize("choices, says", [
-    (dict(plan=(7,)), "plan (7,) names no block: give block indices 0 to 3"),
-    (dict(plan=(-1,)), "plan (-1,) names no block"),
-    (dict(plan=(0, 0)), "plan names block(s) (0,) more than once"),
-    (dict(plan=(0,), selective=(1,)), "selective block(s) (1,) are not in plan (0,)"),
-    (dict(plan=(), partial=((1, "partial1"),)), "partial block(s) (1,) are not in plan ()"),
-    (dict(plan=(0,), selective=(0,), partial=((0, "partial1"),)), "block(s) (0,) are both selective and partial"),
-    (dict(plan=(0,), offload=(0,)), "offload block(s) (0,) are in plan too"),
-    (dict(plan=(0,), partial=((0, "partial9"),)), "partial level(s) partial9 unknown"),
-    (dict(plan=(0,), partial=(0,)), "partial (0,) is not (block, level) pairs"),
+@pytest.mark.parametrize("plan, says", [
+    (("recompute", "keep", "keep"), "plan ('recompute', 'keep', 'keep') has 3 choices for 4 blocks: give one per block"),
+    ((0, 1), "has 2 choices for 4 blocks"),
+    (("keep", "keep", "keep", "checkpoint"), "holds unknown choice(s) 'checkpoint': use keep, selective, partial1"),
+    (("keep", "keep", "keep", True), "holds unknown choice(s) True"),
+    ("recompute", "plan 'recompute' is not one choice per block: give a tuple such as ('recompute', 'keep', 'keep', "),
+    (("partial1", "keep", "keep", "keep"), "checkpoints blocks [(0, 'partial1')] partially, but the probes found no"),
 ])
-def test_a_decision_that_is_not_one_choice_per_block_is_refused_in_one_line(choices, says):
-    """A custom policy's ``Decision`` (and ``set_plan``) whose choices contradict each other or name
-    no block raises ValueError naming the fields, instead of running a plan other than the one given."""
+def test_a_plan_that_is_not_one_choice_per_block_is_refused_in_one_line(plan, says):
+    """A custom policy's ``Decision`` (and ``set_plan``) whose plan has the wrong length, a choice
+    not in ``blocks.CHOICES`` or a partial level the probes found no outputs for raises ValueError
+    in one line naming the problem, instead of running a plan other than the one given."""
     from mimose_cli.planners.baselines.uniform import NoCheckpointingPolicy
     from mimose_cli.planners.contract import Decision
 
     class Odd(NoCheckpointingPolicy):
         def decide(self, input_size, context=None):
-            return Decision(**choices)
+            return Decision(plan)
 
     model = _model()
     planner = Planner(model, Odd, None, blocks="*")
@@ -195,33 +193,29 @@ def test_a_decision_that_is_not_one_choice_per_block_is_refused_in_one_line(choi
     assert str(err.value).startswith("Odd.decide returned ") and says in str(err.value)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=re.escape(says)):
-        planner.set_plan(**choices)
+        planner.set_plan(plan)
     planner.close()
 
 
-def test_numpy_block_indices_are_block_indices():
-    """A plan worked out with numpy (``np.flatnonzero``) names blocks as numpy integers: taken as the
-    same indices (a bool is not an index)."""
+def test_a_plan_is_one_choice_per_block_wherever_it_travels():
+    """The helpers build plans from block indices (numpy's too), and the plan a policy decides is
+    the one in force, in ``StepInfo`` and in ``planner.plan``, as a tuple of choices."""
     import numpy as np
 
     from mimose_cli.planners.baselines.uniform import NoCheckpointingPolicy
-
-    model = _model()
-    planner = Planner(model, NoCheckpointingPolicy, None, blocks="*")
-    planner.set_plan(tuple(np.flatnonzero([True, False, True, False])), selective=(np.int64(2),))
-    assert planner.plan == (0, 2) and planner.parts.plan_runner.choices(4) == ("recompute", "keep", "selective", "keep")
-    planner.close()
-
-    class Numpy(NoCheckpointingPolicy):  # a policy's numpy indices are recorded as Python's (JSON)
-        def decide(self, input_size, context=None):
-            return Decision(tuple(np.flatnonzero([True, False, True, False])), selective=(np.int64(2),))
-
+    from mimose_cli.planners.blocks import checkpointed, recompute_first, recomputed
     from mimose_cli.planners.contract import Decision
 
-    planner = Planner(model, Numpy, None, blocks="*")
+    assert recompute_first(2, 4) == ("recompute", "recompute", "keep", "keep")
+    assert recomputed(np.flatnonzero([True, False, True, False]), 4) == ("recompute", "keep", "recompute", "keep")
+    assert checkpointed(("keep", "selective", "offload", "partial2")) == (1, 3)
+
+    class Mixed(NoCheckpointingPolicy):
+        def decide(self, input_size, context=None):
+            return Decision(["recompute", "keep", "selective", "offload"])
+
+    model = _model()
+    planner = Planner(model, Mixed, None, blocks="*")
     _step(model, planner, 8)
-    info = planner.last
-    assert info.plan == (0, 2) and all(type(i) is int for i in info.plan + info.selective)
-    with pytest.raises(ValueError, match=r"plan \(True,\) names no block"):
-        planner.set_plan((True,))
+    assert planner.last.plan == planner.plan == ("recompute", "keep", "selective", "offload")
     planner.close()

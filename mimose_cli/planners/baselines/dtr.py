@@ -38,6 +38,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from mimose_cli.memory import storage_bytes, storage_ids
 from mimose_cli.planners.base import Planner
+from mimose_cli.planners.blocks import KEEP, recomputed
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy
 from mimose_cli.planners.parts import PlannerParts
 from mimose_cli.planners.runners import BlockRunner
@@ -110,9 +111,9 @@ class _Holder:
 class DTRPolicy(Policy):
     """Dynamic tensor rematerialization over blocks; gradients equal those of ``none``.
 
-    The policy decides nothing ahead of time (``Decision(())``); its runner (``Rematerializer``)
+    The policy decides nothing ahead of time (every block kept); its runner (``Rematerializer``)
     evicts and recomputes while the step runs, and reports the blocks it evicted as the step's
-    plan. ``cost_fn(holder) -> float`` replaces the measured forward ms as the eviction cost
+    plan, recomputed. ``cost_fn(holder) -> float`` replaces the measured forward ms as the eviction cost
     (deterministic costs for tests and experiments).
     """
 
@@ -124,7 +125,7 @@ class DTRPolicy(Policy):
         self.rematerializer = Rematerializer(parts, cost_fn)
 
     def decide(self, input_size, context=NO_CONTEXT):
-        return Decision(())
+        return Decision((KEEP,) * self.parts.num_blocks)
 
     def runner_for(self, info) -> "Rematerializer":
         return self.rematerializer
@@ -162,8 +163,8 @@ class Rematerializer(BlockRunner):
             self.parts.meter.set_pressure_handler(self._relieve)
 
     def end(self, info):
-        """The blocks evicted become the step's plan; evictions and recomputations are counted."""
-        info.plan = tuple(sorted({index for kind, index in self.events if kind == "evict"}))
+        """The blocks evicted become the step's plan, recomputed; evictions and recomputations are counted."""
+        info.plan = recomputed({index for kind, index in self.events if kind == "evict"}, self.parts.num_blocks)
         info.evictions = sum(1 for kind, _ in self.events if kind == "evict")
         info.recomputations = sum(1 for kind, _ in self.events if kind == "recompute")
         info.recompute_ms = self._step_recompute_ms

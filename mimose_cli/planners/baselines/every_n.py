@@ -12,6 +12,7 @@ peak, plus what the optimizer's first step will allocate, fits is applied to eve
 import time
 
 from mimose_cli.planners.base import Planner
+from mimose_cli.planners.blocks import recomputed
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext
 from mimose_cli.planners.trial import probe_with_plan, to_model_device
 from mimose_cli.planners.usage import warn_user
@@ -55,7 +56,8 @@ class EveryNPolicy(Policy):
         batch = to_model_device(self.parts.model, make_batch(size))
         with self.parts.meter.unlimited():
             for stride in range(max(self.parts.num_blocks, 1), 0, -1):
-                peak = probe_with_plan(self.parts, batch, stride_plan(self.parts.num_blocks, stride))
+                plan = recomputed(stride_plan(self.parts.num_blocks, stride), self.parts.num_blocks)
+                peak = probe_with_plan(self.parts, batch, plan)
                 self.stride_peaks[stride] = peak
                 if peak is not None and peak + reserve_bytes <= self.parts.limit_bytes:
                     return stride
@@ -70,7 +72,7 @@ class EveryNPolicy(Policy):
                                    "planner.prepare(make_batch, max_input_size) before the first step, "
                                    "or pass every_n_layers=")
             self.static_plan = stride_plan(self.parts.num_blocks, self.every_n_layers)
-        return Decision(self.static_plan)
+        return Decision(recomputed(self.static_plan, self.parts.num_blocks))
 
     def stats(self, counted: dict) -> dict:
         return {"every_n_layers": self.every_n_layers, "prepare_ms": self.prepare_ms,

@@ -4,6 +4,7 @@ host memory until backward (``blocks.OFFLOAD``). Off unless named: the copies' t
 
 
 from mimose_cli.planners.base import Planner
+from mimose_cli.planners.blocks import OFFLOAD
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy
 from mimose_cli.planners.parts import check_offload_device
 
@@ -22,7 +23,7 @@ class FullOffloadPolicy(Policy):
         check_offload_device(parts.model, "planner offload", "choose another planner")
 
     def decide(self, input_size, context=NO_CONTEXT):
-        return Decision((), offload=tuple(range(self.parts.num_blocks)))
+        return Decision((OFFLOAD,) * self.parts.num_blocks)
 
     def least_memory(self) -> Decision:
         """Its one plan: every block offloaded (which holds less than every block checkpointed,

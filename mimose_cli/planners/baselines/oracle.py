@@ -29,7 +29,15 @@ import numpy as np
 
 from mimose_cli.planners.base import Planner
 from mimose_cli.planners.baselines.sublinear import BlockProfile
-from mimose_cli.planners.blocks import PARTIAL_LEVELS, selectable
+from mimose_cli.planners.blocks import (
+    PARTIAL_LEVELS,
+    RECOMPUTE,
+    offloading,
+    plan_levels,
+    plan_of_levels,
+    recomputed,
+    selectable,
+)
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.mimose.choices import (
     CHOICE_SETS,
@@ -41,8 +49,6 @@ from mimose_cli.planners.mimose.choices import (
     dispatch_costs_ms,
     freeing_ms,
     level_rows,
-    plan_of,
-    split_offload,
 )
 from mimose_cli.planners.mimose.collector import ShuttlingCollector
 from mimose_cli.planners.mimose.estimator import (
@@ -60,7 +66,6 @@ from mimose_cli.planners.mimose.features import (
     SELECTIVE_LEVEL,
     feature_set_of,
     kept_quantities,
-    plan_levels,
 )
 from mimose_cli.planners.mimose.layout import alike_mean, twin_blocks
 from mimose_cli.planners.mimose.scaling import (
@@ -95,10 +100,10 @@ def measured_prediction(size: tuple, sample, num_blocks: int) -> Prediction | No
                       {q: value(step[q], q) for q in STEP_QUANTITIES}, shape.order, shape.backward_reversed)
 
 
-def plan_peak(pred: Prediction, plan, selective=(), partial=()) -> float:
-    """The measured step peak above its start with ``plan`` checkpointed (``selective`` of it
-    selectively, ``partial`` partially)."""
-    return plan_peak_bytes(pred, plan, selective, partial)
+def plan_peak(pred: Prediction, blocks) -> float:
+    """The measured step peak above its start with the blocks at the indices ``blocks`` recomputed
+    (the block-level searches' plans)."""
+    return plan_peak_bytes(pred, recomputed(blocks, len(pred.savings)))
 
 
 EXACT_MAX_CHOICE_PLANS = 3 ** 12
@@ -112,7 +117,7 @@ _CHOICE_CHUNK = 3 ** 8
 
 def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray, selective_ms: np.ndarray,
                   selectable: np.ndarray, partial_ms: np.ndarray | None = None, searched: dict | None = None) -> tuple:
-    """Finer plans (``choices="selective"``): ``(plan, selective, partial)`` with the least
+    """Finer plans (``choices="selective"``): the plan (one choice per block) with the least
     recompute time whose measured peak fits, over every block kept, checkpointed selectively,
     partially (``partial_ms``: each partial level's ms, NaN where a block has none) or recomputed:
     block by block where it applies (``_frontier_search``), else every plan up to
@@ -124,7 +129,7 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
     the earlier blocks upgraded (their savings last longest in backward). ``searched`` counts which
     search ran (``"frontier"``, ``"exact"`` or ``"scheduler"``)."""
     n = len(recompute_ms)
-    every = tuple(range(n))
+    every = (RECOMPUTE,) * n
     if partial_ms is None:
         partial_ms = np.full((n, len(PARTIAL_LEVELS)), np.nan)
     timeline = Timeline(pred)
@@ -146,11 +151,11 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
         key = "exact" if exact else "frontier" if found is not None else "scheduler"
         searched[key] = searched.get(key, 0) + 1
     if found is not None:
-        return plan_of(found) if found else (every, (), ())
+        return plan_of_levels(found) if found else every
     # The scheduler on the measurements: the answer beyond every plan, else the bound below.
-    plan, selective, partial, _, fits = choice_plan_checked(savings, costs, timeline.level_peaks, limit_bytes)
+    plan, _, fits = choice_plan_checked(savings, costs, timeline.level_peaks, limit_bytes)
     if not exact:
-        return (plan, selective, partial) if fits else (every, (), ())
+        return plan if fits else every
     place = np.concatenate(([1], np.cumprod(radix)[:-1]))
     table = np.array([a + (RECOMPUTE_LEVEL,) * (LEVELS - len(a)) for a in allowed])
 
@@ -159,7 +164,7 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
 
     best, bound = None, np.iinfo(np.int64).max
     if fits:  # no plan dearer than the scheduler's can be the least: their peaks are not needed
-        bound = int(key(plan_levels(n, plan, selective, partial))) + 1
+        bound = int(key(np.array(plan_levels(plan)))) + 1
     total = int(np.prod(radix))
     for start in range(0, total, _CHOICE_CHUNK):
         k = np.arange(start, min(start + _CHOICE_CHUNK, total))
@@ -175,8 +180,8 @@ def choice_search(pred: Prediction, limit_bytes: float, recompute_ms: np.ndarray
             if keys[at] < bound:
                 best, bound = levels[at], int(keys[at])
     if best is None:
-        return every, (), ()
-    return plan_of(best.tolist())
+        return every
+    return plan_of_levels(best.tolist())
 
 
 def _frontier_search(timeline: Timeline, allowed: list, level_ns: np.ndarray, limit_bytes: float):
@@ -302,12 +307,12 @@ def knapsack_search(pred: Prediction, limit_bytes: float) -> tuple:
     """Many blocks: the knapsack DP on what checkpointing each block frees (``knapsack_plan``),
     then the largest-saving blocks left added until the timeline fits."""
     savings, timeline = pred.savings, Timeline(pred)
-    none_peak = timeline.plan_peak(())
+    none_peak = timeline.plan_peak(recomputed((), len(savings)))
     profile = BlockProfile(pred.size, savings.tolist(), pred.blocks["fwd_ms"].tolist(),
                            fixed_bytes=none_peak - float(savings.sum()))
     plan = set(knapsack_plan(profile, limit_bytes))
     for index in sorted(range(len(savings)), key=lambda i: (-savings[i], i)):
-        if timeline.plan_peak(plan) <= limit_bytes:
+        if timeline.plan_peak(recomputed(plan, len(savings))) <= limit_bytes:
             break
         plan.add(index)
     return tuple(sorted(plan))
@@ -509,24 +514,23 @@ class OraclePolicy(Policy):
         pred = self.measured[size]
         base = self.parts.meter.current_bytes() if self.parts.meter is not None else 0
         if pred is None:
-            plan, predicted, selective, offload, partial = tuple(range(self.parts.num_blocks)), None, (), (), ()
+            plan, predicted = (RECOMPUTE,) * self.parts.num_blocks, None
         else:
             limit = None if self.parts.limit_bytes is None else self.parts.limit_bytes - self.margin_bytes - base
-            plan, selective, partial = optimal_plan(pred, limit), (), ()
+            plan = recomputed(optimal_plan(pred, limit), self.parts.num_blocks)
             times, offloaded = self.choice_ms.get(size), np.zeros(self.parts.num_blocks, dtype=bool)
             if times is not None and limit is not None and plan_peak(pred, ()) > limit:
                 recompute_ms, selective_ms, *offload_ms = times
                 whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms[0] if offload_ms else None)
                 pred = bounded_for_offload(pred, offloaded, self.storages.get(size))
-                plan, selective, partial = choice_search(pred, limit, whole_ms, selective_ms, self.selectable,
-                                                         self.partial_ms.get(size), self.searched)
+                plan = choice_search(pred, limit, whole_ms, selective_ms, self.selectable,
+                                     self.partial_ms.get(size), self.searched)
             # an offloaded block bounded as recomputed
-            predicted = int(base + plan_peak(pred, plan, selective, partial))
-            plan, offload = split_offload(plan, selective, offloaded, partial)
+            predicted = int(base + plan_peak_bytes(pred, plan))
+            plan = offloading(plan, offloaded)
         excluded_ms = (time.perf_counter() - start) * 1e3
         self.excluded_ms_total += excluded_ms
-        return Decision(plan, cache_hit=hit, predicted_peak_bytes=predicted, excluded_ms=excluded_ms,
-                        selective=selective, offload=offload, partial=partial)
+        return Decision(plan, cache_hit=hit, predicted_peak_bytes=predicted, excluded_ms=excluded_ms)
 
     def observe(self, info: StepInfo, peak_bytes, sample) -> None:
         """Keep the largest measured overshoot of the measured timeline as a margin (none was

@@ -22,6 +22,7 @@ import torch
 
 from mimose_cli.memory.profiler import BlockProfiler
 from mimose_cli.planners.base import Planner
+from mimose_cli.planners.blocks import recomputed
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext
 from mimose_cli.planners.mimose.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import model_device, probe_with_plan, run_model, side_effect_free, to_model_device
@@ -80,7 +81,7 @@ def measure_fixed_bytes(parts, batch, act_bytes) -> int:
     if parts.meter is None:
         return 0
     plan = probe_plan(parts.num_blocks)
-    peak = probe_with_plan(parts, batch, plan)
+    peak = probe_with_plan(parts, batch, recomputed(plan, parts.num_blocks))
     if peak is None:  # nothing fits: make every plan but "all" look infeasible
         return parts.limit_bytes or 0
     return peak - BlockProfile((), act_bytes, [0.0] * len(act_bytes)).peak_bytes(plan)
@@ -203,7 +204,7 @@ class SublinearPolicy(Policy):
         if self.static_plan is None:
             raise RuntimeError("sublinear plans once for the largest input: call "
                                "planner.prepare(make_batch, max_input_size) before the first step")
-        return Decision(self.static_plan)
+        return Decision(recomputed(self.static_plan, self.parts.num_blocks))
 
     def stats(self, counted: dict) -> dict:
         return {"variant": self.variant, "prepare_ms": self.prepare_ms, "reserve_bytes": self.reserve_bytes,

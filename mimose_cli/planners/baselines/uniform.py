@@ -3,7 +3,7 @@ limit) and ``full`` (every block checkpointed: what Hugging Face's
 ``gradient_checkpointing_enable()`` does)."""
 
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.blocks import selectable
+from mimose_cli.planners.blocks import KEEP, RECOMPUTE, SELECTIVE, selectable
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy
 
 
@@ -16,7 +16,7 @@ class NoCheckpointingPolicy(Policy):
     oom_fix = ("let a planner checkpoint (mimose), raise the budget, or lower the batch size or sequence length",)
 
     def decide(self, input_size, context=NO_CONTEXT):
-        return Decision(())
+        return Decision((KEEP,) * self.parts.num_blocks)
 
 
 class FullCheckpointingPolicy(Policy):
@@ -40,8 +40,7 @@ class FullCheckpointingPolicy(Policy):
                                  "checkpointing refuses; set planner.full.selective: false")
 
     def decide(self, input_size, context=NO_CONTEXT):
-        every = tuple(range(self.parts.num_blocks))
-        return Decision(every, selective=every if self.selective else ())
+        return Decision((SELECTIVE if self.selective else RECOMPUTE,) * self.parts.num_blocks)
 
     def least_memory(self) -> Decision:
         return self.decide(())

@@ -29,7 +29,7 @@ import torch
 from mimose_cli.memory import synchronize
 from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES, round_trip
 from mimose_cli.memory.probe import writes_elements
-from mimose_cli.planners.blocks import PARTIAL_LEVELS
+from mimose_cli.planners.blocks import PARTIAL_LEVELS, plan_of_levels
 from mimose_cli.planners.mimose.features import EXTRA_BYTES, KEEP_LEVEL, LEVELS, RECOMPUTE_LEVEL, SELECTIVE_LEVEL
 from mimose_cli.planners.mimose.scaling import exponents, work_coefficients
 from mimose_cli.planners.ops import light_op_class
@@ -411,15 +411,6 @@ def bounded_for_offload(pred, offloaded: np.ndarray, storages: np.ndarray | None
     return dataclasses.replace(pred, blocks=blocks)
 
 
-def split_offload(plan: tuple, selective: tuple, offloaded: np.ndarray, partial: tuple = ()) -> tuple:
-    """``(plan, offload)``: a scheduled plan's blocks recomputed whole (not ``selective``, not
-    ``partial``) split into those still checkpointed and those offloaded (``offloaded``,
-    ``freeing_ms``'s mask)."""
-    freed = set(plan) - set(selective) - {i for i, _ in partial}
-    offload = tuple(i for i in plan if i in freed and offloaded[i])
-    return tuple(i for i in plan if i not in offload), offload
-
-
 def level_rows(pred, open_to: list, selective_ms: np.ndarray, partial_ms: np.ndarray, whole_ms: np.ndarray) -> tuple:
     """``(savings, costs)``: ``choice_plan_checked``'s rows over ``features.LEVELS`` for ``pred``
     (an ``estimator.Prediction``): a block kept frees and costs nothing; checkpointed selectively or
@@ -440,8 +431,8 @@ def level_rows(pred, open_to: list, selective_ms: np.ndarray, partial_ms: np.nda
 
 def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequence[float]],
                         predict_peaks: Callable[[np.ndarray], np.ndarray], limit_bytes: float) -> tuple:
-    """The least-recompute choices whose predicted peak fits: ``(plan, selective, partial, peak,
-    fits)`` (``plan_of``).
+    """The least-recompute choices whose predicted peak fits: ``(plan, peak, fits)``, the plan one
+    choice per block (``blocks.plan_of_levels``: none offloaded).
 
     ``savings[level][i]`` and ``costs[level][i]`` are what block ``i`` frees and costs under each
     level (``features.LEVELS``: keep, selective, the partial levels, recompute; or only keep,
@@ -491,7 +482,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
             level = [RECOMPUTE_LEVEL] * len(level)
         peak = predict(level)
     if not peak <= limit_bytes:
-        return (*plan_of(level), peak, False)
+        return plan_of_levels(level), peak, False
     # Taken back last first where the plan still fits without them and that costs no more (a
     # recompute taken back to selective can cost more on a small CPU model); one that does not
     # fit is skipped, not the end of the pass: the upgrades before it may still be given back (a
@@ -505,7 +496,7 @@ def choice_plan_checked(savings: Sequence[Sequence[float]], costs: Sequence[Sequ
                if rows[to][i] >= 0 and prices[to][i] < prices[at][i]]
     lighter.sort(key=lambda change: (rows[level[change[0]]][change[0]] - rows[change[1]][change[0]], change[0]))
     level, peak = _each_that_fits(level, peak, lighter, prices, predict_peaks, limit_bytes)
-    return (*plan_of(level), peak, True)
+    return plan_of_levels(level), peak, True
 
 
 def _all_levels(rows: Sequence[Sequence[float]], missing: float) -> np.ndarray:
@@ -576,15 +567,6 @@ def _each_that_fits(level: list, peak: float, changes: Iterable, prices: list, p
 
 _WALK = 8
 """``_each_that_fits``: the changes one call walks through in turn."""
-
-
-def plan_of(level: list) -> tuple:
-    """``(plan, selective, partial)``: the blocks upgraded at all, those checkpointed selectively,
-    and ``(block, level)`` for those checkpointed partially (``level`` one of ``features.PARTIAL_LEVELS``)."""
-    plan = [i for i, at in enumerate(level) if at > KEEP_LEVEL]
-    return (tuple(plan), tuple([i for i in plan if level[i] == SELECTIVE_LEVEL]),
-            tuple([(i, PARTIAL_LEVELS[level[i] - SELECTIVE_LEVEL - 1]) for i in plan
-                   if SELECTIVE_LEVEL < level[i] < RECOMPUTE_LEVEL]))
 
 
 _TARGETS = np.arange(1, LEVELS)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mimose_cli.planners.blocks import plan_levels
 from mimose_cli.planners.mimose.features import (
     BLOCK_QUANTITIES,
     FEATURES,
@@ -34,7 +35,6 @@ from mimose_cli.planners.mimose.features import (
     Releases,
     features,
     kept_quantities,
-    plan_levels,
 )
 from mimose_cli.planners.mimose.trust import Trust
 
@@ -295,11 +295,10 @@ class Timeline:
         """The events' maximum per plan (a float for one plan, an array over plans)."""
         return self.level_peaks(self.levels(plan_mask, selective_mask))
 
-    def plan_peak(self, plan, selective=(), partial=()) -> float:
-        """The peak for ``plan`` (block indices), ``selective`` of them checkpointed selectively
-        and ``partial`` ``(block, level)`` partially (``features.plan_levels``; a block in
-        ``selective`` or ``partial`` but not in ``plan`` is kept)."""
-        return float(self.level_peaks(plan_levels(self.blocks, plan, selective, partial)))
+    def plan_peak(self, plan) -> float:
+        """The peak for ``plan``, one choice per block (``blocks.plan_levels``: an offloaded block
+        at the recompute level)."""
+        return float(self.level_peaks(np.array(plan_levels(plan), dtype=np.intp)))
 
     def level_peaks(self, levels: np.ndarray) -> np.ndarray:
         """``peaks`` of plans given as levels per block (``(plans, blocks)`` or one plan's,
@@ -310,10 +309,9 @@ class Timeline:
         return np.maximum(peak, pre)
 
 
-def plan_peak_bytes(pred: Prediction, plan, selective=(), partial=()) -> float:
-    """The peak of ``peak_timeline`` for ``plan`` (block indices), ``selective`` of them
-    checkpointed selectively and ``partial`` partially (``Timeline.plan_peak``)."""
-    return Timeline(pred).plan_peak(plan, selective, partial)
+def plan_peak_bytes(pred: Prediction, plan) -> float:
+    """The peak of ``peak_timeline`` for ``plan``, one choice per block (``Timeline.plan_peak``)."""
+    return Timeline(pred).plan_peak(plan)
 
 
 def peak_timeline(pred: Prediction, plan_mask: np.ndarray, selective_mask: np.ndarray | None = None) -> np.ndarray:

@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from mimose_cli.planners.blocks import PARTIAL_LEVELS
+from mimose_cli.planners.blocks import CHOICE_LEVEL, KEEP, PARTIAL_LEVELS, RECOMPUTE, SELECTIVE
 
 FEATURES = ("BL2", "BL", "1", "B", "L2", "L")
 TIME_FEATURES = ("BL2", "BL", "1")
@@ -26,24 +26,13 @@ def kept_quantities(kept_set: str) -> tuple:
 EXTRA_BYTES = tuple(kept_quantities(kept_set)[0] for kept_set in KEPT_SETS)
 """The bytes each selective checkpoint (``KEPT_SETS``, in level order) keeps beyond a whole one's."""
 
-KEEP_LEVEL, SELECTIVE_LEVEL = 0, 1
-PARTIAL_LEVEL = {level: SELECTIVE_LEVEL + 1 + k for k, level in enumerate(PARTIAL_LEVELS)}
-RECOMPUTE_LEVEL = SELECTIVE_LEVEL + 1 + len(PARTIAL_LEVELS)
+KEEP_LEVEL, SELECTIVE_LEVEL = CHOICE_LEVEL[KEEP], CHOICE_LEVEL[SELECTIVE]
+PARTIAL_LEVEL = {level: CHOICE_LEVEL[level] for level in PARTIAL_LEVELS}
+RECOMPUTE_LEVEL = CHOICE_LEVEL[RECOMPUTE]
 LEVELS = RECOMPUTE_LEVEL + 1
-"""A block's level in a plan, by what it frees: kept, checkpointed selectively, partially (each of
-``PARTIAL_LEVELS``, keeping less and less), recomputed whole (or offloaded: the same level)."""
-
-
-def plan_levels(num_blocks: int, plan=(), selective=(), partial=()) -> np.ndarray:
-    """One plan's levels per block: the blocks of ``plan`` recomputed, those of ``selective``
-    checkpointed selectively, ``partial`` ``(block, level)`` pairs (one of ``PARTIAL_LEVELS``) partially."""
-    levels = np.full(num_blocks, KEEP_LEVEL, dtype=np.intp)
-    levels[list(plan)] = RECOMPUTE_LEVEL
-    levels[[i for i in selective if levels[i] != KEEP_LEVEL]] = SELECTIVE_LEVEL
-    for i, level in partial:
-        if levels[i] == RECOMPUTE_LEVEL:  # in the plan and not selective, as ``PlanRunner.choice`` reads it
-            levels[i] = PARTIAL_LEVEL[level]
-    return levels
+"""A block's level in a plan, by what it frees (``blocks.CHOICE_LEVEL``, ``blocks.plan_levels``):
+kept, checkpointed selectively, partially (each of ``PARTIAL_LEVELS``, keeping less and less),
+recomputed whole (or offloaded: the same level)."""
 
 
 PARTIAL_QUANTITIES = tuple(q for level in PARTIAL_LEVELS for q in kept_quantities(level))

@@ -33,7 +33,16 @@ from typing import NamedTuple
 import numpy as np
 
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.blocks import PARTIAL_LEVELS, selectable
+from mimose_cli.planners.blocks import (
+    KEEP,
+    OFFLOAD,
+    PARTIAL_LEVELS,
+    RECOMPUTE,
+    offloading,
+    plan_of_fields,
+    recomputed,
+    selectable,
+)
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.mimose.choices import (
@@ -47,7 +56,6 @@ from mimose_cli.planners.mimose.choices import (
     freeing_ms,
     level_rows,
     probe_rates_ms,
-    split_offload,
 )
 from mimose_cli.planners.mimose.collector import InputReleases, ShuttlingCollector
 from mimose_cli.planners.mimose.estimator import Estimator, Timeline, plan_peak_bytes
@@ -78,18 +86,12 @@ from mimose_cli.torch_private import without_dispatch_modes
 
 
 class CachedPlan(NamedTuple):
-    """A plan-cache entry: the plan, its predicted peak above the step's start, and whether that
-    fits the budget."""
+    """A plan-cache entry: the plan (one choice per block), its predicted peak above the step's
+    start, and whether that fits the budget."""
 
     plan: tuple
     peak_bytes: float
     fits: bool
-    selective: tuple = ()
-    """The blocks of ``plan`` checkpointed selectively (``choices="selective"`` or ``"offload"``)."""
-    offload: tuple = ()
-    """The blocks outside ``plan`` offloaded (``choices="offload"``)."""
-    partial: tuple = ()
-    """``(block, level)`` for the blocks of ``plan`` checkpointed partially (``Decision.partial``)."""
 
 
 @dataclass
@@ -601,7 +603,7 @@ class MimosePolicy(Policy):
                 self.counts.estimate_source = "sheltered"
             return self._measuring("sheltered", context.attempt)
         if self.parts.limit_bytes is None:
-            return Decision((), "responsive")
+            return Decision((KEEP,) * self.parts.num_blocks, "responsive")
         key = self.cache_key(size)
         base = self._start_bytes()
         entry = self.cache.get(key)
@@ -617,14 +619,12 @@ class MimosePolicy(Policy):
             self.counts.hits += 1
         else:
             self.counts.misses += 1
-        return Decision(entry.plan, "responsive", selective=entry.selective, cache_hit=hit,
-                        predicted_peak_bytes=int(base + entry.peak_bytes), offload=entry.offload,
-                        partial=entry.partial)
+        return Decision(entry.plan, "responsive", cache_hit=hit, predicted_peak_bytes=int(base + entry.peak_bytes))
 
     def _measuring(self, phase: str, attempt: int) -> Decision:
         """A step the collector measures (every block checkpointed); a retry after such a step
         ran out of memory is not measured again, only checkpointed."""
-        plan = tuple(range(self.parts.num_blocks))
+        plan = (RECOMPUTE,) * self.parts.num_blocks
         if attempt:
             return Decision(plan, "recovery")
         return Decision(plan, phase, measure=True)
@@ -638,7 +638,7 @@ class MimosePolicy(Policy):
             self._note(f"not trusted, measured: {reason}", size)
             return self._measuring("measuring", attempt)
         self._note(f"not trusted, every block checkpointed: {reason}", size)
-        return Decision(tuple(range(self.parts.num_blocks)), "untrusted")
+        return Decision((RECOMPUTE,) * self.parts.num_blocks, "untrusted")
 
     def _note(self, message: str, size: tuple) -> None:
         """Count a reason in ``stats``; warn the first time one is seen."""
@@ -657,7 +657,6 @@ class MimosePolicy(Policy):
         start = time.perf_counter()
         pred = self.estimator.predict(key)
         limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
-        selective, offload, partial = (), (), ()
         if self._selective_known():
             features = self.estimator.feature_set.of(key)
             recompute_ms, selective_ms = self.choice_times.at(features)
@@ -669,21 +668,22 @@ class MimosePolicy(Policy):
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
             # checkpointing refuses them), or a partial level the block has not: not a choice for it.
             savings, costs = level_rows(pred, self._kept_known(partial_ms), selective_ms, partial_ms, whole_ms)
-            plan, selective, partial, peak, fits = choice_plan_checked(
+            plan, peak, fits = choice_plan_checked(
                 savings, costs, lambda levels: base + self._margined(timeline.level_peaks(levels)), limit)
-            plan, offload = split_offload(plan, selective, offloaded, partial)
+            plan = offloading(plan, offloaded)
         else:
             timeline = Timeline(pred)
 
-            def predict_peak(plan):
-                return base + self._margined(timeline.plan_peak(plan))
+            def predict_peak(blocks):
+                return base + self._margined(timeline.plan_peak(recomputed(blocks, self.parts.num_blocks)))
 
-            plan, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak, limit, self.bucket)
+            blocks, peak, fits = greedy_plan_checked(pred.savings.tolist(), predict_peak, limit, self.bucket)
+            plan = recomputed(blocks, self.parts.num_blocks)
         if not fits:
             self.counts.unfit_plans += 1
             self._warn(f"input size {key} is predicted not to fit the budget even with every "
                        "block checkpointed; the step may run out of memory")
-        entry = CachedPlan(plan, peak - base, fits, selective, offload, partial)
+        entry = CachedPlan(plan, peak - base, fits)
         self.cache[key] = entry
         self.counts.scheduler_ms += (time.perf_counter() - start) * 1e3
         return entry
@@ -747,22 +747,17 @@ class MimosePolicy(Policy):
     def size_key(self, size: tuple) -> tuple:
         return self.cache_key(size)
 
-    def predict_peak(self, size: tuple, plan: tuple, selective: tuple = (), offload: tuple = (),
-                     partial: tuple = ()) -> int | None:
-        """The trusted prediction for ``plan`` at ``size`` (its blocks in ``selective``
-        checkpointed selectively, ``partial`` ``(block, level)`` partially; those in ``offload``
-        bounded as recomputed, with what they keep on the device: ``choices.bounded_for_offload``),
-        or None (not fitted, not trusted)."""
+    def predict_peak(self, size: tuple, plan: tuple) -> int | None:
+        """The trusted prediction for ``plan`` (one choice per block) at ``size``, its offloaded
+        blocks bounded as recomputed with what they keep on the device
+        (``choices.bounded_for_offload``), or None (not fitted, not trusted)."""
         key = self.cache_key(size)
         if not self.estimator.fitted or self.estimator.trust.reason(key) is not None:
             return None
         pred = self.estimator.predict(key)
-        if offload:
-            offloaded = np.isin(np.arange(self.parts.num_blocks), offload)
-            storages = None if self.choice_times is None else self.choice_times.storages
-            pred = bounded_for_offload(pred, offloaded, storages)
-        freed = tuple(sorted(set(plan) | set(offload)))
-        return int(self._start_bytes() + self._margined(plan_peak_bytes(pred, freed, selective, partial)))
+        storages = None if self.choice_times is None else self.choice_times.storages
+        pred = bounded_for_offload(pred, np.array([choice == OFFLOAD for choice in plan]), storages)
+        return int(self._start_bytes() + self._margined(plan_peak_bytes(pred, plan)))
 
     def _margined(self, peak):
         """A timeline's peak (or peaks) with the prediction margin and the fit's residual
@@ -865,8 +860,7 @@ class MimosePolicy(Policy):
     def state_dict(self) -> dict:
         return {"num_blocks": self.parts.num_blocks, "granularity": self.granularity,
                 "estimator": self.estimator.state_dict(),
-                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits, list(v.selective), list(v.offload),
-                           [list(pair) for pair in v.partial]] for k, v in self.cache.items()],
+                "cache": [[list(k), list(v.plan), v.peak_bytes, v.fits] for k, v in self.cache.items()],
                 "choices": self.choices,
                 "choice_times": self.choice_times.state_dict() if self.choice_times is not None else None,
                 "selective_keep": [[i, k] for i, k in self.parts.plan_runner.selective_keep.items()],
@@ -894,10 +888,17 @@ class MimosePolicy(Policy):
         self._warn_if_offload_unknown("the saved estimator has no copy costs (saved without choices: offload, "
                                       "or their timing failed); move its estimator.json aside to probe again")
         if state.get("granularity") == self.granularity and state.get("choices", "block") == self.choices:
-            self.cache = {tuple(k): CachedPlan(tuple(p), float(peak), bool(fits), *(tuple(r) for r in rest[:2]),
-                                               *(tuple(tuple(pair) for pair in r) for r in rest[2:]))
+            self.cache = {tuple(k): CachedPlan(_cached_plan(p, rest, self.parts.num_blocks), float(peak), bool(fits))
                           for k, p, peak, fits, *rest in state.get("cache", [])}
         self.recovery_margins = {tuple(k): v for k, v in state.get("recovery_margins", [])}
+
+
+def _cached_plan(plan: list, rest: list, num_blocks: int) -> tuple:
+    """A saved plan-cache entry's plan; the previous release saved block indices with the
+    selective, offload and partial fields after the entry's fit (``blocks.plan_of_fields``)."""
+    if all(isinstance(choice, str) for choice in plan) and len(plan) == num_blocks and not rest:
+        return tuple(plan)
+    return plan_of_fields(num_blocks, plan, *rest)
 
 
 def Mimose(model, budget=None, **options) -> Planner:
