@@ -161,17 +161,18 @@ _OLD_FIELDS = ("selective", "offload", "partial")
 """The fields beside ``plan`` the previous release wrote a plan in."""
 
 
-def _with_plan(data: dict, num_blocks) -> dict:
+def _with_plan(data: dict, num_blocks, empty_is_old: bool = False) -> dict:
     """``data`` (a ``metrics.jsonl`` or ``plans.jsonl`` object) with its plan, and its ranks',
     one choice per block: the previous release's four fields (``plan`` the indices of the blocks
-    checkpointed) converted (``blocks.plan_of_fields``), and dropped. ValueError for a plan of
-    neither form."""
+    checkpointed) converted (``blocks.plan_of_fields``), and dropped; with ``empty_is_old`` an empty
+    plan is the previous release's too (``plans.jsonl``: a record never planned has none). ValueError
+    for a plan of neither form."""
     plan = data.get("plan")
     ranks = data.get("ranks")
     if isinstance(ranks, list) and any(isinstance(rank, dict) and _indices(rank.get("plan")) for rank in ranks):
         ranks = [_with_plan(rank, num_blocks) if isinstance(rank, dict) else rank for rank in ranks]
         data = {**data, "ranks": ranks}
-    if not (_indices(plan) or plan == [] and num_blocks or any(name in data for name in _OLD_FIELDS)):
+    if not (_indices(plan) or empty_is_old and plan == [] or any(name in data for name in _OLD_FIELDS)):
         return data
     old = {name: data.get(name) or [] for name in _OLD_FIELDS}
     try:
@@ -284,7 +285,7 @@ def read_plans(path, num_blocks: int) -> list:
     """The lines of a ``plans.jsonl`` (``plan_line``), a plan of the previous release's four fields
     as one choice per block of ``num_blocks`` (its lines do not say how many; ``metrics.jsonl``'s do);
     a torn last line is skipped."""
-    return [_with_plan(data, num_blocks) for data in read_jsonl(Path(path))]
+    return [_with_plan(data, num_blocks, empty_is_old=True) for data in read_jsonl(Path(path))]
 
 
 def rank_figures(record: StepRecord, rank: int) -> RankFigures:

@@ -8,12 +8,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from plan_fields import fields
 from test_oracle import random_prediction
 from test_scaling import HELD_OUT, metered_mimose, padded
 
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.planners.blocks import PARTIAL_LEVELS
-from mimose_cli.planners.mimose.choices import ChoiceTimes, choice_plan_checked, plan_of
+from mimose_cli.planners.blocks import plan_of_fields, plan_of_levels, recomputed
+from mimose_cli.planners.mimose.choices import ChoiceTimes, choice_plan_checked
 from mimose_cli.planners.mimose.estimator import Timeline, plan_peak_bytes
 from mimose_cli.planners.mimose.features import KEPT_SETS, LEVELS, TOKENS
 from mimose_cli.planners.trial import probe_step, probe_with_plan
@@ -27,6 +29,17 @@ QUICKSTART = "recipes/quickstart.yaml"
 
 def make(size):
     return padded(bert_batch(*size))
+
+
+def plan_of(level: list) -> tuple:
+    """``fields`` of the plan of ``level`` (levels per block)."""
+    return fields(plan_of_levels(level))
+
+
+def checked_fields(*args) -> tuple:
+    """``choice_plan_checked``'s answer as ``(plan, selective, partial, peak, fits)`` (``fields``)."""
+    plan, peak, fits = choice_plan_checked(*args)
+    return (*fields(plan), peak, fits)
 
 
 def per_plan(predict):
@@ -51,11 +64,11 @@ def test_the_scheduler_takes_the_choice_that_frees_enough_for_the_least_time():
     savings = [[0.0] * 3, [6.0] * 3, [10.0] * 3]
     costs = [[0.0] * 3, [1.0] * 3, [4.0] * 3]
     predict = per_plan(_additive(savings, [0] * 3))
-    assert choice_plan_checked(savings, costs, predict, 95.0)[:2] == ((0,), (0,))
-    plan, selective, _, peak, fits = choice_plan_checked(savings, costs, predict, 88.0)
+    assert checked_fields(savings, costs, predict, 95.0)[:2] == ((0,), (0,))
+    plan, selective, _, peak, fits = checked_fields(savings, costs, predict, 88.0)
     assert fits and peak <= 88.0 and set(selective) == set(plan) and len(plan) == 2
     # Nothing selective frees enough: every block recomputed is what fits.
-    plan, selective, _, peak, fits = choice_plan_checked(savings, costs, predict, 71.0)
+    plan, selective, _, peak, fits = checked_fields(savings, costs, predict, 71.0)
     assert fits and plan == (0, 1, 2) and selective == ()
 
 
@@ -63,9 +76,9 @@ def test_a_choice_a_block_cannot_take_is_never_chosen_and_nothing_fitting_says_s
     savings = [[0.0] * 2, [np.nan, 6.0], [10.0, 10.0]]
     costs = [[0.0] * 2, [0.1, 1.0], [4.0, 4.0]]
     predict = per_plan(_additive(np.nan_to_num(savings), [0] * 2))
-    plan, selective, _, _, fits = choice_plan_checked(savings, costs, predict, 95.0)
+    plan, selective, _, _, fits = checked_fields(savings, costs, predict, 95.0)
     assert fits and 0 not in selective
-    assert choice_plan_checked(savings, costs, predict, 50.0)[4] is False  # 20 is the most it frees
+    assert checked_fields(savings, costs, predict, 50.0)[4] is False  # 20 is the most it frees
 
 
 def test_a_choice_whose_time_is_not_known_is_never_chosen():
@@ -75,9 +88,9 @@ def test_a_choice_whose_time_is_not_known_is_never_chosen():
     savings = [[0.0] * 2, [9.0, 6.0], [10.0, 10.0]]
     costs = [[0.0] * 2, [np.nan, 1.0], [4.0, 4.0]]
     predict = per_plan(_additive(savings, [0] * 2))
-    plan, selective, _, _, fits = choice_plan_checked(savings, costs, predict, 95.0)
+    plan, selective, _, _, fits = checked_fields(savings, costs, predict, 95.0)
     assert (plan, selective, fits) == ((1,), (1,), True)
-    plan, selective, _, _, fits = choice_plan_checked(savings, costs, predict, 85.0)
+    plan, selective, _, _, fits = checked_fields(savings, costs, predict, 85.0)
     assert fits and 0 not in selective and plan
 
 
@@ -196,7 +209,7 @@ def test_the_scheduler_chooses_as_its_plain_reference():
             costs.append(recompute_ms - np.array([float(rng.randint(0, 6)) for _ in range(n)]))
         savings.append(pred.savings)
         costs.append(recompute_ms)
-        low, high = plan_peak_bytes(pred, range(n)), plan_peak_bytes(pred, ())
+        low, high = plan_peak_bytes(pred, recomputed(range(n), n)), plan_peak_bytes(pred, recomputed((), n))
         limit = float(rng.randint(int(min(low, high)) - 20, int(max(low, high)) + 5))
         timeline, predicted, calls = Timeline(pred), [], []
 
@@ -209,9 +222,9 @@ def test_the_scheduler_chooses_as_its_plain_reference():
 
         def predict(plan, chosen, partial):
             reference_predicted.append((plan, chosen, partial))
-            return plan_peak_bytes(pred, plan, chosen, partial)
+            return plan_peak_bytes(pred, plan_of_fields(n, plan, chosen, (), partial))
 
-        fast = choice_plan_checked(savings, costs, predict_peaks, limit)
+        fast = checked_fields(savings, costs, predict_peaks, limit)
         assert fast == _reference_choice_plan(savings, costs, predict, limit), trial
         rest = iter(predicted)
         assert all(plan in rest for plan in reference_predicted), trial  # a subsequence
@@ -231,11 +244,11 @@ def test_two_blocks_checkpointed_selectively_rather_than_one_recomputed_where_th
         return 1000.0 - sum(60.0 if i in selective else 100.0 for i in plan)
 
     savings = [np.zeros(4), np.full(4, 60.0), np.full(4, 100.0)]
-    plan, selective, _, predicted, fits = choice_plan_checked(
+    plan, selective, _, predicted, fits = checked_fields(
         savings, [np.zeros(4), np.full(4, 1.0), np.full(4, 5.0)], per_plan(peak), 900.0)
     assert (plan, selective, predicted, fits) == ((0, 1), (0, 1), 880.0, True)
     dearer = [np.zeros(4), np.full(4, 3.0), np.full(4, 5.0)]
-    plan, selective, _, _, fits = choice_plan_checked(savings, dearer, per_plan(peak), 900.0)
+    plan, selective, _, _, fits = checked_fields(savings, dearer, per_plan(peak), 900.0)
     assert (plan, selective, fits) == ((0,), (), True)
 
 
@@ -249,8 +262,8 @@ def test_a_block_recomputed_whole_goes_selective_where_that_still_fits_and_costs
 
     savings = [np.zeros(4), np.full(4, 60.0), np.full(4, 100.0)]
     costs = [np.zeros(4), np.full(4, 9.0), np.full(4, 10.0)]
-    assert choice_plan_checked(savings, costs, per_plan(peak), 885.0) == ((0, 1), (0, 1), (), 880.0, True)
-    assert choice_plan_checked(savings, costs, per_plan(peak), 879.0) == ((0, 1), (1,), (), 840.0, True)
+    assert checked_fields(savings, costs, per_plan(peak), 885.0) == ((0, 1), (0, 1), (), 880.0, True)
+    assert checked_fields(savings, costs, per_plan(peak), 879.0) == ((0, 1), (1,), (), 840.0, True)
 
 
 def test_an_upgrade_that_cannot_be_given_back_does_not_stop_the_others_being_given_back():
@@ -266,8 +279,8 @@ def test_an_upgrade_that_cannot_be_given_back_does_not_stop_the_others_being_giv
 
     savings = [np.zeros(4), np.full(4, 50.0), np.full(4, 100.0)]
     costs = [np.zeros(4), np.full(4, 1.0), np.full(4, 3.0)]
-    assert choice_plan_checked(savings, costs, per_plan(peak), 880.0) == ((2,), (2,), (), 870.0, True)
-    assert choice_plan_checked(savings, costs, per_plan(peak), 800.0)[:2] == ((0, 1, 2), (0, 1, 2))
+    assert checked_fields(savings, costs, per_plan(peak), 880.0) == ((2,), (2,), (), 870.0, True)
+    assert checked_fields(savings, costs, per_plan(peak), 800.0)[:2] == ((0, 1, 2), (0, 1, 2))
 
 
 def test_the_choice_times_say_selective_costs_the_light_ops_and_the_dispatch_modes():
@@ -348,16 +361,15 @@ def test_finer_plans_fit_hold_their_predictions_and_compute_what_plain_training_
         seen = 0
         for size in HELD_OUT:
             batch = make(size)
-            none_peak = probe_with_plan(planner.parts, batch, ())
-            full_peak = probe_with_plan(planner.parts, batch, tuple(range(4)))
+            none_peak = probe_with_plan(planner.parts, batch, recomputed((), 4))
+            full_peak = probe_with_plan(planner.parts, batch, recomputed(range(4), 4))
             planner.parts.budget_bytes = int(full_peak + 0.5 * (none_peak - full_peak))
             planner.policy.cache = {}
             decision = planner.policy.decide(size)
             assert decision.predicted_peak_bytes <= planner.limit_bytes
-            measured = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective,
-                                       partial=decision.partial)
+            measured = probe_with_plan(planner.parts, batch, decision.plan)
             assert measured <= decision.predicted_peak_bytes <= measured * 1.02, (size, decision)
-            seen += bool(decision.selective)
+            seen += "selective" in decision.plan
         assert seen  # the budgets were met with selective blocks
 
 
@@ -441,16 +453,15 @@ def test_every_choice_of_every_block_is_predicted_never_under(stack, precision):
         else:  # the last matmul's output is not kept: its recompute would never take it back
             every, batch = (0, 1, 2), make_batch(largest)
             keep, planner.parts.plan_runner.selective_keep = planner.parts.plan_runner.selective_keep, {}
-            all_kept = probe_with_plan(planner.parts, batch, every, step_fn=step_fn, selective=every)
+            all_kept = probe_with_plan(planner.parts, batch, ("selective",) * 3, step_fn=step_fn)
             planner.parts.plan_runner.selective_keep = keep
-            assert probe_with_plan(planner.parts, batch, every, step_fn=step_fn, selective=every) < all_kept
+            assert probe_with_plan(planner.parts, batch, ("selective",) * 3, step_fn=step_fn) < all_kept
         for size in sizes:
             batch = make_batch(size)
             for levels in itertools.product((0, 1, 2), repeat=3):
-                plan = tuple(i for i, level in enumerate(levels) if level)
-                selective = tuple(i for i, level in enumerate(levels) if level == 1)
-                predicted = planner.predict_peak(size, plan, selective)
-                measured = probe_with_plan(planner.parts, batch, plan, step_fn=step_fn, selective=selective)
+                plan = tuple(("keep", "selective", "recompute")[level] for level in levels)
+                predicted = planner.predict_peak(size, plan)
+                measured = probe_with_plan(planner.parts, batch, plan, step_fn=step_fn)
                 assert measured <= predicted <= measured * over, (size, levels, predicted, measured)
 
 
@@ -475,7 +486,7 @@ def test_a_selective_blocks_forward_peak_is_predicted_as_measured():
                     peaks.append(meter.peak_bytes() - peaks[0])
             hooks = block.register_forward_pre_hook(enter), block.register_forward_hook(leave)
             try:
-                probe_with_plan(planner.parts, make(size), (0, 1, 2, 3), selective=(1,))
+                probe_with_plan(planner.parts, make(size), ("recompute", "selective", "recompute", "recompute"))
             finally:
                 for hook in hooks:
                     hook.remove()
@@ -502,16 +513,16 @@ def test_a_step_planned_with_selective_blocks_says_so_and_trains_as_plain():
         planner.policy.choice_times.mode_ms = 0.0
         meter.track(data)
         # Room for the step with one block checkpointed selectively: cheaper than recomputing one.
-        planner.parts.budget_bytes = planner.predict_peak((4, 64), (0,), (0,)) + 1024
+        planner.parts.budget_bytes = planner.predict_peak((4, 64), ("selective", "keep", "keep", "keep")) + 1024
         budget = planner.budget_bytes
         loss, peak, info = run_step(planner, meter, data)
         planner.close()
-    assert info.selective and set(info.selective) <= set(info.plan)
+    assert "selective" in info.plan
     assert peak <= budget < none_peak and torch.equal(loss, plain_loss)
 
 
 def test_the_heat_map_shows_selective_and_partial_blocks_and_records_keep_them():
-    records = [StepRecord(step=0, plan=[0, 1, 3], selective=[1], partial=[[3, "partial2"]], num_blocks=4,
+    records = [StepRecord(step=0, plan=["recompute", "selective", "keep", "partial2"], num_blocks=4,
                           loss=1.0, peak_bytes=1000),
                StepRecord(step=1, plan=[], num_blocks=4)]
     figure = plan_figure(records)
@@ -520,7 +531,7 @@ def test_the_heat_map_shows_selective_and_partial_blocks_and_records_keep_them()
     labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
     assert "checkpointed selectively" in labels and "checkpointed partially" in labels
     again = StepRecord.from_json(records[0].to_json())
-    assert again.partial == [[3, "partial2"]] and again.selective == [1]
+    assert again.plan == records[0].plan and again.blocks("selective") == again.blocks("partial") == 1
 
 
 def test_a_recipe_chooses_the_choice_set_and_refuses_others():
@@ -542,7 +553,7 @@ def test_selective_plans_that_cannot_be_priced_say_so_and_stay_block_level(monke
             planner.prepare(make, (4, 64))
         assert planner.stats["selective_in_use"] is False
         planner.parts.budget_bytes = 1
-        assert planner.policy.decide((4, 40)).selective == ()
+        assert planner.policy.decide((4, 40)).plan.count("selective") == 0
 
 
 def test_block_level_plans_checkpoint_nothing_selectively():
@@ -551,7 +562,7 @@ def test_block_level_plans_checkpoint_nothing_selectively():
         assert planner.policy.choice_times is None and not planner.policy._selective_known()
         assert planner.stats["selective_in_use"] is False
         planner.parts.budget_bytes = 1  # nothing fits: every block, none selectively
-        assert planner.policy.decide((4, 40)).selective == ()
+        assert planner.policy.decide((4, 40)).plan.count("selective") == 0
 
 
 def test_the_oracle_searches_the_same_choices_and_its_plans_fit():
@@ -576,15 +587,15 @@ def test_the_oracle_searches_the_same_choices_and_its_plans_fit():
         oracle.parts.budget_bytes = int(base + full_peak + 0.5 * (none_peak - full_peak))
         decision = oracle.policy.decide((4, 64))
         recompute_ms, selective_ms = oracle.policy.choice_ms[(4, 64)]
-        partial_ms, partial = oracle.policy.partial_ms[(4, 64)], dict(decision.partial)
+        partial_ms, plan = oracle.policy.partial_ms[(4, 64)], decision.plan
         block_level = optimal_plan(pred, oracle.limit_bytes - base)
-        cost = sum(selective_ms[i] if i in decision.selective else
-                   partial_ms[i, PARTIAL_LEVELS.index(partial[i])] if i in partial else recompute_ms[i]
-                   for i in decision.plan)
-        assert (decision.selective or partial) and cost <= sum(recompute_ms[i] for i in block_level) + 1e-9
+        cost = sum(selective_ms[i] if plan[i] == "selective" else
+                   partial_ms[i, PARTIAL_LEVELS.index(plan[i])] if plan[i] in PARTIAL_LEVELS else recompute_ms[i]
+                   for i in fields(plan)[0])
+        assert set(plan) & {"selective", *PARTIAL_LEVELS} and cost <= sum(recompute_ms[i] for i in block_level) + 1e-9
         loss, peak, info = run_step(oracle, meter, data)
         oracle.close()
-    assert (info.selective, info.partial) == (decision.selective, decision.partial) and peak <= oracle.budget_bytes
+    assert info.plan == decision.plan and peak <= oracle.budget_bytes
 
 
 def test_blocks_whose_savings_read_zero_are_still_taken_when_the_plan_needs_them():
@@ -593,7 +604,7 @@ def test_blocks_whose_savings_read_zero_are_still_taken_when_the_plan_needs_them
     savings = [[0.0] * 3, [np.nan] * 3, [0.0, 0.0, 5.0]]
     costs = [[0.0] * 3, [1.0] * 3, [4.0] * 3]
     predict = per_plan(lambda p, s: 100.0 - 10 * len(p))
-    plan, selective, _, peak, fits = choice_plan_checked(savings, costs, predict, 75.0)
+    plan, selective, _, peak, fits = checked_fields(savings, costs, predict, 75.0)
     assert fits and peak <= 75.0 and len(plan) >= 3 and selective == ()
 
 
@@ -623,7 +634,7 @@ def test_a_resumed_planner_keeps_the_same_heavy_outputs_and_an_older_state_plans
     with metered_mimose(_tiny_llama(), choices="selective") as (planner, meter):
         planner.load_state_dict(state)
         assert not planner.policy._selective_known()
-        assert planner.policy.decide((4, 64)).selective == ()
+        assert planner.policy.decide((4, 64)).plan.count("selective") == 0
 
 
 def _work_of(fn, *args):

@@ -43,7 +43,7 @@ def test_offloading_every_block_meets_a_budget_keeping_cannot_and_computes_the_s
     budget = (unlimited.peak_bytes() + kept.peak_bytes()) // 2
     model, planner, loss, meter = _step("offload", budget)
     assert planner.last.retries == 0 and planner.last.plan == () and planner.last.offload == tuple(range(planner.num_blocks))
-    assert planner.parts.plan_runner.choices(planner.num_blocks) == (OFFLOAD,) * planner.num_blocks
+    assert planner.plan == (OFFLOAD,) * planner.num_blocks
     assert meter.peak_bytes() <= budget and meter.peak_host_bytes() > 0 and meter.host_bytes() == 0
     assert torch.equal(loss, kept_loss)
     for (name, a), b in zip(kept_model.named_parameters(), model.parameters()):
@@ -73,7 +73,7 @@ def test_a_plan_mixes_the_choices_block_by_block_and_the_run_records_them():
 
     class Mixed(NoCheckpointingPolicy):
         def decide(self, input_size, context=None):
-            return Decision((0, 1), selective=(1,), offload=(2,))
+            return Decision((RECOMPUTE, SELECTIVE, OFFLOAD, KEEP))
 
     kept_model, _, kept_loss, _ = _step("none")
     model, planner, loss, _ = _step(Mixed)
@@ -81,8 +81,7 @@ def test_a_plan_mixes_the_choices_block_by_block_and_the_run_records_them():
     for (name, a), b in zip(kept_model.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), name
     info = planner.last
-    assert (info.plan, info.selective, info.offload) == ((0, 1), (1,), (2,))
-    assert planner.parts.plan_runner.choices(4) == (RECOMPUTE, SELECTIVE, OFFLOAD, KEEP)
+    assert info.plan == planner.plan == (RECOMPUTE, SELECTIVE, OFFLOAD, KEEP)
     record = completed_step(info, step=0, micro_step=0, input_shape=[4, 8], loss=0.0, num_blocks=4, lr=0.0,
                             iter_ms=1.0, peak_bytes=1, fwd_bwd_peak_bytes=1, start_bytes=0, activation_bytes=0)
     assert record.offload == [2]

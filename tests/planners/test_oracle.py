@@ -18,7 +18,7 @@ from mimose_cli.planners.baselines.oracle import (
     plan_peak,
 )
 from mimose_cli.planners.baselines.sublinear import BlockProfile
-from mimose_cli.planners.mimose.choices import plan_of
+from mimose_cli.planners.blocks import PARTIAL_LEVELS, plan_of_levels
 from mimose_cli.planners.mimose.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction, Timeline
 from mimose_cli.planners.mimose.features import KEEP_LEVEL, KEPT_SETS, LEVELS, RECOMPUTE_LEVEL, SELECTIVE_LEVEL
 
@@ -78,9 +78,9 @@ def _every_choice_plan(pred, limit, level_ms, usable):
     cost = ns[levels, np.arange(n)].sum(axis=1)
     fits = Timeline(pred).level_peaks(levels) <= limit
     if not fits.any():
-        return tuple(range(n)), (), ()
+        return ("recompute",) * n
     best = min(np.flatnonzero(fits).tolist(), key=lambda k: (cost[k], (levels[k] > 0).sum(), k))
-    return plan_of(levels[best].tolist())
+    return plan_of_levels(levels[best].tolist())
 
 
 def _random_choice_case(rng, n, alike, partial=True):
@@ -129,7 +129,7 @@ def test_the_finer_plan_search_in_chunks_is_every_plan_at_once(monkeypatch):
             expected = _every_choice_plan(pred, limit, level_ms, usable)
             found = choice_search(pred, limit, recompute, selective, selectable, partial_ms if partial else None)
             assert found == expected, (n, alike, partial)
-            partial_plans += bool(found[2])
+            partial_plans += any(choice in PARTIAL_LEVELS for choice in found)
     assert partial_plans > 5  # the partial levels were chosen, not only offered
 
 
@@ -157,7 +157,7 @@ def test_the_finer_plan_search_block_by_block_is_exact(monkeypatch):
             expected = _every_choice_plan(pred, limit, level_ms, usable)
             found = choice_search(pred, limit, *times, searched=searched)
             assert found == expected, (n, alike, resident)
-            partial_plans += bool(found[2])
+            partial_plans += any(choice in PARTIAL_LEVELS for choice in found)
             resident_plans += resident != "none" and len(found[0]) < n
     assert searched == {"frontier": 45} and partial_plans > 3 and resident_plans > 10
     pred, limit, times, _, _ = _random_choice_case(rng, 5, False)

@@ -12,15 +12,14 @@ from mimose_cli.runs.summary import summarize
 
 # Every line has every key, in this order (the keys metrics.jsonl has always had).
 KEYS = ["step", "micro_step", "input_shape", "input_size", "loss", "lr", "iter_ms", "memory/peak_bytes",
-        "memory/fwd_bwd_peak_bytes", "memory/start_bytes", "memory/activation_bytes", "plan", "selective", "offload",
-        "partial", "num_blocks",
+        "memory/fwd_bwd_peak_bytes", "memory/start_bytes", "memory/activation_bytes", "plan", "num_blocks",
         "planner_ms", "phase", "cache_hit", "predicted_peak_bytes", "reached_bytes", "retries", "excluded_ms",
         "recompute_ms", "oom", "error", "memory/reserved_peak_bytes", "memory/host_peak_bytes", "epoch", "eval_loss",
         "eval_accuracy", "eval_ms", "memory/eval_peak_bytes", "rank", "ranks"]
 
 
 def _info(**timings) -> StepInfo:
-    info = StepInfo(step=3, input_size=(4, 70), plan=(0, 2), planning_ms=0.25, cache_hit=True,
+    info = StepInfo(step=3, input_size=(4, 70), plan=("recompute", "keep", "recompute", "keep"), planning_ms=0.25, cache_hit=True,
                     predicted_peak_bytes=31_000_000, retries=1)
     for name, value in timings.items():
         setattr(info, name, value)
@@ -38,7 +37,7 @@ def test_a_completed_record_round_trips_with_every_key():
     record = _completed()
     data = record.to_json()
     assert list(data) == KEYS and data["error"] is None and data["reached_bytes"] is None
-    assert data["memory/peak_bytes"] == 30_000_000 and data["plan"] == [0, 2] and data["input_shape"] == [4, 70]
+    assert data["memory/peak_bytes"] == 30_000_000 and data["plan"] == ["recompute", "keep", "recompute", "keep"] and data["input_shape"] == [4, 70]
     assert data["recompute_ms"] == 1.5 and data["excluded_ms"] == 2.0 and data["planner_ms"] == 0.25
     assert StepRecord.from_json(json.loads(json.dumps(data))) == record
     assert record.train_ms == 78.5
@@ -130,3 +129,25 @@ def test_a_micro_batch_recorded_twice_is_refused(tmp_path):
     path.write_text(line * 2)
     with pytest.raises(ValueError, match="record 2: step 0 micro_step 0 again \\(first as record 1\\)"):
         read_records(path)
+
+
+def test_the_previous_releases_four_plan_fields_read_as_one_choice_per_block(tmp_path):
+    """A ``metrics.jsonl`` and ``plans.jsonl`` written before a plan was one choice per block
+    (``plan`` the indices checkpointed, ``selective``, ``partial`` and ``offload`` beside it) read
+    as one choice per block, so that ``mimose report`` reads old run directories."""
+    from mimose_cli.runs.records import read_plans
+
+    old = {"step": 0, "micro_step": 0, "input_shape": [2, 8], "input_size": [2, 8], "loss": 1.0,
+           "memory/peak_bytes": 100, "plan": [0, 1, 3], "selective": [1], "partial": [[3, "partial2"]],
+           "offload": [4], "num_blocks": 6,
+           "ranks": [{"rank": 0, "plan": [0, 1, 3]}]}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(old) + "\n")
+    (record,) = read_records(tmp_path / "metrics.jsonl")
+    assert record.plan == ["recompute", "selective", "keep", "partial2", "offload", "keep"]
+    assert (record.blocks("checkpointed"), record.blocks("selective"), record.blocks("offload")) == (3, 1, 1)
+    assert record.ranks[0].plan == ["recompute", "recompute", "keep", "recompute", "keep", "keep"]
+    (tmp_path / "plans.jsonl").write_text(
+        '{"step": 0, "micro_step": 0, "input_size": [2, 8], "plan": [0, 1, 3], "selective": [1], '
+        '"partial": [[3, "partial2"]], "offload": [4]}\n{"step": 1, "micro_step": 0, "input_size": [2, 8], "plan": []}\n')
+    assert [line["plan"] for line in read_plans(tmp_path / "plans.jsonl", 6)] == [
+        ["recompute", "selective", "keep", "partial2", "offload", "keep"], ["keep"] * 6]
