@@ -148,10 +148,11 @@ class Planner:
         """The policy's decision as this step's ``StepInfo``; a size that ran out of memory twice
         checkpoints every block (``recover``)."""
         start = time.perf_counter()
-        decision = self.policy.decide(size, context)
-        if self.policy.size_key(size) in self.full_sizes:
+        if self.policy.size_key(size) in self.full_sizes:  # the policy is not asked: its counts stay its own
             plan = tuple(range(self.num_blocks))
             decision = Decision(plan, "recovery", predicted_peak_bytes=self.policy.predict_peak(size, plan))
+        else:
+            decision = self.policy.decide(size, context)
         planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
         try:
             check_choices(self.num_blocks, decision.plan, decision.selective, decision.offload, decision.partial)
@@ -201,8 +202,8 @@ class Planner:
             self.total_planning_ms += info.planning_ms
             parts.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
             runner = self.policy.runner_for(info)
-            runner.begin(info, batch)
             try:
+                runner.begin(info, batch)  # inside: what a begin that raised had entered is left by abort
                 with parts.router.using(runner):
                     yield info
             except BaseException:

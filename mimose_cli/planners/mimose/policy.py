@@ -605,9 +605,10 @@ class MimosePolicy(Policy):
         key = self.cache_key(size)
         base = self._start_bytes()
         entry = self.cache.get(key)
-        # A cached plan holds while the bytes at the step's start still leave it room.
+        # A cached plan holds while the bytes at the step's start still leave it room, inside the
+        # same limit a miss plans against (a recovery's margin kept).
         hit = key not in self.contradicted and entry is not None and (
-            not entry.fits or base + entry.peak_bytes <= self.parts.limit_bytes)
+            not entry.fits or base + entry.peak_bytes <= self._limit(key))
         if not hit:
             reason = self._contradiction(key) or self.estimator.trust.reason(key)
             if reason is not None:
@@ -653,10 +654,14 @@ class MimosePolicy(Policy):
         never under-predicted (``planner.run`` sets them aside, so there it is exact)."""
         return self.parts.meter.current_bytes() if self.parts.meter is not None else 0
 
+    def _limit(self, key: tuple) -> int:
+        """What a step of ``key`` may hold: the planner's limit less the margin a recovery set for it."""
+        return self.parts.limit_bytes - self.recovery_margins.get(key, 0)
+
     def _plan_miss(self, key: tuple, base: int) -> tuple:
         start = time.perf_counter()
         pred = self.estimator.predict(key)
-        limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
+        limit = self._limit(key)
         selective, offload, partial = (), (), ()
         if self._selective_known():
             features = self.estimator.feature_set.of(key)
