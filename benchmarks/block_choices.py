@@ -22,7 +22,7 @@ import torch
 from robustness import MODELS, Shape, build_model, make_batch
 
 from mimose_cli.memory import build_meter
-from mimose_cli.planners.registry import build_planner
+from mimose_cli.planners.base import build_planner
 
 from _results import write_results
 

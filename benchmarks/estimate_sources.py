@@ -31,8 +31,8 @@ from robustness import MODELS, Shape, build_model, make_batch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mimose_cli.memory import build_meter
+from mimose_cli.planners.base import build_planner
 from mimose_cli.planners.mimose.policy import Mimose
-from mimose_cli.planners.registry import build_planner
 
 from _results import write_results
 

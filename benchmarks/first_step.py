@@ -31,8 +31,8 @@ import torch
 from robustness import MODELS, SETTINGS, Shape, build_model, make_batch, make_step_fn
 
 from mimose_cli.memory import build_meter
+from mimose_cli.planners.base import build_planner
 from mimose_cli.planners.mimose.policy import Mimose
-from mimose_cli.planners.registry import build_planner
 from mimose_cli.planners.trial import probe_step, probe_with_plan
 
 from _results import write_results

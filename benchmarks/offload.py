@@ -24,7 +24,7 @@ from robustness import MODELS, build_model, make_batch
 
 from mimose_cli.memory import build_meter
 from mimose_cli.memory.offload import HOST_LINK_GB_PER_S, offload_ms
-from mimose_cli.planners.registry import build_planner
+from mimose_cli.planners.base import build_planner
 
 from _results import write_results
 

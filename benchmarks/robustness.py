@@ -45,6 +45,7 @@ import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import get_args
 
 import numpy as np
 import torch
@@ -53,7 +54,7 @@ import transformers
 from mimose_cli.launcher.data.synthetic import data_rng, sample_lengths
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import build_planner
-from mimose_cli.planners.mimose.choices import CHOICE_SETS
+from mimose_cli.planners.options import ChoiceSet
 
 from _results import write_results
 
@@ -520,7 +521,7 @@ def main():
     parser.add_argument("--steps", type=int, default=100, help="micro-batches per run")
     parser.add_argument("--quick", action="store_true", help="12 steps of bert and vit in fp32 and varbatch")
     parser.add_argument("--jobs", type=int, default=1, help="processes, one (model, setting) pair each")
-    parser.add_argument("--choices", default="block", choices=CHOICE_SETS,
+    parser.add_argument("--choices", default="block", choices=get_args(ChoiceSet),
                         help="Mimose's plans (planner.mimose.choices); selective writes robustness_selective.json, "
                              "offload robustness_offload.json")
     args = parser.parse_args()

@@ -30,8 +30,8 @@ from mimose_cli.launcher.models import build_model, model_config
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.memory import build_meter
 from mimose_cli.memory import probe as live_probe
+from mimose_cli.planners.base import build_planner
 from mimose_cli.planners.mimose.policy import Mimose
-from mimose_cli.planners.registry import build_planner
 
 from _results import run_training, write_results
 

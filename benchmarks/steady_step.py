@@ -22,7 +22,7 @@ from short_run import recipe
 from mimose_cli.launcher.data.loader import make_batch
 from mimose_cli.launcher.models import build_model, model_config
 from mimose_cli.memory import build_meter
-from mimose_cli.planners.registry import build_planner
+from mimose_cli.planners.base import build_planner
 
 from _results import write_results
 

@@ -88,8 +88,7 @@ HOUSEHOLDS = [  # the planner wing's rooms, lowest first: a room may import its 
     ("framework", "mimose_cli.planners"),
     ("mimose", "mimose_cli.planners.mimose"),
     ("baselines", "mimose_cli.planners.baselines"),
-    ("registry", "mimose_cli.planners.registry"),  # names every planner, so it sits above them all
-]
+]  # planners.registry names the planners' modules as text, imported when first asked for
 
 
 def household_of(module: str) -> int:

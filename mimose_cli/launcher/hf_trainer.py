@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 from mimose_cli.launcher.preflight import optimizer_state_bytes
 from mimose_cli.memory import build_meter, param_bytes
-from mimose_cli.planners.base import Planner
+from mimose_cli.planners.base import Planner, build_planner, library_keywords
 from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.planners.contract import Policy, StepInfo
 from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
-from mimose_cli.planners.options import PLANNER_OPTIONS, OptionError, parse_options
-from mimose_cli.planners.registry import PLANNERS, build_planner, library_keywords
+from mimose_cli.planners.options import OptionError, parse_options
+from mimose_cli.planners.registry import PLANNERS
 from mimose_cli.planners.trial import model_device
 from mimose_cli.units import format_bytes, parse_size
 
@@ -200,14 +200,15 @@ def _check_planner(planner: str, options: dict, max_input_size) -> None:
     """The planner's name, options and ``max_input_size``, checked before anything is built."""
     if planner not in PLANNERS:
         raise ValueError(f"planner={planner!r} is unknown; choose one of {', '.join(sorted(PLANNERS))}")
-    recipe_options = {f.name for f in dataclasses.fields(PLANNER_OPTIONS[planner])}
-    unknown = [key for key in options if key not in recipe_options | library_keywords(planner)]
+    recipe_options = {f.name for f in dataclasses.fields(PLANNERS.options(planner))}
+    takes = recipe_options | library_keywords(PLANNERS[planner])
+    unknown = [key for key in options if key not in takes]
     if unknown:
-        takes = ", ".join(sorted(library_keywords(planner))) or "none"
+        takes = ", ".join(sorted(takes)) or "none"
         raise ValueError(f"{unknown[0]}={options[unknown[0]]!r} is not an option of planner={planner!r}; "
                          f"its options: {takes}")
     try:  # the options a recipe could give, type-checked as the recipe checks them
-        parse_options(planner, {k: v for k, v in options.items() if k in recipe_options})
+        parse_options(PLANNERS.options(planner), {k: v for k, v in options.items() if k in recipe_options}, planner)
     except OptionError as err:
         raise ValueError(f"{err.key}={err.value!r} is invalid for planner={planner!r}; expected {err.expected}") from None
     plans_ahead = ((planner == "sublinear" and options.get("variant", "greedy") != "sqrt")

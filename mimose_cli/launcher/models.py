@@ -152,12 +152,13 @@ def _model_class(task: str, config):
     return auto
 
 
-def build_model(recipe) -> torch.nn.Module:
-    """The task model in train mode: random init seeded by ``recipe.seed``, or ``model.pretrained``.
+def build_model(recipe, config: transformers.PretrainedConfig | None = None) -> torch.nn.Module:
+    """The task model in train mode: random init seeded by ``recipe.seed``, or ``model.pretrained``;
+    ``config`` is ``model_config(recipe)``, made here unless the caller has it already.
 
     The global RNG is left as it was, so building a model does not shift dropout or data order.
     """
-    config = model_config(recipe)
+    config = model_config(recipe) if config is None else config
     cls = _model_class(recipe.task, config)
     try:
         if recipe.model.pretrained is not None:

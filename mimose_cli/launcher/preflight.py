@@ -48,7 +48,7 @@ class BudgetRange:
     """Whether the planner trades time for memory (``Policy.saves_memory``; not ``none``)."""
     leaner: str | None = None
     """A setting of the planner's that needs less memory than its least-memory plan
-    (``Policy.leaner_setting``); None: none."""
+    (``options.leaner_setting``); None: none."""
 
     def describe(self) -> str:
         size = "x".join(str(d) for d in self.input_size)
@@ -70,7 +70,7 @@ def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) 
             peak = probe_with_plan(planner.parts, batch, plan)
             peaks.append(None if peak is None else peak + later_bytes)
     return BudgetRange(tuple(input_size), *peaks, least=plan_in_words(least, planner.num_blocks),
-                       saves_memory=planner.policy.saves_memory, leaner=planner.policy.leaner_setting)
+                       saves_memory=planner.policy.saves_memory, leaner=planner.parts.options.leaner_setting())
 
 
 def budget_error(budget_bytes: int | None, needs: BudgetRange, written: str | None = None) -> str | None:

@@ -39,13 +39,14 @@ from pydantic.dataclasses import dataclass
 from mimose_cli.files import write_text
 from mimose_cli.launcher.data.presets import IMAGE_PRESETS, LENGTH_PRESETS, MIN_SYNTHETIC_LENGTH
 from mimose_cli.planners.options import (
-    PLANNER_OPTIONS,
     EveryNOptions,
+    OptionError,
     FullOptions,
     MimoseOptions,
     OracleOptions,
     SublinearOptions,
 )
+from mimose_cli.planners.registry import PLANNERS
 from mimose_cli.units import parse_size
 
 FORBID_UNKNOWN_KEYS = ConfigDict(extra="forbid")
@@ -308,15 +309,10 @@ class PlannerConfig:
     """safety_margin in bytes, parsed once here; None for auto (the planner decides)."""
 
     def __post_init__(self):
-        if self.name not in PLANNER_OPTIONS:
-            raise _Invalid("name", self.name, " | ".join(sorted(PLANNER_OPTIONS)))
+        if self.name not in PLANNERS:
+            raise _Invalid("name", self.name, " | ".join(sorted(PLANNERS)))
         if self.safety_margin != "auto":
             self.safety_margin_bytes = _size_bytes("safety_margin", self.safety_margin, allow_zero=True)
-        if self.mimose.choices != "block" and self.mimose.estimate != "probes":
-            raise _Invalid("mimose.choices", self.mimose.choices,
-                           "block with planner.mimose.estimate: sheltered (only the probes measure what a "
-                           "block holds checkpointed selectively or offloaded); set planner.mimose.estimate: "
-                           "probes or planner.mimose.choices: block")
 
     @property
     def keywords(self) -> dict:
@@ -394,7 +390,9 @@ def _recipe_error(err: ValidationError, where: str, origins: dict) -> RecipeErro
     first = next((e for e in errors if e["type"] in UNKNOWN_KEY), errors[0])
     loc = tuple(str(part) for part in first["loc"])
     cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, _Invalid):
+    if isinstance(cause, OptionError):  # a planner's options' own rule, naming other keys of its section
+        key, value, expected = ".".join(loc + (cause.key,)), cause.value, cause.expected_in(".".join(loc))
+    elif isinstance(cause, _Invalid):
         key, value, expected = ".".join(loc + (cause.key,)), cause.value, cause.expected
     elif first["type"] in UNKNOWN_KEY:
         key = ".".join(loc)
@@ -535,7 +533,7 @@ def idle_planner_overrides(recipe: Recipe, overrides) -> list:
     ``recipe`` runs (``planner.mimose.choices=selective`` under ``--planner sublinear``): a recipe
     keeps every planner's options, so they are valid, but a run reads only its own planner's."""
     own = recipe.planner.name.replace("-", "_")
-    sections = {name.replace("-", "_") for name in PLANNER_OPTIONS}
+    sections = {name.replace("-", "_") for name in PLANNERS}
     idle = []
     for text in overrides:
         parts = text.split("=", 1)[0].strip().split(".")

@@ -21,8 +21,7 @@ from mimose_cli.launcher.distributed import World, data_parallel_step
 from mimose_cli.launcher.models import build_model
 from mimose_cli.launcher.recipe import Recipe
 from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
-from mimose_cli.planners.base import Planner
-from mimose_cli.planners.registry import build_planner
+from mimose_cli.planners.base import Planner, build_planner
 from mimose_cli.runs.records import StepRecord, completed_step, oom_step
 from mimose_cli.units import format_budget, format_bytes
 
@@ -138,15 +137,15 @@ def describe_model(model: torch.nn.Module, recipe: Recipe) -> str:
 
 
 def build_trainer(recipe: Recipe, config, total_steps: int, world: World = World(), say=None) -> Trainer:
-    """Setup: seed, device, model, optimizer, meter, planner (each rank its own, the same seed);
-    ``say(line)`` hears each phase."""
+    """Setup: seed, device, model (of ``config``, ``models.model_config(recipe)``), optimizer, meter,
+    planner (each rank its own, the same seed); ``say(line)`` hears each phase."""
     say = say or (lambda line: None)
     device = resolve_device(recipe.device)
     if device.type == "cpu" and recipe.training.cpu_threads is not None:
         torch.set_num_threads(recipe.training.cpu_threads)
     say(describe_device(device, recipe))
     torch.manual_seed(recipe.seed)
-    model = build_model(recipe).to(device)
+    model = build_model(recipe, config).to(device)
     model.train()
     say(describe_model(model, recipe))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]

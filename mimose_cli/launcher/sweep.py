@@ -5,7 +5,6 @@ and one run directory per (budget, planner) under ``runs/<budget>/``. A run that
 memory is a result (status "oom"), never a crash of the comparison.
 """
 
-import inspect
 import json
 import statistics
 import time
@@ -24,21 +23,15 @@ from mimose_cli.runs.rundir import RunLock, check_out_dir, unique_dir
 
 
 def _variants() -> list:
-    """The planners with compare variants (``Policy.variant_option``), each as ``name:value``
-    with the option's values (``sublinear:greedy|sqrt|chen``)."""
-    from typing import get_args
-
-    specs = []
-    for name, policy in sorted(PLANNERS.items()):
-        if policy.variant_option:
-            values = get_args(inspect.signature(policy.__init__).parameters[policy.variant_option].annotation)
-            specs.append(f"{name}:{'|'.join(values) or policy.variant_option}")
-    return specs
+    """The planners with compare variants (``variant_field`` of their options), each as
+    ``name:value`` with the option's values (``sublinear:greedy|sqrt|chen``)."""
+    return [f"{name}:{'|'.join(PLANNERS.options(name).variants())}" for name in sorted(PLANNERS)
+            if PLANNERS.options(name).variant_field]
 
 
 def planner_specs(baselines) -> list:
     """``["mimose", *baselines, "none", "oracle"]`` without repeats; ``name:value`` sets the
-    planner's variant option (``Policy.variant_option``: ``sublinear:sqrt``, ``mimose:selective``).
+    planner's variant option (its options' ``variant_field``: ``sublinear:sqrt``, ``mimose:selective``).
     Unknown planners, and variants of a planner without them, raise ValueError."""
     specs = []
     for spec in ["mimose", *baselines, "none", "oracle"]:
@@ -49,7 +42,7 @@ def planner_specs(baselines) -> list:
         if name not in PLANNERS:
             raise ValueError(f"unknown planner {name!r} among the baselines; choose from "
                              f"{', '.join(sorted(PLANNERS))}")
-        if colon and PLANNERS[name].variant_option is None:
+        if colon and PLANNERS.options(name).variant_field is None:
             raise ValueError(f"baseline {spec!r}: {name} has no variants (those that do: {', '.join(_variants())}); "
                              f"write {name} alone")
         if colon and not variant.strip():
@@ -73,7 +66,7 @@ def _run_recipe(recipe: Recipe, spec: str, steps) -> Recipe:
     name, _, variant = spec.partition(":")
     flags = {"planner.name": name, "training.max_steps": steps}
     if variant:
-        flags[f"planner.{name}.{PLANNERS[name].variant_option}"] = variant
+        flags[f"planner.{name}.{PLANNERS.options(name).variant_field}"] = variant
     return recipe_from_dict(recipe_to_dict(recipe), f"compare {spec}", flags=flags, flags_from=f"compare {spec}")
 
 
@@ -92,7 +85,7 @@ def _distinct_runs(recipes: dict, console) -> list:
         kept[text] = bare
         name, _, value = variant.partition(":")
         console.print(f"compare: {variant} is the same run as {bare} (the recipe sets "
-                      f"planner.{name}.{PLANNERS[name].variant_option}: {value} already); it runs once, as {bare}")
+                      f"planner.{name}.{PLANNERS.options(name).variant_field}: {value} already); it runs once, as {bare}")
     return list(kept.values())
 
 

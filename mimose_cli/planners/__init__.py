@@ -10,7 +10,7 @@ lazily so that ``planners.options`` (what a recipe validates) is importable with
 import importlib
 
 _EXPORTS = {
-    "PLANNERS": "registry", "build_planner": "registry",
+    "PLANNERS": "registry", "build_planner": "base",
     "Decision": "contract", "Policy": "contract", "StepContext": "contract", "StepInfo": "contract",
     "Planner": "base", "PlannerParts": "parts", "infer_input_size": "inputs",
     "BlockRunner": "runners", "PlanRunner": "runners", "discover_blocks": "blocks",

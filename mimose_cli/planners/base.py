@@ -11,6 +11,7 @@ docs/DESIGN.md has a whole policy in 30 lines.
 """
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import time
@@ -20,8 +21,10 @@ from mimose_cli.files import write_text
 from mimose_cli.planners.blocks import RECOMPUTE
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
 from mimose_cli.planners.inputs import infer_input_size
+from mimose_cli.planners.options import parse_options
 from mimose_cli.planners.parts import PlannerParts, resolve_blocks
 from mimose_cli.planners.recovery import run_recovering
+from mimose_cli.planners.registry import PLANNERS
 from mimose_cli.planners.usage import EnteredOnce, check_supported, claim, release
 
 
@@ -37,7 +40,9 @@ class Planner:
 
     or ``planner.run(step_fn, batch)``, which also recovers from running out of memory.
     ``Planner(model, policy, budget, blocks=, safety_margin=, meter=, **options)`` plans with any
-    ``Policy`` subclass (``policy(parts, **options)``).
+    ``Policy`` subclass: ``options`` are its options (``planners.options``, checked there and
+    handed to the policy as ``parts.options``) and the keywords only code passes its constructor
+    (DTR's ``cost_fn``): ``policy(parts, **those)``.
     """
 
     def __init_subclass__(cls, **kwargs):
@@ -47,8 +52,8 @@ class Planner:
     def __init__(self, model, policy: type, budget=None, *, blocks=None, safety_margin="auto", meter=None,
                  **options):
         if not (isinstance(policy, type) and issubclass(policy, Policy)):
-            raise TypeError(f"policy={policy!r}: expected a Policy subclass (planners.policy), e.g. MimosePolicy")
-        _check_options(policy, options)
+            raise TypeError(f"policy={policy!r}: expected a Policy subclass (planners.contract), e.g. MimosePolicy")
+        planner_options, library = _split_options(policy, options)
         self.name = policy.name
         self.closed = True  # until the policy is made
         self._stepping = False  # inside a step: a second one would nest
@@ -62,12 +67,12 @@ class Planner:
         claim(model, self)
         try:
             self.parts = PlannerParts(model, resolved, budget, safety_margin=safety_margin, meter=meter,
-                                      builds_meter=policy.builds_meter, owner=self)
+                                      builds_meter=policy.builds_meter, owner=self, options=planner_options)
         except BaseException:
             release(model, self)
             raise
         try:
-            self.policy = policy(self.parts, **options)
+            self.policy = policy(self.parts, **library)
         except BaseException:  # the model is not left claimed by a planner that was never made
             self.parts.close()
             release(model, self)
@@ -149,10 +154,11 @@ class Planner:
         """The policy's decision as this step's ``StepInfo``; a size that ran out of memory twice
         checkpoints every block (``recover``)."""
         start = time.perf_counter()
-        decision = self.policy.decide(size, context)
-        if self.policy.size_key(size) in self.full_sizes:
+        if self.policy.size_key(size) in self.full_sizes:  # the policy is not asked: its counts stay its own
             plan = (RECOMPUTE,) * self.num_blocks
             decision = Decision(plan, "recovery", predicted_peak_bytes=self.policy.predict_peak(size, plan))
+        else:
+            decision = self.policy.decide(size, context)
         planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
         try:
             plan = self.parts.plan_runner.checked(decision.plan, self.num_blocks)
@@ -198,8 +204,8 @@ class Planner:
             self.total_planning_ms += info.planning_ms
             parts.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
             runner = self.policy.runner_for(info)
-            runner.begin(info, batch)
             try:
+                runner.begin(info, batch)  # inside: what a begin that raised had entered is left by abort
                 with parts.router.using(runner):
                     yield info
             except BaseException:
@@ -288,18 +294,31 @@ class Planner:
         return f"<Planner {getattr(self, 'name', '?')}{' (closed)' if getattr(self, 'closed', False) else ''}>"
 
 
-def policy_options(policy: type) -> set:
-    """The options a policy's constructor names (besides ``parts``)."""
+def library_keywords(policy: type) -> set:
+    """The keywords only code passes ``policy``'s constructor (DTR's ``cost_fn``), besides ``parts``."""
     params = inspect.signature(policy.__init__).parameters.values()
     return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"self", "parts"}
 
 
-def _check_options(policy: type, options: dict) -> None:
-    """TypeError naming the planner and what it takes, for an option its policy does not take."""
-    if any(p.kind == p.VAR_KEYWORD for p in inspect.signature(policy.__init__).parameters.values()):
-        return
-    takes = sorted(policy_options(policy))
-    unknown = sorted(set(options) - set(takes))
-    if unknown:
+def _split_options(policy: type, options: dict) -> tuple:
+    """``options`` as the policy's options (``PLANNERS.options_of``, built and checked by
+    ``parse_options``: ``OptionError`` for a value it cannot use) and the constructor's keywords;
+    TypeError naming the planner and what it takes for a keyword that is neither."""
+    options_type = PLANNERS.options_of(policy)
+    fields = {f.name for f in dataclasses.fields(options_type)}
+    library = library_keywords(policy)
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(policy.__init__).parameters.values())
+    unknown = sorted(set(options) - fields - library)
+    if unknown and not takes_any:
         raise TypeError(f"planner {policy.name!r} has no option {', '.join(unknown)}; it takes "
-                        f"{', '.join(takes) or 'none of its own'} (and blocks, safety_margin, meter)")
+                        f"{', '.join(sorted(fields | library)) or 'none of its own'} (and blocks, safety_margin, meter)")
+    parsed = parse_options(options_type, {k: v for k, v in options.items() if k in fields}, policy.name)
+    return parsed, {k: v for k, v in options.items() if k not in fields}
+
+
+def build_planner(name: str, model, budget=None, **kwargs) -> Planner:
+    """``Planner(model, PLANNERS[name], budget, **kwargs)``; unknown names raise ValueError
+    listing the choices."""
+    if name not in PLANNERS:
+        raise ValueError(f"unknown planner {name!r}; choose one of {', '.join(sorted(PLANNERS))}")
+    return Planner(model, PLANNERS[name], budget, **kwargs)

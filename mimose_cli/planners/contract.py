@@ -89,21 +89,12 @@ class Policy:
     """Whether out-of-memory recovery may change this policy's plan (``none`` and ``full`` are
     fixed by definition: ``none`` running out of memory is its answer, ``full`` has no more to give)."""
     max_retries = 2
-    oom_fix: tuple = ()
-    """What to suggest when a step runs out of memory for good, if not the default (raise the
-    budget, shorter batches): never what the policy does already."""
-    leaner_setting: str | None = None
-    """A setting of this policy's that needs less memory than its least-memory plan (``full`` with
-    ``selective``: ``planner.full.selective: false``), named where a budget is below that plan."""
     builds_meter = False
     """Without a ``meter``, build one (Mimose measures every step), on only inside ``step`` and
     ``run``: code between the steps runs as if there were no planner."""
     saves_memory = True
     """False: the policy never trades time for memory (``none``); the pre-flight then warns when
     its largest step needs more than the budget, and lets it run out of memory there."""
-    variant_option: str | None = None
-    """The option a compare baseline ``name:value`` sets (``mimose compare --baselines
-    sublinear:chen,mimose:selective``); None: the planner has no variants."""
     state_file: str | None = None
     """The file in a run directory ``save`` writes, for planners whose state is worth keeping."""
     measurer = None

@@ -11,6 +11,7 @@ import functools
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import discover_blocks
+from mimose_cli.planners.options import NoOptions
 from mimose_cli.planners.runners import PlanRunner, RecomputeClock, StepRouter
 from mimose_cli.planners.session import MeterSession
 from mimose_cli.planners.trial import model_device
@@ -43,8 +44,10 @@ class PlannerParts:
     router's hooks keep alive (``blocks.StepRouter``)."""
 
     def __init__(self, model, blocks: list, budget=None, *, safety_margin="auto", meter=None,
-                 builds_meter: bool = False, owner=None):
+                 builds_meter: bool = False, owner=None, options=None):
         self.model = model
+        self.options = NoOptions() if options is None else options
+        """The planner's options (``planners.options``: ``MimoseOptions``, ...), checked already."""
         self.blocks = blocks
         self.num_blocks = len(blocks)
         self.budget_bytes = None if budget is None else parse_size(budget)

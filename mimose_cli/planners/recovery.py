@@ -124,7 +124,7 @@ def run_recovering(planner, step_fn, batch, size: tuple):
     n, checkpointing = planner.num_blocks, len(checkpointed(info.plan))
     blocks = "every block" if checkpointing == n else f"{checkpointing} of {n} blocks"
     device = getattr(planner.meter, "budget_bytes", None) or planner.budget_bytes  # what the device holds
-    message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached, *planner.policy.oom_fix)
+    message = oom_message(size, last_try, blocks, device, info.predicted_peak_bytes, reached, *planner.parts.options.oom_fix())
     raise PlanOutOfMemoryError(message, device, info.predicted_peak_bytes, reached, last_try)
 
 

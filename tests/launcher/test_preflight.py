@@ -118,16 +118,16 @@ def test_planners_with_one_plan_are_held_to_it():
     assert budget_error(400, needs, "400") is not None  # below every plan: refused
     assert budget_warning(800, BudgetRange((16, 128), 500, 900)) is None  # a planner that checkpoints
     # full with selective: its one plan keeps more than whole blocks recomputed, and the error says so.
-    from mimose_cli.planners.baselines.uniform import FullCheckpointingPolicy
+    from mimose_cli.planners.options import FullOptions
 
-    assert FullCheckpointingPolicy.leaner_setting is None
+    assert FullOptions().leaner_setting() is None
     from torch import nn
 
     from mimose_cli.planners import build_planner
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with build_planner("full", model, None, blocks="*", selective=True) as planner:
-        assert planner.policy.leaner_setting == "planner.full.selective: false"
+        assert planner.parts.options.leaner_setting() == "planner.full.selective: false"
     leaner = BudgetRange((16, 128), 500, 900, leaner="planner.full.selective: false")
     said = budget_error(400, leaner, "400")
     assert "at least 500 B, set planner.full.selective: false (it needs less), or lower" in said

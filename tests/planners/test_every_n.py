@@ -6,9 +6,9 @@ import inspect
 import pytest
 
 from mimose_cli.memory import build_meter
+from mimose_cli.planners.base import build_planner
 from mimose_cli.planners.baselines.every_n import EveryN, stride_plan
-from mimose_cli.planners.options import PLANNER_OPTIONS
-from mimose_cli.planners.registry import PLANNERS, build_planner
+from mimose_cli.planners.registry import PLANNERS
 from mimose_cli.planners.trial import probe_with_plan
 
 from helpers import bert_batch, tiny_bert
@@ -60,12 +60,13 @@ def test_a_given_stride_is_applied_without_measuring():
 
 
 @pytest.mark.parametrize("name", sorted(PLANNERS))
-def test_every_recipe_option_is_a_constructor_keyword_with_the_same_default(name):
-    params = inspect.signature(PLANNERS[name].__init__).parameters  # a policy's options are its own
-    for field in dataclasses.fields(PLANNER_OPTIONS[name]):
-        assert field.name in params, f"{name}: option {field.name} is not a keyword of {PLANNERS[name].__name__}"
-        default = PLANNER_OPTIONS[name]().__getattribute__(field.name)
-        assert params[field.name].default == default, f"{name}.{field.name}"
+def test_every_planner_reads_the_options_it_was_registered_with(name):
+    """One table says which options a planner takes (``PLANNERS``); the planner built by name gets
+    them, defaults included, through its parts, and its policy keeps no option list of its own."""
+    with build_planner(name, tiny_bert(layers=2), "1GB") as planner:
+        assert planner.parts.options == PLANNERS.options(name)()
+    library = set(inspect.signature(PLANNERS[name].__init__).parameters) - {"self", "parts"}
+    assert not library & {f.name for f in dataclasses.fields(PLANNERS.options(name))}, name
 
 
 def test_a_recipe_section_reaches_the_planner():

@@ -263,6 +263,6 @@ def test_finer_choices_without_the_probes_are_refused_in_one_line():
     """Only the probes measure what a block holds checkpointed selectively and what it saves: a
     sheltered estimate with finer choices would plan block-level without a word, so it is refused."""
     for choices in ("selective", "offload"):
-        with pytest.raises(ValueError, match=r"^choices='\w+' needs estimate='probes' .*; set estimate: probes or "
+        with pytest.raises(ValueError, match=r"^choices='\w+' is invalid; expected block with estimate: sheltered .*; set estimate: probes or "
                                              r"choices: block$"):
             Mimose(tiny_bert(2), "1GB", meter=build_meter("simulated", None), estimate="sheltered", choices=choices)

@@ -6,9 +6,9 @@ import torch
 
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.memory import build_meter
+from mimose_cli.planners.base import build_planner
 from mimose_cli.planners.blocks import RECOMPUTE, SELECTIVE
 from mimose_cli.planners.ops import COMPUTE_HEAVY_OPS
-from mimose_cli.planners.registry import build_planner
 from mimose_cli.planners.runners import run_block
 
 from helpers import bert_batch, run_step, tiny_bert

@@ -28,12 +28,9 @@ class EveryNPolicy(Policy):
 
     name = "hf-every-n"
 
-    def __init__(self, parts, *, every_n_layers: int | None = None):
-        if every_n_layers is not None and (not isinstance(every_n_layers, int) or every_n_layers < 1):
-            raise ValueError(f"every_n_layers={every_n_layers!r} is invalid; expected an integer >= 1 "
-                             "(or None: the largest stride that fits)")
+    def __init__(self, parts):
         super().__init__(parts)
-        self.every_n_layers = every_n_layers
+        self.every_n_layers = parts.options.every_n_layers
         self.static_plan: tuple | None = None
         self.prepare_ms = 0.0
         self.stride_peaks: dict = {}  # stride -> measured peak at the largest input (None: out of memory)

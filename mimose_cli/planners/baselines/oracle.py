@@ -40,8 +40,6 @@ from mimose_cli.planners.blocks import (
 )
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.mimose.choices import (
-    CHOICE_SETS,
-    ChoiceSet,
     ChoiceTimes,
     bounded_for_offload,
     choice_plan_checked,
@@ -388,12 +386,10 @@ class OraclePolicy(Policy):
     """Per batch, the least-recompute plan that fits, from measurements at that input size."""
 
     name = "oracle"
-    variant_option = "choices"
 
-    def __init__(self, parts, *, choices: ChoiceSet = "block"):
-        if choices not in CHOICE_SETS:
-            raise ValueError(f"choices={choices!r} is invalid; expected one of {', '.join(map(repr, CHOICE_SETS))}")
+    def __init__(self, parts):
         super().__init__(parts)
+        choices = parts.options.choices
         if choices == "offload":
             check_offload_device(parts.model, "choices: offload", "use choices: selective")
         self.choices = choices

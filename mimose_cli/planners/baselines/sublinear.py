@@ -16,7 +16,6 @@ the same layers and holds no more memory than checkpointing the segment whole.
 import math
 import time
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 
@@ -27,9 +26,6 @@ from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepConte
 from mimose_cli.planners.mimose.scheduler import greedy_plan_checked
 from mimose_cli.planners.trial import model_device, probe_with_plan, run_model, side_effect_free, to_model_device
 from mimose_cli.planners.usage import warn_user
-
-Variant = Literal["greedy", "sqrt", "chen"]
-VARIANTS = get_args(Variant)
 
 
 @dataclass
@@ -153,15 +149,11 @@ class SublinearPolicy(Policy):
     """A static plan for the largest input, applied to every batch."""
 
     name = "sublinear"
-    variant_option = "variant"
 
-    def __init__(self, parts, *, variant: Variant = "greedy"):
-        if variant not in VARIANTS:
-            raise ValueError(f"variant={variant!r} is invalid; expected one of "
-                             f"{' | '.join(VARIANTS)}")
+    def __init__(self, parts):
         super().__init__(parts)
         self.profiler = BlockProfiler(parts.model, parts.num_blocks)
-        self.variant = variant
+        self.variant = parts.options.variant
         self.profile: BlockProfile | None = None
         self.static_plan: tuple | None = None
         self.prepare_ms = 0.0

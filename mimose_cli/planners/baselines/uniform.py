@@ -13,7 +13,6 @@ class NoCheckpointingPolicy(Policy):
     name = "none"
     adapts = False
     saves_memory = False
-    oom_fix = ("let a planner checkpoint (mimose), raise the budget, or lower the batch size or sequence length",)
 
     def decide(self, input_size, context=NO_CONTEXT):
         return Decision((KEEP,) * self.parts.num_blocks)
@@ -26,13 +25,10 @@ class FullCheckpointingPolicy(Policy):
     name = "full"
     adapts = False
 
-    def __init__(self, parts, *, selective: bool = False):
+    def __init__(self, parts):
         super().__init__(parts)
-        self.selective = selective
-        if selective:  # recomputing whole blocks keeps only their inputs: less than any selective plan
-            self.leaner_setting = "planner.full.selective: false"
-            self.oom_fix = (f"set {self.leaner_setting} (whole blocks recomputed need less), raise the budget, "
-                            "or lower the batch size or sequence length",)
+        self.selective = parts.options.selective
+        if self.selective:
             held = next((name for (name, _), ok in zip(parts.blocks, selectable(parts.blocks)) if not ok), None)
             if held is not None:
                 raise ValueError(f"planner.full.selective cannot checkpoint block {held} selectively: it holds buffers "

@@ -21,7 +21,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal, Sequence, get_args
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -34,13 +34,6 @@ from mimose_cli.planners.mimose.features import EXTRA_BYTES, KEEP_LEVEL, LEVELS,
 from mimose_cli.planners.mimose.scaling import exponents, work_coefficients
 from mimose_cli.planners.ops import light_op_class
 from mimose_cli.torch_private import UncompiledDispatchMode, tree_leaves, without_dispatch_modes
-
-ChoiceSet = Literal["block", "selective", "offload"]
-CHOICE_SETS = get_args(ChoiceSet)
-"""What a plan may do with a block: ``block``, keep it or recompute it whole (the paper's); ``selective``,
-also checkpoint it selectively (``blocks.SELECTIVE``) where that costs less time for the bytes it frees;
-``offload``, also offload it (``blocks.OFFLOAD``) instead of recomputing it where its copies, timed on
-this device, cost less than its recompute (``ChoiceTimes.offload_at``)."""
 
 
 class _PassThrough(UncompiledDispatchMode):

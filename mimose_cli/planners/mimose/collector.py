@@ -242,6 +242,7 @@ class ShuttlingCollector(BlockRunner):
         batch = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)] if inputs is not None else []
         self.probe.ignore([*self.model.parameters(), *self.model.buffers(), *batch])
         self.probe.__enter__()
+        self.active = True  # from here on ``abort`` leaves the probe, also when the rest of begin raises
         # Which modules checkpoint themselves, and the weights' storages the saved-bytes
         # counter leaves out, are read once a step (every block's call asks).
         self.checkpointed = {n for n, m in self.modules.items() if getattr(m, "gradient_checkpointing", False) is True}
@@ -258,7 +259,6 @@ class ShuttlingCollector(BlockRunner):
         self.release_bytes = np.full(len(self.blocks), np.nan)
         self.op_ms = {q: np.full(len(self.blocks), np.nan) for q in (*OP_QUANTITIES, "saved_storages")}
         self.op_works: dict = {}  # block -> its measuring run's ops' work (``LiveProbe.works``)
-        self.active = True
 
     def mark(self, label) -> None:
         self.marks.append((label, len(self.probe.trace), self.probe.live))

@@ -46,8 +46,6 @@ from mimose_cli.planners.blocks import (
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.mimose.choices import (
-    CHOICE_SETS,
-    ChoiceSet,
     ChoiceTimes,
     bounded_for_offload,
     choice_plan_checked,
@@ -207,30 +205,13 @@ class MimosePolicy(Policy):
     """Input-aware checkpointing: the paper's collector, estimator, scheduler and plan cache."""
 
     name = "mimose"
-    variant_option = "choices"  # compare mimose:selective, mimose:offload beside mimose
     builds_meter = True
     state_file = "estimator.json"
 
-    def __init__(self, parts, *, estimate: str = "probes", sheltered_steps: int = 5, granularity: int = 1,
-                 bucket: float = 0.10,
-                 prediction_margin: float = 0.001, choices: ChoiceSet = "block"):
-        if estimate not in ("probes", "sheltered"):
-            raise ValueError(f"estimate={estimate!r} is invalid; expected 'probes' or 'sheltered'")
-        if not isinstance(sheltered_steps, int) or sheltered_steps < 1:
-            raise ValueError(f"sheltered_steps={sheltered_steps!r} is invalid; expected an integer >= 1")
-        if not isinstance(granularity, int) or granularity < 1:
-            raise ValueError(f"granularity={granularity!r} is invalid; expected an integer >= 1")
-        if not 0.0 <= bucket < 1.0:
-            raise ValueError(f"bucket={bucket!r} is invalid; expected a fraction in [0, 1)")
-        if choices not in CHOICE_SETS:
-            raise ValueError(f"choices={choices!r} is invalid; expected one of {', '.join(map(repr, CHOICE_SETS))}")
-        if choices != "block" and estimate != "probes":
-            raise ValueError(f"choices={choices!r} needs estimate='probes' (only the probes measure what a block "
-                             f"holds checkpointed selectively and what it saves); set estimate: probes or "
-                             f"choices: block")
-        if not 0.0 <= prediction_margin < 1.0:
-            raise ValueError(f"prediction_margin={prediction_margin!r} is invalid; expected a fraction in [0, 1)")
+    def __init__(self, parts):
         super().__init__(parts)
+        options = parts.options  # MimoseOptions: its ranges and rules checked there
+        estimate, choices = options.estimate, options.choices
         if choices == "offload":
             check_offload_device(parts.model, "choices: offload", "use choices: selective")
         self.estimate = estimate
@@ -246,12 +227,12 @@ class MimosePolicy(Policy):
         from the probes), and offloading it (``"offload"``)."""
         self._probed = estimate != "probes"  # the probes run once, before the first step
         self._loaded = False  # the estimator came from a saved state (no probes in this process)
-        self.sheltered_steps = sheltered_steps
-        self.granularity = granularity
-        self.bucket = bucket
+        self.sheltered_steps = options.sheltered_steps
+        self.granularity = options.granularity
+        self.bucket = options.bucket
         # Predictions are exact to ~100 bytes on the simulated device (the sheltered steps are
         # measured checkpointed, the planned ones are not): a relative margin absorbs that.
-        self.prediction_margin = prediction_margin
+        self.prediction_margin = options.prediction_margin
         self.estimator = Estimator(self.parts.num_blocks, feature_set_of(self.parts))
         self.measurer = ShuttlingCollector(parts.model, parts.blocks, parts.recompute_clock)
         self.cache: dict = {}
@@ -607,9 +588,10 @@ class MimosePolicy(Policy):
         key = self.cache_key(size)
         base = self._start_bytes()
         entry = self.cache.get(key)
-        # A cached plan holds while the bytes at the step's start still leave it room.
+        # A cached plan holds while the bytes at the step's start still leave it room, inside the
+        # same limit a miss plans against (a recovery's margin kept).
         hit = key not in self.contradicted and entry is not None and (
-            not entry.fits or base + entry.peak_bytes <= self.parts.limit_bytes)
+            not entry.fits or base + entry.peak_bytes <= self._limit(key))
         if not hit:
             reason = self._contradiction(key) or self.estimator.trust.reason(key)
             if reason is not None:
@@ -653,10 +635,14 @@ class MimosePolicy(Policy):
         never under-predicted (``planner.run`` sets them aside, so there it is exact)."""
         return self.parts.meter.current_bytes() if self.parts.meter is not None else 0
 
+    def _limit(self, key: tuple) -> int:
+        """What a step of ``key`` may hold: the planner's limit less the margin a recovery set for it."""
+        return self.parts.limit_bytes - self.recovery_margins.get(key, 0)
+
     def _plan_miss(self, key: tuple, base: int) -> tuple:
         start = time.perf_counter()
         pred = self.estimator.predict(key)
-        limit = self.parts.limit_bytes - self.recovery_margins.get(key, 0)
+        limit = self._limit(key)
         if self._selective_known():
             features = self.estimator.feature_set.of(key)
             recompute_ms, selective_ms = self.choice_times.at(features)
