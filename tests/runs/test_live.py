@@ -9,7 +9,7 @@ from mimose_cli.runs.records import StepRecord
 
 def _record(step, oom=False):
     return StepRecord(step=step, input_shape=[4, 4, 70], loss=None if oom else 1.25, iter_ms=80.0,
-                      peak_bytes=30 * 2**20, plan=[0, 1], num_blocks=4, phase="responsive",
+                      peak_bytes=30 * 2**20, plan=["recompute", "recompute", "keep", "keep"], num_blocks=4, phase="responsive",
                       cache_hit=True, predicted_peak_bytes=31 * 2**20, oom=oom)
 
 
@@ -130,7 +130,7 @@ def test_the_blocks_column_counts_the_finer_choices():
     view = ProgressView("t", "40MiB", 40 * 2**20, console=Console(file=out, width=200))
     view.begin(1)
     record = _record(0)
-    record.plan, record.selective, record.partial, record.offload = [0, 1, 2], [1], [[2, "partial1"]], [3]
+    record.plan = ["recompute", "selective", "partial1", "offload"]
     view.update(record)
     view.close()
     assert "3/4 (1 sel, 1 part, 1 off)" in out.getvalue()

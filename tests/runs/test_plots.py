@@ -11,6 +11,7 @@ import pytest
 import mimose_cli.launcher.sweep
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.launcher.sweep import run_compare
+from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.runs.plots import compare_figures, load_estimator, run_figures, write_plots
 from mimose_cli.runs.records import StepRecord, read_records
 
@@ -80,7 +81,7 @@ def test_the_plan_heat_map_is_the_plans(mimose_run, figures):
     grid = np.asarray(ax.images[0].get_array())
     assert grid.shape == (4, len(records))
     for column, record in zip(grid.T, records):
-        assert list(np.flatnonzero(column)) == record.plan
+        assert tuple(np.flatnonzero(column)) == checkpointed(record.plan)
     assert grid[:, :5].all()  # the sheltered steps checkpoint every block
 
 
@@ -197,14 +198,13 @@ def test_a_plot_that_cannot_be_written_is_named_and_leaves_no_file(mimose_run, t
 
 def test_the_plan_map_is_titled_by_what_the_blocks_did():
     """plan.png's title: blocks checkpointed (DTR: evicted), offloaded, or both where a run did both."""
-    from types import SimpleNamespace
-
     from mimose_cli.runs.plots import _plan_title
 
     def steps(*plans):
-        return [SimpleNamespace(plan=plan, offload=offload) for plan, offload in plans]
+        return [StepRecord(step=i, plan=list(plan)) for i, plan in enumerate(plans)]
 
-    assert _plan_title(steps(([1], []), ([], [])), "checkpointed") == "blocks checkpointed"
-    assert _plan_title(steps(([], [0, 1]), ([], [])), "checkpointed") == "blocks offloaded"
-    assert _plan_title(steps(([1], []), ([], [2])), "checkpointed") == "blocks checkpointed or offloaded"
-    assert _plan_title(steps(([1], [])), "evicted") == "blocks evicted"
+    kept, recomputed = ("keep", "keep", "keep"), ("keep", "recompute", "keep")
+    assert _plan_title(steps(recomputed, kept), "checkpointed") == "blocks checkpointed"
+    assert _plan_title(steps(("offload", "offload", "keep"), kept), "checkpointed") == "blocks offloaded"
+    assert _plan_title(steps(recomputed, ("keep", "keep", "offload")), "checkpointed") == "blocks checkpointed or offloaded"
+    assert _plan_title(steps(recomputed), "evicted") == "blocks evicted"

@@ -2,8 +2,8 @@ from mimose_cli.runs.records import StepRecord
 from mimose_cli.runs.summary import summarize
 
 
-def _records(iter_ms, **fields):
-    return [StepRecord(step=i, loss=1.0, iter_ms=ms, peak_bytes=100 + i, plan=[0], num_blocks=2, **fields)
+def _records(iter_ms, plan=("recompute", "keep"), **fields):
+    return [StepRecord(step=i, loss=1.0, iter_ms=ms, peak_bytes=100 + i, plan=list(plan), num_blocks=2, **fields)
             for i, ms in enumerate(iter_ms)]
 
 
@@ -39,13 +39,13 @@ def test_the_report_shows_the_finer_choices_a_run_made_and_only_then():
             console.print(table)
         return console.export_text()
 
-    finer = _records([10.0, 20.0], input_size=[4, 16], selective=[0], offload=[1])
+    finer = _records([10.0, 20.0], input_size=[4, 16], plan=("selective", "offload"))
     text = rendered(finer)
     assert "1.00 of 2 (1.00 selective, 1.00 offloaded)" in text
     assert "mean blocks sel" in text and "mean blocks off" in text
     plain = rendered(_records([10.0], input_size=[4, 16]))
     assert "1.00 of 2" in plain and "selective" not in plain and "mean blocks off" not in plain
-    partial = rendered(_records([10.0, 20.0], input_size=[4, 16], partial=[[0, "partial2"]]))
+    partial = rendered(_records([10.0, 20.0], input_size=[4, 16], plan=("partial2", "keep")))
     assert "1.00 of 2 (1.00 partially)" in partial and "mean blocks part" in partial
     assert "partially" not in plain and "mean blocks part" not in plain
 
