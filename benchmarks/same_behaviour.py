@@ -4,7 +4,9 @@ step, and the run's status.
 
     python benchmarks/same_behaviour.py BEFORE_DIR AFTER_DIR
 
-Used to show that a refactor changed no plan, peak or loss (docs/BENCHMARKS.md). Oracle and DTR
+Used to show that a refactor changed no plan, peak or loss (docs/BENCHMARKS.md). Steps are read
+with ``runs.records.read_records``, so a run of the previous release (a plan in four fields) and
+one of this release (one choice per block) compare plan for plan. Oracle and DTR
 choose by measured time (oracle: least recompute time, ties by forward ms; DTR: eviction cost), so
 their plans may differ between any two runs of the same tree; the others' may not. Writes
 benchmarks/results/same_behaviour.json.
@@ -16,11 +18,15 @@ from pathlib import Path
 
 from _results import write_results
 
-FIELDS = {"plans": "plan", "peaks": "memory/peak_bytes", "predictions": "predicted_peak_bytes", "losses": "loss"}
+from mimose_cli.runs.records import read_records
+
+FIELDS = {"plans": "plan", "peaks": "peak_bytes", "predictions": "predicted_peak_bytes", "losses": "loss"}
+"""Column name: the ``StepRecord`` field compared step by step."""
 
 
 def steps(compare_dir: Path, run: dict) -> list:
-    return [json.loads(line) for line in (compare_dir / run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    """The ``StepRecord``s of one run of a compare directory (old plans converted)."""
+    return read_records(compare_dir / run["run_dir"] / "metrics.jsonl")
 
 
 def compare_config(before: Path, after: Path) -> list:
@@ -33,10 +39,14 @@ def compare_config(before: Path, after: Path) -> list:
             sa, sb = steps(before / "compare", run_a), steps(after / "compare", run_b)
             row = {"config": before.name, "budget": budget_a["budget"], "planner": run_a["planner"],
                    "steps": [len(sa), len(sb)], "status": [run_a["status"], run_b["status"]]}
-            row.update({f"same_{name}": [s.get(key) for s in sa] == [s.get(key) for s in sb]
-                        for name, key in FIELDS.items()})
+            row.update({f"same_{name}": same(sa, sb, key) for name, key in FIELDS.items()})
             rows.append(row)
     return rows
+
+
+def same(records_a: list, records_b: list, name: str) -> bool:
+    """Whether two runs' steps have the same ``name`` field, step for step."""
+    return [getattr(r, name) for r in records_a] == [getattr(r, name) for r in records_b]
 
 
 def main() -> None:
