@@ -23,6 +23,7 @@ from mimose_cli.launcher.models import model_config
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.launcher.resume import resume_recipe
 from mimose_cli.launcher.train import _setup, run_training
+from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.planners.runners import PlanRunner
 from mimose_cli.runs.live import ProgressView
 from mimose_cli.runs.records import StepRecord, merge_ranks
@@ -156,7 +157,7 @@ def test_every_rank_plans_its_own_batches_within_the_budget(two_processes):
         worst = max(ranks, key=lambda r: r["peak_bytes"])
         assert line["memory/peak_bytes"] == worst["peak_bytes"] and line["rank"] in (0, 1)
     responsive = [r for line in lines for r in line["ranks"] if r["phase"] == "responsive"]
-    assert any(r["plan"] for r in responsive) and any(not r["plan"] for r in responsive)
+    assert any(checkpointed(r["plan"]) for r in responsive) and any(not checkpointed(r["plan"]) for r in responsive)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["over_budget_steps"] == 0
     assert [(r["rank"], r["oom_steps"], r["over_budget_steps"]) for r in summary["ranks"]] == [(0, 0, 0), (1, 0, 0)]
@@ -238,12 +239,12 @@ def test_every_rank_builds_the_global_batches_of_one_process(quick_recipe):
 
 def _record(rank_loss, peak, rows=4, **fields):
     return StepRecord(step=2, input_shape=[rows, 50], input_size=[rows, 50], loss=rank_loss, peak_bytes=peak,
-                      iter_ms=10.0 + peak, plan=[0] if peak > 5 else [], **fields)
+                      iter_ms=10.0 + peak, plan=["recompute" if peak > 5 else "keep", "keep"], **fields)
 
 
 def test_records_of_the_ranks_merge_into_the_worst_ranks_with_the_global_loss():
     merged = merge_ranks([_record(1.0, 5, rows=4, retries=1), _record(4.0, 9, rows=2, retries=2)])
-    assert (merged.rank, merged.peak_bytes, merged.plan, merged.iter_ms) == (1, 9, [0], 19.0)
+    assert (merged.rank, merged.peak_bytes, merged.plan, merged.iter_ms) == (1, 9, ["recompute", "keep"], 19.0)
     assert merged.loss == pytest.approx((4 * 1.0 + 2 * 4.0) / 6) and merged.retries == 3 and not merged.oom
     assert [(r.rank, r.peak_bytes, r.loss) for r in merged.ranks] == [(0, 5, 1.0), (1, 9, 4.0)]
     assert StepRecord.from_json(json.loads(json.dumps(merged.to_json()))) == merged

@@ -92,7 +92,7 @@ def test_the_least_memory_figure_covers_a_padded_batch_of_the_largest_size(quick
             mask.view(-1, mask.shape[-1])[:3, -20:] = 0  # three rows shorter than the longest
             least = planner.policy.least_memory()
             with trainer.meter.unlimited():
-                padded = probe_with_plan(planner.parts, trainer.to_device(batch), least.plan, offload=least.offload)
+                padded = probe_with_plan(planner.parts, trainer.to_device(batch), least.plan)
         planner.close()
         assert padded <= needs.full_bytes <= padded * 1.01, (planner_name, padded, needs)
         figures[planner_name] = needs
@@ -106,12 +106,13 @@ def test_planners_with_one_plan_are_held_to_it():
     above, it is let run (its running out of memory on the long batches is its answer), with a
     warning that points to a planner that checkpoints."""
     from mimose_cli.launcher.preflight import BudgetRange, budget_error, budget_warning
+    from mimose_cli.planners.blocks import recomputed
     from mimose_cli.planners.contract import Decision, plan_in_words
 
-    assert plan_in_words(Decision(()), 4) == "without checkpointing"
-    assert plan_in_words(Decision((0, 1, 2, 3), selective=(0, 1, 2, 3)), 4) == "with every block checkpointed selectively"
-    assert plan_in_words(Decision((), offload=(0, 1, 2, 3)), 4) == "with every block offloaded"
-    assert plan_in_words(Decision((1, 2)), 4) == "with 2 of 4 blocks checkpointed"
+    assert plan_in_words(Decision(("keep",) * 4), 4) == "without checkpointing"
+    assert plan_in_words(Decision(("selective",) * 4), 4) == "with every block checkpointed selectively"
+    assert plan_in_words(Decision(("offload",) * 4), 4) == "with every block offloaded"
+    assert plan_in_words(Decision(recomputed((1, 2), 4)), 4) == "with 2 of 4 blocks checkpointed"
     needs = BudgetRange((16, 128), 500, 900, saves_memory=False)
     assert budget_error(800, needs, "800") is None and budget_warning(900, needs) is None
     assert "planner none will run out of memory on the longest batches" in budget_warning(800, needs, "800")

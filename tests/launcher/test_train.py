@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 from mimose_cli.cli import app
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.launcher.train import run_training
+from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.runs.rundir import load_run
 
 from helpers import QUICK_OVERRIDES, QUICKSTART
@@ -44,7 +45,7 @@ def test_run_directory_is_complete(roomy_runs):
     record = json.loads(lines[0])
     for key in ("step", "input_shape", "loss", "iter_ms", "memory/peak_bytes", "plan", "planner_ms"):
         assert key in record
-    assert record["plan"] == list(range(record["num_blocks"]))
+    assert record["plan"] == ["recompute"] * record["num_blocks"]
     assert result.summary["status"] == "completed" and result.summary["steps"] == 6
 
 
@@ -221,7 +222,7 @@ def _train_tight(tmp_path, planner, *overrides):
 def test_mimose_plans_from_the_first_step_each_input_size_within_the_budget(tmp_path):
     lines, summary, run_dir = _train_tight(tmp_path, "mimose")
     assert all(line["phase"] == "responsive" for line in lines)  # no step measured
-    assert any(line["plan"] for line in lines) and any(not line["plan"] for line in lines)
+    assert any(checkpointed(line["plan"]) for line in lines) and any(not checkpointed(line["plan"]) for line in lines)
     assert all(line["memory/peak_bytes"] <= line["predicted_peak_bytes"] for line in lines)
     stats = summary["planner"]
     assert stats["estimate_source"] == "probes" and stats["estimate_fallback"] == ""
@@ -233,11 +234,12 @@ def test_mimose_measures_then_plans_each_input_size_within_the_budget(tmp_path):
     lines, summary, run_dir = _train_tight(tmp_path, "mimose", "planner.mimose.sheltered_steps=3",
                                            "planner.mimose.estimate=sheltered")
     assert [line["phase"] for line in lines[:3]] == ["sheltered"] * 3
-    assert all(line["plan"] == [0, 1, 2, 3] for line in lines[:3])  # measured, every block checkpointed
+    assert all(line["plan"] == ["recompute"] * 4 for line in lines[:3])  # measured, every block checkpointed
     responsive = [line for line in lines if line["phase"] == "responsive"]
     # A plan per input size: the longest batches checkpoint blocks, shorter ones none; the
     # measured peak never exceeds the predicted one.
-    assert any(line["plan"] for line in responsive) and any(not line["plan"] for line in responsive)
+    assert any(checkpointed(line["plan"]) for line in responsive)
+    assert any(not checkpointed(line["plan"]) for line in responsive)
     assert all(line["memory/peak_bytes"] <= line["predicted_peak_bytes"] for line in responsive)
     assert summary["planner"]["phase"] == "responsive" and summary["planner"]["underpredictions"] == 0
     state = json.loads((run_dir / "estimator.json").read_text())
@@ -246,9 +248,9 @@ def test_mimose_measures_then_plans_each_input_size_within_the_budget(tmp_path):
 
 def test_dtr_evicts_blocks_to_stay_within_the_budget(tmp_path):
     lines, summary, run_dir = _train_tight(tmp_path, "dtr")
-    evicting = [line for line in lines if line["plan"]]  # dtr's plan: the blocks it evicted
+    evicting = [line for line in lines if checkpointed(line["plan"])]  # dtr's plan: the blocks it evicted
     assert evicting and all(line["recompute_ms"] > 0 for line in evicting)
-    assert summary["planner"]["evictions"] >= sum(len(line["plan"]) for line in evicting)
+    assert summary["planner"]["evictions"] >= sum(len(checkpointed(line["plan"])) for line in evicting)
     assert summary["planner"]["recomputations"] > 0
     assert not (run_dir / "estimator.json").exists()
 
