@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mimose_cli.memory import build_meter
+from mimose_cli.planners.blocks import recomputed
 from mimose_cli.planners.mimose.features import BLOCK_QUANTITIES, NO_EVENT, PARTIAL_QUANTITIES, STEP_QUANTITIES, TOKENS
 from mimose_cli.planners.mimose.layout import twin_blocks
 from mimose_cli.planners.mimose.policy import Mimose
@@ -63,7 +64,7 @@ def test_the_first_step_is_planned_and_held_out_sizes_are_predicted_exactly():
             p.grad = None  # as at a step's start: the timeline allocates them in backward
         for size in HELD_OUT:
             batch = padded(bert_batch(*size))
-            for plan in ((), (0, 2), (0, 1, 2)):
+            for plan in (recomputed(blocks, planner.num_blocks) for blocks in ((), (0, 2), (0, 1, 2))):
                 predicted = planner.predict_peak(size, plan)
                 measured = probe_with_plan(planner.parts, batch, plan)
                 assert predicted is not None, (size, plan)
@@ -368,7 +369,7 @@ def test_under_bf16_a_checkpointed_blocks_backward_is_not_under_counted():
     with metered_mimose(_bert64()) as (planner, meter):
         step_fn = _bf16_step(planner.model)
         planner.prepare(lambda size: padded(bert_batch(*size)), (4, 256), step_fn=step_fn)
-        every = tuple(range(planner.num_blocks))
+        every = ("recompute",) * planner.num_blocks
         errors = []
         for size in ((2, 256), (2, 200), (4, 200), (2, 64)):
             batch = padded(bert_batch(*size))
@@ -405,7 +406,7 @@ def test_under_bf16_a_plain_block_lets_go_of_its_input():
         errors = []
         for size in ((3, 33), (4, 40), (6, 64), (2, 200)):
             batch = padded(bert_batch(*size))
-            for plan in ((), (3,), (0, 2)):
+            for plan in (recomputed(blocks, planner.num_blocks) for blocks in ((), (3,), (0, 2))):
                 predicted = planner.predict_peak(size, plan)
                 errors.append(predicted / probe_with_plan(planner.parts, batch, plan, step_fn) - 1)
     assert 0 <= min(errors) and max(errors) <= 0.015, errors
@@ -425,7 +426,8 @@ def test_an_input_the_model_keeps_is_not_let_go_of():
         planner.prepare(lambda size: padded(bert_batch(*size)), (4, 256), step_fn=step_fn)
         assert planner.policy.estimator.releases.count == 0
         batch = padded(bert_batch(3, 33))
-        assert planner.predict_peak((3, 33), ()) >= probe_with_plan(planner.parts, batch, (), step_fn)
+        kept = ("keep",) * planner.num_blocks
+        assert planner.predict_peak((3, 33), kept) >= probe_with_plan(planner.parts, batch, kept, step_fn)
 
 
 def test_an_attention_bias_the_encoders_layers_share_is_let_go_of_with_the_encoder():
@@ -454,8 +456,9 @@ def test_an_attention_bias_the_encoders_layers_share_is_let_go_of_with_the_encod
         errors, under = [], []
         for size in ((2, 200, 66), (4, 160, 53), (3, 33, 11)):
             batch = t5_batch(size)
-            errors.append(planner.predict_peak(size, ()) / probe_with_plan(planner.parts, batch, ()) - 1)
-            under.append(planner.predict_peak(size, (1,)) / probe_with_plan(planner.parts, batch, (1,)) - 1)
+            kept, second = recomputed((), planner.num_blocks), recomputed((1,), planner.num_blocks)
+            errors.append(planner.predict_peak(size, kept) / probe_with_plan(planner.parts, batch, kept) - 1)
+            under.append(planner.predict_peak(size, second) / probe_with_plan(planner.parts, batch, second) - 1)
     assert 0 <= min(errors) and max(errors) <= 0.025, errors
     assert min(under) >= 0, under  # a layer that took the bias checkpointed: it stays
 
@@ -483,7 +486,7 @@ def test_a_cnns_image_sides_are_probed_and_trusted_at_multiples_of_32():
         errors = []
         for size in ((4, 128, 128), (2, 160, 160), (6, 32, 32)):
             batch = _images(size)  # counted in the start of the step the prediction is for
-            for plan in ((), (0, 3, 5)):
+            for plan in (recomputed(blocks, planner.num_blocks) for blocks in ((), (0, 3, 5))):
                 predicted = planner.predict_peak(size, plan)
                 errors.append(predicted / probe_with_plan(planner.parts, batch, plan) - 1)
         assert "not a multiple of 32" in planner.policy.estimator.trust.reason((4, 100, 100))
@@ -533,7 +536,8 @@ def test_a_model_that_takes_only_its_own_image_size_is_probed_at_it():
         assert stats["estimate_source"] == "probes" and "96" in stats["probe_sides_refused"]
         assert planner.policy.estimator.side_multiple == 1
         batch = _images((6, 96, 96))
-        assert 0 <= planner.predict_peak((6, 96, 96), ()) / probe_with_plan(planner.parts, batch, ()) - 1 <= 0.01
+        kept = ("keep",) * planner.num_blocks
+        assert 0 <= planner.predict_peak((6, 96, 96), kept) / probe_with_plan(planner.parts, batch, kept) - 1 <= 0.01
 
 
 @pytest.mark.parametrize("probe_as_training", [True, False])
