@@ -168,12 +168,16 @@ def _with_plan(data: dict, num_blocks, empty_is_old: bool = False) -> dict:
     plan is the previous release's too (``plans.jsonl``: a record never planned has none). ValueError
     for a plan of neither form."""
     plan = data.get("plan")
+    old_line = _indices(plan) or empty_is_old and plan == [] or any(name in data for name in _OLD_FIELDS)
     ranks = data.get("ranks")
-    if isinstance(ranks, list) and any(isinstance(rank, dict) and _indices(rank.get("plan")) for rank in ranks):
-        ranks = [_with_plan(rank, num_blocks) if isinstance(rank, dict) else rank for rank in ranks]
+    if isinstance(ranks, list) and (old_line or any(isinstance(r, dict) and _indices(r.get("plan")) for r in ranks)):
+        # An old line's ranks' plans are old too (indices alone): an empty one kept every block.
+        ranks = [_with_plan(rank, num_blocks, empty_is_old=True) if isinstance(rank, dict) else rank for rank in ranks]
         data = {**data, "ranks": ranks}
-    if not (_indices(plan) or empty_is_old and plan == [] or any(name in data for name in _OLD_FIELDS)):
+    if not old_line:
         return data
+    if plan == [] and data.get("input_size", ()) is None:  # out of memory before any plan: none, as now
+        return {key: value for key, value in data.items() if key not in _OLD_FIELDS}
     old = {name: data.get(name) or [] for name in _OLD_FIELDS}
     try:
         if num_blocks is None:  # a line without it (plans.jsonl): as many blocks as it names

@@ -151,3 +151,19 @@ def test_the_previous_releases_four_plan_fields_read_as_one_choice_per_block(tmp
         '"partial": [[3, "partial2"]], "offload": [4]}\n{"step": 1, "micro_step": 0, "input_size": [2, 8], "plan": []}\n')
     assert [line["plan"] for line in read_plans(tmp_path / "plans.jsonl", 6)] == [
         ["recompute", "selective", "keep", "partial2", "offload", "keep"], ["keep"] * 6]
+
+
+def test_an_old_lines_empty_plans_read_as_every_block_kept_or_as_no_plan(tmp_path):
+    """In a line of the previous release an empty plan beside the other three fields, or a rank's
+    empty plan, kept every block; a step out of memory before any plan (no input size) has none,
+    as this release writes it, so that old and new runs compare step for step."""
+    old = {"step": 0, "input_shape": [2, 8], "input_size": [2, 8], "loss": 1.0, "memory/peak_bytes": 100,
+           "plan": [], "selective": [], "partial": [], "offload": [], "num_blocks": 3,
+           "ranks": [{"rank": 0, "plan": [1]}, {"rank": 1, "plan": []}]}
+    never = {"step": 1, "input_shape": [2, 8], "input_size": None, "memory/peak_bytes": 100, "oom": True,
+             "plan": [], "selective": [], "partial": [], "offload": [], "num_blocks": 3}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(old) + "\n" + json.dumps(never) + "\n")
+    planned, unplanned = read_records(tmp_path / "metrics.jsonl")
+    assert planned.plan == ["keep"] * 3
+    assert [rank.plan for rank in planned.ranks] == [["keep", "recompute", "keep"], ["keep"] * 3]
+    assert unplanned.plan == []
