@@ -11,13 +11,8 @@ from test_scaling import HELD_OUT, metered_mimose
 from mimose_cli.memory import build_meter
 from mimose_cli.memory.offload import OFFLOAD_MIN_BYTES
 from mimose_cli.planners import Mimose, build_planner
-from mimose_cli.planners.mimose.choices import (
-    ChoiceTimes,
-    bounded_for_offload,
-    copy_costs_ms,
-    freeing_ms,
-    split_offload,
-)
+from mimose_cli.planners.blocks import OFFLOAD, RECOMPUTE, checkpointed, offloading, recomputed
+from mimose_cli.planners.mimose.choices import ChoiceTimes, bounded_for_offload, copy_costs_ms, freeing_ms
 from mimose_cli.planners.mimose.estimator import Timeline, plan_peak_bytes
 from mimose_cli.planners.mimose.features import TOKENS
 from mimose_cli.planners.trial import probe_with_plan
@@ -27,8 +22,9 @@ from helpers import bert_batch, tiny_bert
 
 def _middle_budget(planner, batch) -> int:
     """Halfway between every block recomputed and none, for ``batch``, on this planner's device."""
-    none_peak = probe_with_plan(planner.parts, batch, ())
-    full_peak = probe_with_plan(planner.parts, batch, tuple(range(planner.parts.num_blocks)))
+    n = planner.parts.num_blocks
+    none_peak = probe_with_plan(planner.parts, batch, recomputed((), n))
+    full_peak = probe_with_plan(planner.parts, batch, recomputed(range(n), n))
     return int(full_peak + 0.5 * (none_peak - full_peak))
 
 
@@ -57,28 +53,25 @@ def test_mimose_offloads_where_the_copies_cost_less_and_its_predictions_bound_th
             pred = policy.estimator.predict(policy.cache_key(size))
             recompute_ms, _ = times.at(TOKENS.of(size))
             offload_ms = times.offload_at(pred.blocks["saved_bytes"])
-            freed = set(decision.offload) | set(decision.plan) - set(decision.selective) - {i for i, _ in decision.partial}
-            assert set(decision.offload) == {i for i in freed if offload_ms[i] < recompute_ms[i]}, (size, decision)
-            assert not set(decision.offload) & set(decision.plan)
-            measured = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective,
-                                       offload=decision.offload, partial=decision.partial)
-            recomputed = probe_with_plan(planner.parts, batch, tuple(sorted(set(decision.plan) | freed)),
-                                         selective=decision.selective, partial=decision.partial)
-            assert measured <= recomputed <= decision.predicted_peak_bytes <= planner.limit_bytes, (size, decision)
+            offload = {i for i, choice in enumerate(decision.plan) if choice == OFFLOAD}
+            freed = offload | {i for i, choice in enumerate(decision.plan) if choice == RECOMPUTE}
+            assert offload == {i for i in freed if offload_ms[i] < recompute_ms[i]}, (size, decision)
+            freed_plan = tuple(RECOMPUTE if choice == OFFLOAD else choice for choice in decision.plan)
+            measured = probe_with_plan(planner.parts, batch, decision.plan)
+            recomputed_peak = probe_with_plan(planner.parts, batch, freed_plan)
+            assert measured <= recomputed_peak <= decision.predicted_peak_bytes <= planner.limit_bytes, (size, decision)
             # the prediction carries the small storages an offloaded block keeps
             # (``bounded_for_offload``): above the same plan predicted recomputed
-            as_planned = policy.predict_peak(size, decision.plan, decision.selective, decision.offload,
-                                             decision.partial)
+            as_planned = policy.predict_peak(size, decision.plan)
             assert as_planned == decision.predicted_peak_bytes
-            if decision.offload:
-                freed_plan = tuple(sorted(set(decision.plan) | set(decision.offload)))
-                assert policy.predict_peak(size, freed_plan, decision.selective, (), decision.partial) < as_planned
-            offloaded += len(decision.offload)
+            if offload:
+                assert policy.predict_peak(size, freed_plan) < as_planned
+            offloaded += len(offload)
         assert offloaded  # the copies cost less than some recompute here
         times.copy_ms = (1e3, 0.0)  # a second per storage: never worth it
         policy.cache = {}
         decision = policy.decide(HELD_OUT[-1])  # the last size, at its middle budget
-        assert decision.offload == () and decision.plan
+        assert OFFLOAD not in decision.plan and checkpointed(decision.plan)
         assert decision.predicted_peak_bytes <= planner.limit_bytes
 
 
@@ -88,7 +81,8 @@ def test_the_scheduler_frees_a_block_whole_at_the_cheaper_of_its_recompute_and_o
     assert ms.tolist() == [1.0, 1.0, 3.0] and offloaded.tolist() == [True, False, False]
     assert freeing_ms(recompute, None)[1].tolist() == [False, False, False]
     # a selective block is never offloaded; the others freed whole and offloaded leave the plan
-    assert split_offload((0, 1, 2), (0,), np.array([True, True, False])) == ((0, 2), (1,))
+    assert offloading(("selective", "recompute", "recompute"), np.array([True, True, False])) == (
+        "selective", "offload", "recompute")
 
 
 def test_an_offloaded_block_is_bounded_with_the_small_storages_it_keeps_on_the_device():
@@ -116,7 +110,7 @@ def test_an_offloaded_block_is_bounded_with_the_small_storages_it_keeps_on_the_d
     raised = Timeline(bounded).events(every) - Timeline(pred).events(every)
     k1, k3 = kept[1], kept[3]
     assert raised == pytest.approx([0, 0, k1, k1, k1 + k3, k1 + k3, 0, 0, k1, k1, 0], abs=1e-6)
-    assert plan_peak_bytes(bounded, (0, 1, 2, 3)) > plan_peak_bytes(pred, (0, 1, 2, 3))
+    assert plan_peak_bytes(bounded, (RECOMPUTE,) * 4) > plan_peak_bytes(pred, (RECOMPUTE,) * 4)
     assert bounded_for_offload(pred, np.zeros(4, dtype=bool), storages) is pred
 
 
@@ -159,10 +153,10 @@ def test_a_saved_planner_keeps_its_offloaded_plans():
         planner.parts.budget_bytes = _middle_budget(planner, make((8, 64)))
         decision = planner.policy.decide((8, 64))
         state = planner.state_dict()
-    assert decision.offload
+    assert OFFLOAD in decision.plan
     with metered_mimose(tiny_bert(4), choices="offload") as (again, meter):
         again.load_state_dict(state)
-        assert again.policy.cache[(8, 64)].offload == decision.offload
+        assert again.policy.cache[(8, 64)].plan == decision.plan
         assert again.policy.choice_times.copy_ms == planner.policy.choice_times.copy_ms
 
 
@@ -196,7 +190,7 @@ def test_the_oracle_searches_offload_too_and_computes_the_plain_step():
     oracle.policy._copy_costs = (0.0, 1e-9)  # cheaper than any recompute, whatever this machine times
     loss, grads, info = step(oracle, meter, model)
     oracle.close()
-    assert info.offload and not set(info.offload) & set(info.plan)
+    assert OFFLOAD in info.plan
     assert meter.peak_bytes() <= info.predicted_peak_bytes <= budget
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
 
@@ -219,7 +213,7 @@ def test_an_estimator_saved_without_copy_costs_offloads_nothing_and_says_so():
         assert planner.stats["offload_in_use"] is False
         planner.parts.budget_bytes = _middle_budget(planner, make((8, 64)))
         decision = planner.policy.decide((8, 64))
-        assert decision.plan and decision.offload == ()
+        assert checkpointed(decision.plan) and OFFLOAD not in decision.plan
 
 
 def test_a_storage_still_held_elsewhere_comes_back_as_itself_not_as_a_second_copy():
@@ -243,13 +237,13 @@ def test_a_storage_still_held_elsewhere_comes_back_as_itself_not_as_a_second_cop
     with meter.activate():
         meter.track(model, x)
         planner = build_planner("none", model, None, meter=meter, blocks="[12]")  # block 1: module "2"
-        choices = {"recomputed": ((1,), ()), "offloaded": ((), (1,))}
+        choices = {"recomputed": ("keep", "recompute"), "offloaded": ("keep", "offload")}
         peaks, grads = {}, {}
-        for name, (plan, offload) in choices.items():
-            peaks[name] = probe_with_plan(planner.parts, x, plan, step_fn, offload=offload)
+        for name, plan in choices.items():
+            peaks[name] = probe_with_plan(planner.parts, x, plan, step_fn)
             model.zero_grad(set_to_none=True)
-        for name, (plan, offload) in choices.items():
-            planner.parts.set_plan(plan, (), offload)
+        for name, plan in choices.items():
+            planner.parts.set_plan(plan)
             with planner.parts.router.using(planner.parts.plan_runner):
                 step_fn(x)
             grads[name] = [p.grad.clone() for p in model.parameters()]
