@@ -18,7 +18,7 @@ from mimose_cli.planners.baselines.oracle import (
     plan_peak,
 )
 from mimose_cli.planners.baselines.sublinear import BlockProfile
-from mimose_cli.planners.blocks import PARTIAL_LEVELS, plan_of_levels
+from mimose_cli.planners.blocks import PARTIAL_LEVELS, checkpointed, plan_of_levels, recompute_first, recomputed
 from mimose_cli.planners.mimose.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction, Timeline
 from mimose_cli.planners.mimose.features import KEEP_LEVEL, KEPT_SETS, LEVELS, RECOMPUTE_LEVEL, SELECTIVE_LEVEL
 
@@ -158,7 +158,7 @@ def test_the_finer_plan_search_block_by_block_is_exact(monkeypatch):
             found = choice_search(pred, limit, *times, searched=searched)
             assert found == expected, (n, alike, resident)
             partial_plans += any(choice in PARTIAL_LEVELS for choice in found)
-            resident_plans += resident != "none" and len(found[0]) < n
+            resident_plans += resident != "none" and len(checkpointed(found)) < n
     assert searched == {"frontier": 45} and partial_plans > 3 and resident_plans > 10
     pred, limit, times, _, _ = _random_choice_case(rng, 5, False)
     pred.backward_reversed = False
@@ -254,13 +254,15 @@ def _step(planner, meter, data, seed=7):
 
 
 def _peaks(model, data, plans):
-    """Measured peak of one step per plan, without a budget."""
+    """Measured peak of one step per plan (the indices of the blocks it recomputes, the others
+    kept), without a budget."""
     meter = build_meter("simulated", None)
     planner = build_planner("none", model, None, meter=meter)
     peaks = []
     with meter.activate():
         meter.track(model)
         for plan in plans:
+            plan = recomputed(plan, planner.num_blocks)
             planner.policy.decide = lambda size, context, plan=plan: Decision(plan)
             peaks.append(_step(planner, meter, data)[1])
     planner.close()
@@ -279,16 +281,17 @@ def test_oracle_plans_the_fewest_blocks_that_fit_and_predicts_the_peak():
         loss, peak, info = _step(oracle, meter, data)
         again = _step(oracle, meter, data)[2]
     oracle.close()
-    assert 0 < len(info.plan) < 4 and peak <= budget
+    blocks = checkpointed(info.plan)
+    assert 0 < len(blocks) < 4 and peak <= budget
     assert abs(peak - info.predicted_peak_bytes) <= 1e-3 * peak
     assert again.cache_hit and again.plan == info.plan and info.excluded_ms > 0
     # the four layers are alike: one time for all, so the plan takes the earliest of them (whose
     # savings last longest in backward), not those that happened to time fastest in the measuring
     fwd_ms = oracle.policy.measured[(4, 64)].blocks["fwd_ms"]
     assert np.all(fwd_ms == fwd_ms[0]) and fwd_ms[0] > 0
-    assert info.plan == tuple(range(len(info.plan)))
+    assert info.plan == recompute_first(len(blocks), 4)
     # least recompute: dropping any block of the plan would not fit (blocks cost about the same)
-    lighter = [tuple(i for i in info.plan if i != drop) for drop in info.plan]
+    lighter = [tuple(i for i in blocks if i != drop) for drop in blocks]
     assert all(p > budget for p in _peaks(model, data, lighter))
     # measuring left no trace: the same loss as an unplanned step, bit for bit (its forward runs
     # the same ops in the same order on the same weights)
@@ -328,6 +331,6 @@ def test_oracle_without_room_checkpoints_everything_and_says_so():
         meter.track(model)
         with pytest.warns(UserWarning, match="could not be measured"), pytest.raises(torch.OutOfMemoryError):
             _step(oracle, meter, data)
-        assert oracle.last.plan == (0, 1, 2) and oracle.policy.measured[(4, 64)] is None
+        assert oracle.last.plan == ("recompute",) * 3 and oracle.policy.measured[(4, 64)] is None
         assert meter.current_bytes() < budget  # the failed measurement freed what it held
     oracle.close()
