@@ -21,6 +21,8 @@ from pathlib import Path
 
 from _results import write_results
 
+from mimose_cli.planners.blocks import checkpointed
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["task=sequence_classification", "data.preset=qqp", "data.num_examples=400", "data.max_length=96",
           "planner.mimose.sheltered_steps=3", "training.checkpoint_every=null",
@@ -61,8 +63,8 @@ def main() -> None:
         rows.append({"rank": rank["rank"], "peak_bytes": rank["peak_bytes"], "budget_bytes": budget_bytes,
                      "oom_steps": rank["oom_steps"], "retries": rank["retries"],
                      "over_budget_steps": rank["over_budget_steps"],
-                     "steps_checkpointing": sum(1 for f in mine if f["plan"]),
-                     "mean_blocks": sum(len(f["plan"]) for f in mine) / len(mine)})
+                     "steps_checkpointing": sum(1 for f in mine if checkpointed(f["plan"])),
+                     "mean_blocks": sum(len(checkpointed(f["plan"])) for f in mine) / len(mine)})
     print(f"{args.steps} steps, global batch 8: two processes x 4 at {args.budget} vs one process x 8 unbudgeted")
     print(f"largest relative loss difference: {worst:.2e}; wall {two_s:.1f} s (two) vs {one_s:.1f} s (one)")
     print("| rank | peak MiB | budget MiB | over budget | OOM | retries | steps checkpointing | mean blocks |")

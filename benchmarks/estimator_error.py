@@ -26,6 +26,7 @@ from mimose_cli.launcher.models import build_model, model_config
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.mimose.estimator import peak_timeline
+from mimose_cli.planners.blocks import RECOMPUTE, recomputed
 from mimose_cli.planners.mimose.policy import Mimose
 
 from _results import write_results
@@ -89,12 +90,11 @@ def evaluate(model_type: str, attn: str, seed: int) -> dict:
             pred = planner.policy.estimator.predict(size)
             measured = truth.policy.estimator.samples[-1][0]["saved_bytes"]
             block_errors += [relative(p, m[0]) for p, m in zip(pred.blocks["saved_bytes"], measured) if m is not None]
-            truth.set_plan(())
             n = planner.num_blocks
-            for plan in [(), tuple(range(n // 2)), tuple(range(0, n, 2)), tuple(range(n))]:
+            truth.set_plan(recomputed((), n))
+            for plan in [recomputed(blocks, n) for blocks in ((), range(n // 2), range(0, n, 2), range(n))]:
                 base, peak = step(model, truth, meter, batch, plan=plan)
-                mask = np.zeros(n, dtype=bool)
-                mask[list(plan)] = True
+                mask = np.array([choice == RECOMPUTE for choice in plan])
                 predicted = base + peak_timeline(pred, mask).max()
                 peak_errors.append(relative(predicted, peak))
                 act_errors.append(relative(predicted - base, peak - base))

@@ -54,7 +54,7 @@ from paper_figure import CONFIGS as PAPER_CONFIGS
 from paper_figure import fastest_steps_s, make_recipe
 
 from mimose_cli.planners.baselines.oracle import OraclePolicy
-from mimose_cli.planners.blocks import PARTIAL_LEVELS
+from mimose_cli.planners.blocks import KEEP, PARTIAL_LEVELS, SELECTIVE, checkpointed
 from mimose_cli.planners.mimose.choices import ChoiceTimes
 
 from _results import run_training, write_results
@@ -125,25 +125,24 @@ def oracles_made():
 
 
 def plan_cost_ms(plans: dict, table: dict, steps=None) -> float | None:
-    """Σ over ``steps`` (default: all of ``plans``, step -> (size, plan, selective[, partial])) of
+    """Σ over ``steps`` (default: all of ``plans``, step -> (size, plan: one choice per block)) of
     what ``table`` (input size -> per-block recompute and selective ms[, each partial level's ms
     per block], the oracle's measurements) says the step's plan recomputes; steps at sizes without
     a table entry are left out (the same steps for every run of a round: the same batches). None
     where a block's partial level has no price in the table."""
     total = 0.0
     for step in plans if steps is None else steps:
-        size, plan, selective, *rest = plans[step]
-        partial = dict(rest[0]) if rest else {}
+        size, plan = plans[step]
         times = table.get(size)
         if times is not None:
             recompute, sel, *partial_ms = times
-            for i in plan:
-                if i in partial:
+            for i in checkpointed(plan):
+                if plan[i] in PARTIAL_LEVELS:
                     if not partial_ms or partial_ms[0] is None:
                         return None
-                    cost = float(partial_ms[0][i, PARTIAL_LEVELS.index(partial[i])])
+                    cost = float(partial_ms[0][i, PARTIAL_LEVELS.index(plan[i])])
                 else:
-                    cost = float(sel[i]) if i in selective else float(recompute[i])
+                    cost = float(sel[i]) if plan[i] == SELECTIVE else float(recompute[i])
                 if np.isnan(cost):
                     return None
                 total += cost
@@ -159,7 +158,7 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=(), wh
         raise SystemExit(f"{config} {planner} at budget {budget}: every step ran out of memory: "
                          f"{result.records[0].error if result.records else result.summary}")
     budget = result.summary["budget_bytes"] if budget else None
-    binding = [r.peak_bytes / budget for r in records if budget and (r.plan or r.offload)]
+    binding = [r.peak_bytes / budget for r in records if budget and any(choice != KEEP for choice in r.plan)]
     return {"train_s": result.summary["train_time_s"], "step_ms": [r.train_ms for r in result.records],
             "recompute_ms": sum(r.recompute_ms or 0.0 for r in records),
             "peak_bytes": max(r.peak_bytes or 0 for r in records),
@@ -177,8 +176,7 @@ def run(config: str, steps: int, out_dir, planner: str, budget, overrides=(), wh
             "oom_steps": sum(r.oom for r in result.records), "retries": sum(r.retries for r in result.records),
             "preflight_full_bytes": (result.summary.get("preflight") or {}).get("full_bytes"),
             # kept in memory, not written: each step's plan, and the oracle's measured table
-            "_plans": {r.step: (tuple(r.input_size or ()), frozenset(r.plan), frozenset(r.selective),
-                                frozenset(tuple(pair) for pair in r.partial)) for r in records},
+            "_plans": {r.step: (tuple(r.input_size or ()), tuple(r.plan)) for r in records},
             "_table": ({size: (times[0], times[1], oracles[-1].partial_ms.get(size))
                         for size, times in oracles[-1].choice_ms.items() if times is not None} if oracles else None)}
 

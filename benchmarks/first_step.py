@@ -32,6 +32,7 @@ from robustness import MODELS, SETTINGS, Shape, build_model, make_batch, make_st
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.base import build_planner
+from mimose_cli.planners.blocks import recomputed
 from mimose_cli.planners.mimose.policy import Mimose
 from mimose_cli.planners.trial import probe_step, probe_with_plan
 
@@ -110,7 +111,7 @@ def measure(name: str, precision: str = "fp32", layers: int | None = None) -> di
                    probe_skipped=stats["probe_skipped"], probe_skips_refused=stats["probe_skips_refused"],
                    blocks=planner.num_blocks)
         n = planner.num_blocks
-        plans = {"none": (), "all": tuple(range(n)), "every other": tuple(range(0, n, 2))}
+        plans = {"none": recomputed((), n), "all": recomputed(range(n), n), "every other": recomputed(range(0, n, 2), n)}
         for step, (rows, length) in enumerate(HELD_OUT, start=1):
             batch = make_batch(spec, _shape(spec, rows, length, step), step)
             from mimose_cli.planners.inputs import infer_input_size

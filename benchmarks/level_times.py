@@ -35,14 +35,7 @@ LEVELS = ("keep", "selective", *PARTIAL_LEVELS, "recompute")
 
 
 def _decision(level: str, n: int) -> Decision:
-    every = tuple(range(n))
-    if level == "keep":
-        return Decision(())
-    if level == "selective":
-        return Decision(every, selective=every)
-    if level in PARTIAL_LEVELS:
-        return Decision(every, partial=tuple((i, level) for i in every))
-    return Decision(every)
+    return Decision((level,) * n)
 
 
 def measure(name: str, spec, rounds: int) -> dict:

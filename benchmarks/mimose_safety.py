@@ -26,6 +26,7 @@ from mimose_cli.launcher.data.loader import build_dataloader
 from mimose_cli.launcher.models import model_config
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.planners import infer_input_size
+from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.planners.mimose.estimator import Estimator, peak_timeline
 from mimose_cli.planners.options import MimoseOptions
 
@@ -84,7 +85,7 @@ def evaluate(preset: str, steps: int) -> dict:
         none = run_training(recipe_for(preset, steps, out_dir, "planner.name=none", "budget=null"),
                             view="none", recipe_name=f"none-{preset}")
     records = mimose.records
-    binding = [r for r in records if r.phase == "responsive" and r.plan and not r.oom]
+    binding = [r for r in records if r.phase == "responsive" and checkpointed(r.plan) and not r.oom]
     ratios = [r.peak_bytes / budget for r in binding]
     losses = [(a.loss, b.loss) for a, b in zip(records, none.records)
               if a.loss is not None and b.loss is not None]
@@ -93,7 +94,7 @@ def evaluate(preset: str, steps: int) -> dict:
             "length_range": [min(calibration["lengths"]), max(calibration["lengths"])],
             "oom_steps": sum(1 for r in records if r.oom),
             "over_budget_steps": sum(1 for r in records if r.peak_bytes > budget),
-            "binding_steps": len(binding), "free_steps": sum(1 for r in records if r.phase == "responsive" and not r.plan),
+            "binding_steps": len(binding), "free_steps": sum(1 for r in records if r.phase == "responsive" and not checkpointed(r.plan)),
             "binding_peak_mean_pct": 100 * float(np.mean(ratios)) if ratios else None,
             "binding_peak_min_pct": 100 * float(np.min(ratios)) if ratios else None,
             "max_peak_pct": 100 * max(r.peak_bytes for r in records) / budget,

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from mimose_cli.planners.baselines.oracle import choice_search
+from mimose_cli.planners.blocks import KEEP, PARTIAL_LEVELS, RECOMPUTE, SELECTIVE, checkpointed
 from mimose_cli.planners.mimose.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction, plan_peak_bytes
 
 from _results import write_results
@@ -45,7 +46,7 @@ def _stack(rng: random.Random, n: int, alike_times: bool, casts: str) -> tuple:
         recompute = np.array([rng.uniform(0.5, 3.0) for _ in range(n)])
         selective = recompute * np.array([rng.uniform(0.1, 1.2) for _ in range(n)])
         partial = recompute[:, None] * np.array([[rng.uniform(0.1, 1.2) for _ in range(3)] for _ in range(n)])
-    none, every = plan_peak_bytes(pred, ()), plan_peak_bytes(pred, range(n))
+    none, every = plan_peak_bytes(pred, (KEEP,) * n), plan_peak_bytes(pred, (RECOMPUTE,) * n)
     limit = every + 0.4 * (none - every)
     return pred, limit, (recompute, selective, np.ones(n, dtype=bool), partial)
 
@@ -56,11 +57,12 @@ def measure(n: int, alike_times: bool, casts: str, repeats: int) -> dict:
     for _ in range(repeats):
         searched = {}
         start = time.perf_counter()
-        plan, selective, partial = choice_search(pred, limit, *times, searched=searched)
+        plan = choice_search(pred, limit, *times, searched=searched)
         ms.append((time.perf_counter() - start) * 1e3)
     return {"blocks": n, "times": "alike" if alike_times else "own", "cached_casts": casts,
             "search": next(iter(searched)), "median_ms": statistics.median(ms), "min_ms": min(ms),
-            "checkpointed": len(plan), "selective": len(selective), "partial": len(partial)}
+            "checkpointed": len(checkpointed(plan)), "selective": plan.count(SELECTIVE),
+            "partial": sum(choice in PARTIAL_LEVELS for choice in plan)}
 
 
 def main():

@@ -27,6 +27,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from mimose_cli.memory import build_meter
+from mimose_cli.planners.blocks import OFFLOAD, SELECTIVE, checkpointed
 from mimose_cli.planners.mimose.estimator import peak_timeline
 from mimose_cli.planners.mimose.features import TOKENS
 from mimose_cli.planners.mimose.policy import Mimose
@@ -97,8 +98,8 @@ def setup(num_blocks: int, choices: str = "block") -> tuple:
     planner.parts.budget_bytes = int(0.6 * none_peak)  # a miss must checkpoint blocks
     decision = planner.policy.decide(SIZE)
     estimator = planner.policy.estimator
-    return planner, {"num_blocks": num_blocks, "choices": choices, "plan_length": len(decision.plan),
-                     "selective_blocks": len(decision.selective), "offloaded_blocks": len(decision.offload),
+    return planner, {"num_blocks": num_blocks, "choices": choices, "plan_length": len(checkpointed(decision.plan)),
+                     "selective_blocks": decision.plan.count(SELECTIVE), "offloaded_blocks": decision.plan.count(OFFLOAD),
                      "ops_fitted": int(sum(len(a) for a in estimator.samples[0][0]["bwd_peak_bytes"] if a is not None)),
                      "ops_kept": int(estimator.coef.shape[1])}
 

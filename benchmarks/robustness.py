@@ -54,6 +54,7 @@ import transformers
 from mimose_cli.launcher.data.synthetic import data_rng, sample_lengths
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import build_planner
+from mimose_cli.planners.blocks import KEEP, OFFLOAD, PARTIAL_LEVELS, SELECTIVE
 from mimose_cli.planners.options import ChoiceSet
 
 from _results import write_results
@@ -214,9 +215,6 @@ class StepRecord:
     retries: int = 0
     error: str | None = None
     optimizer_error: str | None = None
-    selective: tuple = ()
-    offload: tuple = ()
-    partial: tuple = ()
 
     @property
     def oom(self) -> bool:
@@ -298,9 +296,7 @@ def train_step(t: Trainer, spec: ModelSpec, shape: Shape, step: int) -> StepReco
         loss, retries, error = run_step(t.planner, t.step_fn, batch)
     info = t.planner.last
     record = StepRecord(loss, mem.peak_bytes, info.predicted_peak_bytes if info else None,
-                        tuple(info.plan) if info else (), info.phase if info else None, retries, error,
-                        selective=tuple(info.selective) if info else (), offload=tuple(info.offload) if info else (),
-                        partial=tuple(info.partial) if info else ())
+                        tuple(info.plan) if info else (), info.phase if info else None, retries, error)
     if record.oom:
         t.optimizer.zero_grad(set_to_none=True)  # the lost step's partial gradients
     elif (step + 1) % t.accumulation == 0:
@@ -393,11 +389,11 @@ def summarize(cell: Cell, run: Run, reference: list) -> None:
         cell.first_lost_where = f"{first.phase} fwd/bwd" if first.oom else "optimizer step"
         cell.first_lost_error = first.error or first.optimizer_error
     responsive = [r for r in records if r.phase == "responsive" and not r.oom]
-    ratios = [r.peak_bytes / cell.budget_bytes for r in responsive if r.plan or r.offload]
+    ratios = [r.peak_bytes / cell.budget_bytes for r in responsive if any(choice != KEEP for choice in r.plan)]
     cell.binding_steps = len(ratios)
-    cell.selective_steps = sum(bool(r.selective) for r in records)
-    cell.offload_steps = sum(bool(r.offload) for r in records)
-    cell.partial_steps = sum(bool(r.partial) for r in records)
+    cell.selective_steps = sum(SELECTIVE in r.plan for r in records)
+    cell.offload_steps = sum(OFFLOAD in r.plan for r in records)
+    cell.partial_steps = sum(any(choice in PARTIAL_LEVELS for choice in r.plan) for r in records)
     cell.binding_peak_mean_pct = 100 * float(np.mean(ratios)) if ratios else None
     errors = [(r.predicted_peak_bytes - r.peak_bytes) / r.peak_bytes
               for r in responsive if r.predicted_peak_bytes is not None]

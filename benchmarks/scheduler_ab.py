@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from planner_latency import SIZE, fitted_planner
 
+from mimose_cli.planners.blocks import KEEP, RECOMPUTE, plan_of_fields
 from mimose_cli.planners.mimose.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction
-from mimose_cli.planners.mimose.policy import choices, estimator
+from mimose_cli.planners.mimose import choices, estimator
 
 from _results import write_results
 
@@ -35,19 +36,33 @@ MARGIN = 1.001  # Mimose's default prediction margin, on every predicted peak
 
 
 def load(tree: Path, module: str):
-    """``mimose_cli/planners/<module>.py`` of another tree, loaded beside this tree's modules."""
-    path = tree / "mimose_cli" / "planners" / f"{module}.py"
-    if not path.is_file():
-        raise SystemExit(f"--old {tree}: no {path.relative_to(tree)} there; give a checkout of mimose")
+    """``mimose_cli/planners/mimose/<module>.py`` of another tree (``planners/<module>.py`` in trees
+    before the Mimose package), loaded beside this tree's modules."""
+    paths = [tree / "mimose_cli" / "planners" / "mimose" / f"{module}.py", tree / "mimose_cli" / "planners" / f"{module}.py"]
+    path = next((path for path in paths if path.is_file()), None)
+    if path is None:
+        raise SystemExit(f"--old {tree}: no {paths[0].relative_to(tree)} there; give a checkout of mimose")
     spec = importlib.util.spec_from_file_location(f"old_{module}", path)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
     return loaded
 
 
+def one_plan(scheduled: tuple, num_blocks: int) -> tuple:
+    """A tree's scheduler's answer as one choice per block: this release's ``(plan, peak, fits)``,
+    or the previous releases' ``(plan, selective[, partial], peak, fits)`` (``blocks.plan_of_fields``),
+    so that two trees' plans compare."""
+    plan = scheduled[0]
+    if all(isinstance(choice, str) for choice in plan) and len(plan) == num_blocks:
+        return tuple(plan)
+    partial = scheduled[2] if len(scheduled) == 5 else ()
+    return plan_of_fields(num_blocks, plan, selective=scheduled[1], partial=partial)
+
+
 def scheduler(choices_module, estimator_module):
-    """``schedule(pred, savings, costs, limit, counter) -> plan`` for a tree: its scheduler given
-    a peak per plan (trees before ``estimator.Timeline``) or per batch of plans (since)."""
+    """``schedule(pred, savings, costs, limit, counter) -> plan`` (one choice per block) for a tree:
+    its scheduler given a peak per plan (trees before ``estimator.Timeline``) or per batch of plans
+    (since)."""
     batched = "predict_peaks" in inspect.signature(choices_module.choice_plan_checked).parameters
 
     def schedule(pred, savings, costs, limit, counter):
@@ -61,7 +76,7 @@ def scheduler(choices_module, estimator_module):
             def predict(plan, selective):
                 counter[0] += 1
                 return estimator_module.plan_peak_bytes(pred, plan, selective) * MARGIN
-        return choices_module.choice_plan_checked(savings, costs, predict, limit)
+        return one_plan(choices_module.choice_plan_checked(savings, costs, predict, limit), len(costs[0]))
 
     return schedule
 
@@ -71,7 +86,7 @@ def planner_case(num_blocks: int) -> tuple:
     planner = fitted_planner(num_blocks, "selective")
     policy = planner.policy
     pred = policy.estimator.predict(SIZE)
-    limit = 0.6 * estimator.plan_peak_bytes(pred, ())
+    limit = 0.6 * estimator.plan_peak_bytes(pred, (KEEP,) * num_blocks)
     recompute_ms, selective_ms = policy.choice_times.at(policy.estimator.feature_set.of(SIZE))
     planner.close()
     return pred, *_choices(pred, selective_ms, recompute_ms), limit
@@ -89,7 +104,7 @@ def random_case(rng: random.Random, n: int) -> tuple:
                       tuple(rng.sample(range(n), n)))
     recompute_ms = np.array([float(rng.randint(1, 8)) for _ in range(n)])
     selective_ms = recompute_ms - np.array([float(rng.randint(0, 5)) for _ in range(n)])
-    low, high = estimator.plan_peak_bytes(pred, range(n)), estimator.plan_peak_bytes(pred, ())
+    low, high = estimator.plan_peak_bytes(pred, (RECOMPUTE,) * n), estimator.plan_peak_bytes(pred, (KEEP,) * n)
     return pred, *_choices(pred, selective_ms, recompute_ms), low + 0.5 * (high - low)
 
 
@@ -103,7 +118,7 @@ def _choices(pred, selective_ms, recompute_ms) -> tuple:
 
 def compare(label: str, cases: list, schedulers: dict, repeat: int) -> dict:
     """Median µs per call and plans predicted per call for each tree, alternating which goes first."""
-    plans = {who: [schedule(*case, [0])[:2] for case in cases] for who, schedule in schedulers.items()}
+    plans = {who: [schedule(*case, [0]) for case in cases] for who, schedule in schedulers.items()}
     same = sum(a == b for a, b in zip(*plans.values()))
     times = {who: [] for who in schedulers}
     calls = {who: [0] for who in schedulers}

@@ -22,6 +22,7 @@ from robustness import MODELS, SETTINGS, Shape, build_model, make_batch, make_st
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners import build_planner
+from mimose_cli.planners.blocks import KEEP, RECOMPUTE, SELECTIVE
 from mimose_cli.planners.inputs import infer_input_size
 from mimose_cli.planners.trial import probe_with_plan
 
@@ -47,15 +48,13 @@ def measure(name: str) -> dict:
             batch = make_batch(spec, Shape(lengths=(side,) * ROWS, padded=side), 0)
             planner.prepare(lambda size: make_batch(spec, Shape(lengths=(size[-1],) * size[0], padded=size[-1]), 0),
                             infer_input_size(batch), step_fn=step_fn)
-            every = tuple(range(planner.num_blocks))
+            n = planner.num_blocks
             keep = dict(planner.parts.plan_runner.selective_keep)
-            peaks = {"none": probe_with_plan(planner.parts, batch, (), step_fn=step_fn),
-                     "full": probe_with_plan(planner.parts, batch, every, step_fn=step_fn),
-                     "selective_taken_back": probe_with_plan(planner.parts, batch, every, step_fn=step_fn,
-                                                             selective=every)}
+            peaks = {"none": probe_with_plan(planner.parts, batch, (KEEP,) * n, step_fn=step_fn),
+                     "full": probe_with_plan(planner.parts, batch, (RECOMPUTE,) * n, step_fn=step_fn),
+                     "selective_taken_back": probe_with_plan(planner.parts, batch, (SELECTIVE,) * n, step_fn=step_fn)}
             planner.parts.plan_runner.selective_keep = {}
-            peaks["selective_every_heavy"] = probe_with_plan(planner.parts, batch, every, step_fn=step_fn,
-                                                             selective=every)
+            peaks["selective_every_heavy"] = probe_with_plan(planner.parts, batch, (SELECTIVE,) * n, step_fn=step_fn)
         finally:
             planner.close()
     saving = peaks["none"] - peaks["full"]
