@@ -171,17 +171,21 @@ def plan_of_fields(num_blocks: int, plan=(), selective=(), offload=(), partial=(
     """The plan the previous release wrote as four fields (old ``metrics.jsonl``, ``plans.jsonl``
     and plan caches): ``plan`` the blocks checkpointed, ``selective`` those of them checkpointed
     selectively, ``partial`` ``[block, level]`` those checkpointed partially, ``offload`` blocks
-    outside ``plan`` offloaded."""
-    choices = [KEEP] * num_blocks
-    for i in plan:
-        choices[i] = RECOMPUTE
-    for i in offload:
-        choices[i] = OFFLOAD
-    for i, level in partial:
-        choices[i] = level
-    for i in selective:
-        choices[i] = SELECTIVE
-    return tuple(choices)
+    outside ``plan`` offloaded. Fields that disagree are read as that release's runner ran them: a
+    block of ``plan`` is selective before partial and never offloaded, one outside it is never
+    selective or partial."""
+    in_plan, selective, offload, partial = set(plan), set(selective), set(offload), dict(partial)
+    named = in_plan | selective | offload | set(partial)
+    if any(not 0 <= i < num_blocks for i in named) or not set(partial.values()) <= set(PARTIAL_LEVELS):
+        raise ValueError(f"plan {list(plan)} (selective {sorted(selective)}, offload {sorted(offload)}, partial "
+                         f"{sorted(partial.items())}) names no plan of {num_blocks} blocks")
+
+    def choice(i):
+        if i not in in_plan:
+            return OFFLOAD if i in offload else KEEP
+        return SELECTIVE if i in selective else partial.get(i, RECOMPUTE)
+
+    return tuple(choice(i) for i in range(num_blocks))
 
 
 def check_plan(plan, num_blocks: int) -> tuple:
