@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_scaling import HELD_OUT, metered_mimose, padded
 
-from mimose_cli.planners.blocks import PARTIAL_LEVELS
+from mimose_cli.planners.blocks import PARTIAL_LEVELS, checkpointed, plan_levels, plan_of_fields
 from mimose_cli.planners.mimose.choices import choice_plan_checked
 from mimose_cli.planners.mimose.features import (
     KEPT_SETS,
@@ -16,7 +16,6 @@ from mimose_cli.planners.mimose.features import (
     SELECTIVE_LEVEL,
     TOKENS,
     kept_quantities,
-    plan_levels,
 )
 from mimose_cli.planners.runners import PlanRunner
 from mimose_cli.planners.trial import probe_with_plan
@@ -73,23 +72,23 @@ def test_a_partial_plan_fits_its_prediction_and_computes_what_plain_training_doe
     back the forward's own outputs of the ops it kept, and runs the others again)."""
     context, planner = _prepared()
     try:
-        every = tuple(range(4))
+        partial_keep = planner.parts.plan_runner.partial_keep
         for size in HELD_OUT:
             batch = make(size)
-            selective = probe_with_plan(planner.parts, batch, every, selective=every)
-            recomputed = probe_with_plan(planner.parts, batch, every)
+            selective = probe_with_plan(planner.parts, batch, ("selective",) * 4)
+            recomputed = probe_with_plan(planner.parts, batch, ("recompute",) * 4)
             for level in PARTIAL_LEVELS:
-                partial = tuple((i, level) for i in every if level in planner.parts.plan_runner.partial_keep[i])
-                if not partial:
+                plan = tuple(level if level in partial_keep[i] else "recompute" for i in range(4))
+                if level not in plan:
                     continue
-                measured = probe_with_plan(planner.parts, batch, every, partial=partial)
-                predicted = planner.predict_peak(size, every, (), (), partial)
+                measured = probe_with_plan(planner.parts, batch, plan)
+                predicted = planner.predict_peak(size, plan)
                 assert recomputed <= measured <= selective, (size, level)
                 assert measured <= predicted <= measured * 1.02, (size, level, measured, predicted)
 
-        def step(partial):
+        def step(plan):
             torch.manual_seed(3)
-            planner.set_plan(every, (), (), partial)
+            planner.set_plan(plan)
             with planner.parts.router.using(planner.parts.plan_runner):
                 loss = planner.model(**make((4, 40))).loss
                 loss.backward()
@@ -97,14 +96,13 @@ def test_a_partial_plan_fits_its_prediction_and_computes_what_plain_training_doe
             planner.model.zero_grad(set_to_none=True)
             return loss.detach(), grads
 
-        planner.set_plan(())
+        planner.set_plan(("keep",) * 4)
         torch.manual_seed(3)
         loss = planner.model(**make((4, 40))).loss
         loss.backward()
         plain = loss.detach(), [p.grad.clone() for p in planner.model.parameters()]
         planner.model.zero_grad(set_to_none=True)
-        partial = step(tuple((i, "partial2" if "partial2" in planner.parts.plan_runner.partial_keep[i]
-                              else "partial1") for i in every))
+        partial = step(tuple("partial2" if "partial2" in partial_keep[i] else "partial1" for i in range(4)))
         assert torch.equal(partial[0], plain[0])
         assert all(torch.equal(a, b) for a, b in zip(partial[1], plain[1]))
     finally:
@@ -118,19 +116,19 @@ def test_plans_take_partial_levels_where_they_fit_best_and_a_saved_planner_keeps
     partial plans."""
     context, planner = _prepared()
     try:
-        policy, size, every = planner.policy, (8, 64), tuple(range(4))
-        partial = tuple((i, "partial2") for i in every if "partial2" in planner.parts.plan_runner.partial_keep[i])
-        assert partial
-        selective_peak = policy.predict_peak(size, every, every)
-        partial_peak = policy.predict_peak(size, every, (), (), partial)
+        policy, size = planner.policy, (8, 64)
+        partial = tuple("partial2" if "partial2" in planner.parts.plan_runner.partial_keep[i] else "recompute"
+                        for i in range(4))
+        assert "partial2" in partial
+        selective_peak = policy.predict_peak(size, ("selective",) * 4)
+        partial_peak = policy.predict_peak(size, partial)
         assert partial_peak < selective_peak
         planner.parts.budget_bytes = (partial_peak + selective_peak) // 2  # no safety margin on the simulated device
         batch = make(size)  # live before the decision, as a training step's batch is
         policy.cache = {}
         decision = policy.decide(size)
-        assert decision.partial and decision.predicted_peak_bytes <= planner.limit_bytes
-        measured = probe_with_plan(planner.parts, batch, decision.plan, selective=decision.selective,
-                                   partial=decision.partial)
+        assert set(decision.plan) & set(PARTIAL_LEVELS) and decision.predicted_peak_bytes <= planner.limit_bytes
+        measured = probe_with_plan(planner.parts, batch, decision.plan)
         assert measured <= decision.predicted_peak_bytes
         state = planner.state_dict()
     finally:
@@ -138,16 +136,17 @@ def test_plans_take_partial_levels_where_they_fit_best_and_a_saved_planner_keeps
     with metered_mimose(tiny_bert(4), choices="selective") as (again, meter):
         again.load_state_dict(state)
         assert again.parts.plan_runner.partial_keep == planner.parts.plan_runner.partial_keep
-        assert again.policy.cache[size].partial == decision.partial
+        assert again.policy.cache[size].plan == decision.plan
 
 
 def test_a_runner_refuses_a_partial_level_the_probes_did_not_find():
     runner = PlanRunner()
     runner.partial_keep = {0: {"partial1": 3}}
-    runner.use((0, 1), partial=((0, "partial1"),))
-    assert runner.choices(2) == ("partial1", "recompute")
-    with pytest.raises(ValueError, match=r"blocks \[\(1, 'partial1'\)\] cannot be checkpointed partially"):
-        runner.use((0, 1), partial=((1, "partial1"),))
+    runner.use(runner.checked(("partial1", "recompute"), 2))
+    assert (runner.choice(0), runner.choice(1)) == ("partial1", "recompute")
+    with pytest.raises(ValueError, match=r"checkpoints blocks \[\(1, 'partial1'\)\] partially, but the probes "
+                                         r"found no such level"):
+        runner.checked(("recompute", "partial1"), 2)
 
 
 def test_without_partial_times_no_plan_takes_a_partial_level():
@@ -157,27 +156,29 @@ def test_without_partial_times_no_plan_takes_a_partial_level():
     try:
         planner.policy.choice_times.partial_work = None
         assert planner.stats["partial_levels"] == 0
-        pred_every = planner.policy.predict_peak((8, 64), tuple(range(4)))
-        none = planner.policy.predict_peak((8, 64), ())
+        pred_every = planner.policy.predict_peak((8, 64), ("recompute",) * 4)
+        none = planner.policy.predict_peak((8, 64), ("keep",) * 4)
         planner.parts.budget_bytes = int(pred_every + 0.3 * (none - pred_every))
         planner.policy.cache = {}
         decision = planner.policy.decide((8, 64))
-        assert decision.plan and decision.partial == ()
+        assert checkpointed(decision.plan) and not set(decision.plan) & set(PARTIAL_LEVELS)
     finally:
         context.__exit__(None, None, None)
     assert np.isfinite(pred_every)
 
 
 def test_a_block_both_selective_and_partial_is_predicted_as_the_runner_runs_it():
-    """``selective`` wins over ``partial`` for a block given both, in the prediction's levels as
-    in the runner (a partial level predicted where the runner keeps every heavy output would
-    under-predict)."""
+    """The previous release's fields (``blocks.plan_of_fields``): ``selective`` wins over
+    ``partial`` for a block given both, and a partial block outside ``plan`` is kept, in the
+    prediction's levels as in the runner (a partial level predicted where the runner keeps every
+    heavy output would under-predict)."""
     runner = PlanRunner()
     runner.partial_keep = {0: {"partial3": 1}}
-    runner.use((0, 1), (0,), (), ((0, "partial3"),))
-    assert runner.choices(2) == ("selective", "recompute")
-    assert plan_levels(2, (0, 1), (0,), ((0, "partial3"),)).tolist() == [SELECTIVE_LEVEL, RECOMPUTE_LEVEL]
-    assert plan_levels(2, (1,), (), ((0, "partial3"), (1, "partial3"))).tolist() == [0, PARTIAL_LEVEL["partial3"]]
+    plan = plan_of_fields(2, (0, 1), (0,), (), ((0, "partial3"),))
+    runner.use(runner.checked(plan, 2))
+    assert (runner.choice(0), runner.choice(1)) == ("selective", "recompute")
+    assert plan_levels(plan) == [SELECTIVE_LEVEL, RECOMPUTE_LEVEL]
+    assert plan_levels(plan_of_fields(2, (1,), (), (), ((0, "partial3"), (1, "partial3")))) == [0, PARTIAL_LEVEL["partial3"]]
 
 
 def test_a_plan_whose_peak_is_not_a_number_never_fits():
@@ -189,5 +190,5 @@ def test_a_plan_whose_peak_is_not_a_number_never_fits():
         peaks = 100.0 - np.take([0.0, 5.0, 6.0, 7.0, 8.0, 10.0], levels).sum(axis=-1)
         return np.where((levels == PARTIAL_LEVEL["partial1"]).any(axis=-1), np.nan, peaks)
 
-    plan, selective, partial, peak, fits = choice_plan_checked(savings, costs, predict_peaks, 88.0)
-    assert fits and peak <= 88.0 and all(level != "partial1" for _, level in partial)
+    plan, peak, fits = choice_plan_checked(savings, costs, predict_peaks, 88.0)
+    assert fits and peak <= 88.0 and "partial1" not in plan
