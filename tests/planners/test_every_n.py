@@ -31,7 +31,8 @@ def _prepared(budget, **options):
         meter.track(model)
         planner = EveryN(model, budget, meter=meter, **options)
         planner.prepare(lambda size: bert_batch(*size), (8, 96))
-        peaks = {n: probe_with_plan(planner.parts, bert_batch(8, 96), recomputed(stride_plan(4, n), 4)) for n in (1, 2, 3, 4)}
+        peaks = {n: probe_with_plan(planner.parts, bert_batch(8, 96), recomputed(stride_plan(4, n), 4))
+                 for n in (1, 2, 3, 4)}
     planner.close()
     return planner, peaks
 
@@ -42,7 +43,8 @@ def test_prepare_picks_the_largest_stride_whose_largest_batch_fits():
     budget = peaks[2]  # stride 2 fits exactly; the sparsest stride, 4, does not
     planner, _ = _prepared(budget)
     assert planner.policy.every_n_layers == max(n for n, p in peaks.items() if p <= budget) >= 2
-    assert planner.policy.decide((2, 10)).plan == recomputed(stride_plan(4, planner.policy.every_n_layers), 4)  # every batch alike
+    stride = planner.policy.every_n_layers
+    assert planner.policy.decide((2, 10)).plan == recomputed(stride_plan(4, stride), 4)  # every batch alike
     assert planner.stats["stride_peaks"]["4"] == peaks[4]
 
 
@@ -55,7 +57,8 @@ def test_no_stride_fits_checkpoints_every_block_and_says_so():
 
 def test_a_given_stride_is_applied_without_measuring():
     planner = EveryN(tiny_bert(layers=4), "1GB", every_n_layers=3)
-    assert planner.policy.decide((2, 10)).plan == ("recompute", "keep", "keep", "recompute") and planner.policy.stride_peaks == {}
+    assert planner.policy.decide((2, 10)).plan == ("recompute", "keep", "keep", "recompute")
+    assert planner.policy.stride_peaks == {}
     with pytest.raises(ValueError, match="every_n_layers=0"):
         EveryN(tiny_bert(layers=4), "1GB", every_n_layers=0)
 
