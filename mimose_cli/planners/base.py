@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mimose_cli.files import write_text
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
-from mimose_cli.planners.inputs import infer_input_size
+from mimose_cli.planners.inputs import infer_input_size, resized_batch
 from mimose_cli.planners.parts import PlannerParts, check_choices, resolve_blocks
 from mimose_cli.planners.recovery import run_recovering
 from mimose_cli.planners.usage import EnteredOnce, check_supported, claim, release
@@ -148,6 +148,8 @@ class Planner:
         """The policy's decision as this step's ``StepInfo``; a size that ran out of memory twice
         checkpoints every block (``recover``)."""
         start = time.perf_counter()
+        if self.policy.needs_prepare:  # the loop did not call prepare (a loop of the user's own)
+            self.policy.prepare_from(_batch_maker(context.batch), size, context.step_fn)
         decision = self.policy.decide(size, context)
         if self.policy.size_key(size) in self.full_sizes:
             plan = tuple(range(self.num_blocks))
@@ -289,6 +291,14 @@ class Planner:
 
     def __repr__(self) -> str:
         return f"<Planner {getattr(self, 'name', '?')}{' (closed)' if getattr(self, 'closed', False) else ''}>"
+
+
+def _batch_maker(batch):
+    """``make_batch`` for ``Policy.prepare_from``: ``batch`` cut or grown to a size
+    (``inputs.resized_batch``); None when there is no batch with input_ids or pixel_values."""
+    if isinstance(batch, dict) and any(batch.get(k) is not None for k in ("input_ids", "pixel_values")):
+        return lambda size: resized_batch(batch, size)
+    return None
 
 
 def policy_options(policy: type) -> set:
