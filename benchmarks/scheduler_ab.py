@@ -27,7 +27,7 @@ import torch
 from planner_latency import SIZE, fitted_planner
 
 from mimose_cli.planners.mimose.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Prediction
-from mimose_cli.planners.mimose.policy import choices, estimator
+from mimose_cli.planners.mimose import choices, estimator
 
 from _results import write_results
 
