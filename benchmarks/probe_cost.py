@@ -30,7 +30,7 @@ from mimose_cli.launcher.data.loader import make_batch
 from mimose_cli.launcher.models import build_model, model_config
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.mimose.policy import Mimose
-from mimose_cli.planners.mimose.policy import policy as mimose_module
+from mimose_cli.planners.mimose import probes as probes_module
 from mimose_cli.planners.trial import loss_of, run_model
 
 from _results import write_results
@@ -39,13 +39,13 @@ MODES = ("left out", "second leads", "every layer", "every block")
 
 
 def _prepare_ms(model, make, max_size, meter, mode: str) -> tuple:
-    real = mimose_module.twin_blocks, mimose_module.stack_runs
+    real = probes_module.twin_blocks, probes_module.stack_runs
     if mode == "second leads":  # as before a group's first block stood for the rest
-        mimose_module.twin_blocks = lambda blocks, first_leads=True: real[0](blocks, first_leads=False)
+        probes_module.twin_blocks = lambda blocks, first_leads=True: real[0](blocks, first_leads=False)
     if mode in ("every layer", "every block"):
-        mimose_module.stack_runs = lambda blocks, twins: ([], "switched off")
+        probes_module.stack_runs = lambda blocks, twins: ([], "switched off")
     if mode == "every block":
-        mimose_module.twin_blocks = lambda blocks, first_leads=True: {}
+        probes_module.twin_blocks = lambda blocks, first_leads=True: {}
     try:
         planner = Mimose(model, "100GB", meter=meter)
         start = time.perf_counter()
@@ -54,7 +54,7 @@ def _prepare_ms(model, make, max_size, meter, mode: str) -> tuple:
         stats = planner.stats
         planner.close()
     finally:
-        mimose_module.twin_blocks, mimose_module.stack_runs = real
+        probes_module.twin_blocks, probes_module.stack_runs = real
     assert stats["estimate_source"] == "probes", stats["estimate_fallback"]
     return ms, stats["probe_steps"], stats["probe_twins"], stats["probe_skipped"]
 

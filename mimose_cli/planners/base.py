@@ -20,7 +20,7 @@ from pathlib import Path
 from mimose_cli.files import write_text
 from mimose_cli.planners.blocks import RECOMPUTE
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
-from mimose_cli.planners.inputs import infer_input_size
+from mimose_cli.planners.inputs import infer_input_size, resized_batch
 from mimose_cli.planners.options import parse_options
 from mimose_cli.planners.parts import PlannerParts, resolve_blocks
 from mimose_cli.planners.recovery import run_recovering
@@ -158,6 +158,8 @@ class Planner:
             plan = (RECOMPUTE,) * self.num_blocks
             decision = Decision(plan, "recovery", predicted_peak_bytes=self.policy.predict_peak(size, plan))
         else:
+            if self.policy.needs_prepare:  # the loop did not call prepare (a loop of the user's own)
+                self.policy.prepare_from(_batch_maker(context.batch), size, context.step_fn)
             decision = self.policy.decide(size, context)
         planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
         try:
@@ -292,6 +294,14 @@ class Planner:
 
     def __repr__(self) -> str:
         return f"<Planner {getattr(self, 'name', '?')}{' (closed)' if getattr(self, 'closed', False) else ''}>"
+
+
+def _batch_maker(batch):
+    """``make_batch`` for ``Policy.prepare_from``: ``batch`` cut or grown to a size
+    (``inputs.resized_batch``); None when there is no batch with input_ids or pixel_values."""
+    if isinstance(batch, dict) and any(batch.get(k) is not None for k in ("input_ids", "pixel_values")):
+        return lambda size: resized_batch(batch, size)
+    return None
 
 
 def library_keywords(policy: type) -> set:

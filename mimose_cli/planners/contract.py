@@ -7,10 +7,10 @@ the meter, the router, the plan runner) and constructs the policy on them, ``Pol
 block for a batch of that size, from what the policy knows and what ``context`` (a
 ``StepContext``: the batch, the attempt, how ``run`` runs a batch) says of the step; after the
 step ``observe(info, peak_bytes, sample)`` tells it what happened. The rest is optional, with
-defaults below: ``prepare`` (before training: static plans, probes), ``runner_for`` (a policy
-whose blocks run otherwise than by its plan: DTR), ``recover``, ``predict_peak`` and ``size_key``
-(what out-of-memory recovery asks), ``stats`` and ``state_dict``. docs/DESIGN.md has a whole
-policy in 30 lines.
+defaults below: ``prepare`` (before training: static plans, probes; ``prepare_from`` where the
+loop did not call it), ``runner_for`` (a policy whose blocks run otherwise than by its plan: DTR),
+``recover``, ``predict_peak`` and ``size_key`` (what out-of-memory recovery asks), ``stats`` and
+``state_dict``. docs/DESIGN.md has a whole policy in 30 lines.
 """
 
 from dataclasses import dataclass
@@ -121,6 +121,18 @@ class Policy:
         must leave room for; ``step_fn(batch)``, when given, runs a batch's forward and backward
         as training does (autocast, loss scaling: what ``run`` is given). Static planners
         (sublinear) plan here, Mimose takes its probe steps; the default does nothing."""
+
+    needs_prepare = False
+    """True while the policy wants ``prepare`` before its next ``decide`` (Mimose's probes): where
+    the loop did not call it (a loop of the user's own), the planner calls ``prepare_from`` first."""
+
+    def prepare_from(self, make_batch, input_size: tuple, step_fn=None) -> None:
+        """``prepare`` from the first step, before its ``decide``, where the loop did not call it
+        (``needs_prepare``): ``make_batch(input_size)`` is that step's batch cut or grown to a size
+        (``inputs.resized_batch``; None when the step has no batch that can be), ``input_size`` its
+        size and ``step_fn`` how ``run`` runs it. The default calls ``prepare`` when it can."""
+        if make_batch is not None:
+            self.prepare(make_batch, input_size, 0, step_fn)
 
     def prepared_note(self) -> str | None:
         """One line on what ``prepare`` did, for the run's log (None: nothing worth a line)."""

@@ -720,12 +720,12 @@ def test_a_heavy_ops_work_is_its_floating_point_operations(case):
 
 
 def test_rates_that_cannot_be_timed_leave_the_probes_own_timings_and_say_so(monkeypatch):
-    import mimose_cli.planners.mimose.policy as mimose_module
+    import mimose_cli.planners.mimose.probes as probes_module
 
     def fails(*args, **kwargs):
         raise torch.OutOfMemoryError("no room for the rates")
 
-    monkeypatch.setattr(mimose_module, "probe_rates_ms", fails)
+    monkeypatch.setattr(probes_module, "probe_rates_ms", fails)
     with metered_mimose(tiny_bert(2), choices="selective") as (planner, meter):
         with pytest.warns(UserWarning, match="rates could not be timed .OutOfMemoryError: no room"):
             planner.prepare(make, (4, 64))

@@ -9,6 +9,7 @@ from test_scaling import HELD_OUT, _bf16_step, assert_estimate_is_measured, mete
 from mimose_cli.planners.blocks import recomputed
 from mimose_cli.planners.mimose.features import Releases
 from mimose_cli.planners.mimose.layout import left_out, stack_runs, twin_blocks
+from mimose_cli.planners.mimose.probes import Probes
 from mimose_cli.planners.trial import probe_with_plan
 from mimose_cli.torch_private import without_dispatch_modes
 
@@ -165,9 +166,11 @@ def test_the_plain_probe_step_with_layers_left_out_sees_what_every_layer_lets_go
     with metered_mimose(tiny_bert(8)) as (planner, meter):
         step_fn = _bf16_step(planner.model)
         runs, _ = stack_runs(planner.blocks, twin_blocks(planner.blocks))
+        probes = Probes(planner.parts, planner.policy.measurer, planner.policy.estimator.feature_set, "block", make,
+                        step_fn)
         with without_dispatch_modes():
-            deep, _ = planner.policy._plain_probe(make, (2, 8), step_fn, runs)
-            full, _ = planner.policy._plain_probe(make, (2, 8), step_fn, [])
+            deep, _ = probes._plain_probe((2, 8), runs)
+            full, _ = probes._plain_probe((2, 8), [])
         assert runs == [(1, (2, 3, 4, 5, 6))] and full.count == 6
         assert np.array_equal(deep.consumers, full.consumers) and deep.slots == full.slots
 

@@ -11,6 +11,7 @@ from mimose_cli.planners.blocks import recomputed
 from mimose_cli.planners.mimose.features import BLOCK_QUANTITIES, NO_EVENT, PARTIAL_QUANTITIES, STEP_QUANTITIES, TOKENS
 from mimose_cli.planners.mimose.layout import twin_blocks
 from mimose_cli.planners.mimose.policy import Mimose
+from mimose_cli.planners.mimose.probes import Probes
 from mimose_cli.planners.mimose.scaling import (
     _dimension,
     _polynomial,
@@ -341,7 +342,8 @@ def test_probes_start_from_the_smallest_batch_that_can_be_made():
             if size[0] % 4:
                 raise ValueError("B_eff must be a multiple of 4")
             return padded(bert_batch(*size))
-        assert planner.policy._probe_sizes(make, (64, 128), True) == [(4, 8), (8, 12)]
+        probes = Probes(planner.parts, planner.policy.measurer, planner.policy.estimator.feature_set, "block", make)
+        assert probes._probe_sizes((64, 128), True) == [(4, 8), (8, 12)]
 
 
 def test_probe_sizes_grow_every_feature_by_a_different_factor():

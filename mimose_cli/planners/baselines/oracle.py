@@ -40,13 +40,11 @@ from mimose_cli.planners.blocks import (
 )
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
 from mimose_cli.planners.mimose.choices import (
-    ChoiceTimes,
-    bounded_for_offload,
     choice_plan_checked,
     copy_costs_ms,
     dispatch_costs_ms,
-    freeing_ms,
     level_rows,
+    priced_freeing,
 )
 from mimose_cli.planners.mimose.collector import ShuttlingCollector
 from mimose_cli.planners.mimose.estimator import (
@@ -66,13 +64,8 @@ from mimose_cli.planners.mimose.features import (
     kept_quantities,
 )
 from mimose_cli.planners.mimose.layout import alike_mean, twin_blocks
-from mimose_cli.planners.mimose.scaling import (
-    SELECTIVE_QUANTITIES,
-    partial_keeps,
-    partial_prefixes,
-    raw_sample,
-    selective_keeps,
-)
+from mimose_cli.planners.mimose.probes import time_choices
+from mimose_cli.planners.mimose.scaling import SELECTIVE_QUANTITIES, partial_keeps, partial_prefixes, raw_sample
 from mimose_cli.planners.parts import check_offload_device
 from mimose_cli.planners.trial import probe_step, to_model_device
 from mimose_cli.planners.usage import warn_user
@@ -444,11 +437,11 @@ class OraclePolicy(Policy):
             if self._dispatch_costs is None:
                 self._dispatch_costs = dispatch_costs_ms()
             feature_set = feature_set_of(self.parts)
-            times = None if raw is None else ChoiceTimes.from_probes([raw, raw], [size, size], feature_set, {},
-                                                                      self._dispatch_costs, prefixes=self.prefixes)
-            if raw is not None:  # the heavy outputs a selective checkpoint keeps, as Mimose's probes count them
-                keeps = selective_keeps(raw, self.parts.num_blocks, {})
-                self.parts.plan_runner.selective_keep.update({i: k for i, k in enumerate(keeps) if k is not None})
+            times = None
+            if raw is not None:  # the times, and the heavy outputs a selective checkpoint keeps, as Mimose's probes'
+                found = time_choices([raw, raw], [size, size], feature_set, {}, self.prefixes, self._dispatch_costs)
+                times = found.times
+                self.parts.plan_runner.selective_keep.update(found.selective_keep)
             self.choice_ms[size] = None if times is None else times.at(feature_set.of(size))
             partial_ms = None if times is None else times.partial_at(feature_set.of(size), self.choice_ms[size][1])
             if partial_ms is not None:  # a level whose bytes this size did not give: not a choice here
@@ -517,8 +510,8 @@ class OraclePolicy(Policy):
             times, offloaded = self.choice_ms.get(size), np.zeros(self.parts.num_blocks, dtype=bool)
             if times is not None and limit is not None and plan_peak(pred, ()) > limit:
                 recompute_ms, selective_ms, *offload_ms = times
-                whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms[0] if offload_ms else None)
-                pred = bounded_for_offload(pred, offloaded, self.storages.get(size))
+                pred, whole_ms, offloaded = priced_freeing(pred, recompute_ms, offload_ms[0] if offload_ms else None,
+                                                           self.storages.get(size))
                 plan = choice_search(pred, limit, whole_ms, selective_ms, self.selectable,
                                      self.partial_ms.get(size), self.searched)
             # an offloaded block bounded as recomputed

@@ -404,6 +404,15 @@ def bounded_for_offload(pred, offloaded: np.ndarray, storages: np.ndarray | None
     return dataclasses.replace(pred, blocks=blocks)
 
 
+def priced_freeing(pred, recompute_ms: np.ndarray, offload_ms: np.ndarray | None, storages: np.ndarray | None) -> tuple:
+    """``(pred, whole_ms, offloaded)``: each block freed whole at the cheaper of its recompute and
+    its offload (``freeing_ms``), and ``pred`` with the blocks that offloads bounded as recomputed
+    plus what they keep (``bounded_for_offload``): what Mimose's scheduler and the oracle's
+    search plan a block freed whole on."""
+    whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms)
+    return bounded_for_offload(pred, offloaded, storages), whole_ms, offloaded
+
+
 def level_rows(pred, open_to: list, selective_ms: np.ndarray, partial_ms: np.ndarray, whole_ms: np.ndarray) -> tuple:
     """``(savings, costs)``: ``choice_plan_checked``'s rows over ``features.LEVELS`` for ``pred``
     (an ``estimator.Prediction``): a block kept frees and costs nothing; checkpointed selectively or

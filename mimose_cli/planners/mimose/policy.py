@@ -25,7 +25,6 @@ unmetered, uncapped and at full speed.
 """
 
 import copy
-import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
@@ -44,43 +43,21 @@ from mimose_cli.planners.blocks import (
     selectable,
 )
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo
-from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.mimose.choices import (
     ChoiceTimes,
     bounded_for_offload,
     choice_plan_checked,
-    copy_costs_ms,
-    dispatch_costs_ms,
-    freeing_ms,
     level_rows,
-    probe_rates_ms,
+    priced_freeing,
 )
-from mimose_cli.planners.mimose.collector import InputReleases, ShuttlingCollector
+from mimose_cli.planners.mimose.collector import ShuttlingCollector
 from mimose_cli.planners.mimose.estimator import Estimator, Timeline, plan_peak_bytes
 from mimose_cli.planners.mimose.features import feature_set_of, kept_quantities
-from mimose_cli.planners.mimose.layout import first_runs_otherwise, left_out, stack_runs, twin_blocks
-from mimose_cli.planners.mimose.scaling import (
-    SELECTIVE_QUANTITIES,
-    SIDE_PAIR,
-    ScaledStep,
-    ScalingError,
-    deeper_by_one,
-    partial_keeps,
-    partial_prefixes,
-    probe_batches,
-    probe_sizes,
-    raw_sample,
-    run_difference,
-    sample_difference,
-    selective_keeps,
-    structure_difference,
-    twin_difference,
-)
+from mimose_cli.planners.mimose.probes import ProbeResult, Probes, offload_unknown
+from mimose_cli.planners.mimose.scaling import SELECTIVE_QUANTITIES
 from mimose_cli.planners.mimose.scheduler import greedy_plan_checked
 from mimose_cli.planners.parts import check_offload_device
-from mimose_cli.planners.trial import probe_step, probe_with_runner, to_model_device
-from mimose_cli.planners.usage import said, warn_user
-from mimose_cli.torch_private import without_dispatch_modes
+from mimose_cli.planners.usage import warn_user
 
 
 class CachedPlan(NamedTuple):
@@ -171,36 +148,6 @@ def _counters_of(state: dict) -> MimoseCounters:
     return MimoseCounters(**copy.deepcopy(saved))
 
 
-def _skipped(runs: list) -> list:
-    """The blocks ``runs`` (``blocks.stack_runs``) leave out."""
-    return [i for _, run in runs for i in run]
-
-
-def _layers(runs: list) -> str:
-    """The layers ``runs`` leave out, in words: "layers 3-6" (and "8-10")."""
-    return "layers " + " and ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for _, run in runs)
-
-
-class _TwinsRefused(ScalingError):
-    """Probes that left layers out found blocks alike running otherwise (``mismatch``, a
-    ``scaling.Mismatch``)."""
-
-    def __init__(self, mismatch):
-        super().__init__(f"blocks alike ran otherwise ({mismatch.why})")
-        self.mismatch = mismatch
-
-
-def _first_twin(mismatch, twins: dict) -> bool:
-    """Whether ``mismatch`` (``scaling.Mismatch`` or None) is of the first block taken for its
-    group's leader: then the leader, not the twin, may be the one that runs otherwise."""
-    return mismatch is not None and mismatch.block == min(i for i, t in twins.items() if t == mismatch.twin)
-
-
-def _probe_failed(what: str, size: tuple, error: Exception) -> ScalingError:
-    """A probe step that raised, in one line (the planner then learns from measured steps)."""
-    return ScalingError(f"the {what} at input size {size} failed ({said(error, 160)})")
-
-
 class MimosePolicy(Policy):
     """Input-aware checkpointing: the paper's collector, estimator, scheduler and plan cache."""
 
@@ -225,7 +172,7 @@ class MimosePolicy(Policy):
         self.choice_times: ChoiceTimes | None = None
         """What recomputing each block costs per choice (``choices="selective"`` or ``"offload"``,
         from the probes), and offloading it (``"offload"``)."""
-        self._probed = estimate != "probes"  # the probes run once, before the first step
+        self.needs_prepare = estimate == "probes"  # the probes run once, before the first step
         self._loaded = False  # the estimator came from a saved state (no probes in this process)
         self.sheltered_steps = options.sheltered_steps
         self.granularity = options.granularity
@@ -259,8 +206,52 @@ class MimosePolicy(Policy):
 
     def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
         """Before the first step: the estimate from two probe steps (``estimate="probes"``), each
-        run by ``step_fn`` when given (training's autocast and loss scaling)."""
-        self._probe(make_batch, tuple(max_input_size), step_fn)
+        run by ``step_fn`` when given (training's autocast and loss scaling); where they cannot be
+        scaled, say why once and learn from measured steps (the sheltered phase) instead."""
+        probe, self.needs_prepare = self.needs_prepare and not self.estimator.fitted, False
+        if probe:
+            probes = Probes(self.parts, self.measurer, self.estimator.feature_set, self.choices, make_batch, step_fn)
+            self._absorb(probes.run(tuple(max_input_size)))
+
+    def prepare_from(self, make_batch, input_size: tuple, step_fn=None) -> None:
+        """``prepare`` from the first step's batch (a loop of the user's own); none to probe
+        with: learn from measured steps, saying why. The probes' time is then the step's too."""
+        if make_batch is None:
+            self.needs_prepare = False
+            self.counts.estimate_fallback = ("no batch to probe with: pass planner.step(batch) a dict with input_ids "
+                                             "or pixel_values, or call planner.prepare(make_batch, max_input_size)")
+            self._warn(f"mimose: learning from measured steps: {self.counts.estimate_fallback}")
+            return
+        before = self.counts.probe_ms
+        self.prepare(make_batch, input_size, step_fn=step_fn)
+        self.counts.probe_in_step_ms += self.counts.probe_ms - before
+
+    def _absorb(self, result: ProbeResult) -> None:
+        """Take in what the probes found: their counts and warnings, the inputs blocks let go of,
+        what the runner keeps, each choice's times; then fit their samples, or say why none."""
+        for counter in fields(result.counts):
+            found, held = getattr(result.counts, counter.name), getattr(self.counts, counter.name)
+            setattr(self.counts, counter.name, found if isinstance(found, str) else held + found)
+        for message in result.warnings:
+            self._warn(message)
+        if result.releases is not None:
+            self.estimator.releases = self.measurer.releases = result.releases
+        if result.timed is not None:
+            timed, runner = result.timed, self.parts.plan_runner
+            runner.selective_keep, runner.partial_keep, self.choice_times = (timed.selective_keep, timed.partial_keep,
+                                                                              timed.times)
+        if result.side_multiple is not None:
+            self.estimator.side_multiple = result.side_multiple
+        if result.fallback:
+            self.counts.estimate_fallback = result.fallback
+            self._warn(f"mimose: learning from measured steps (a sheltered phase of {self.sheltered_steps}): "
+                       f"the probe steps cannot be scaled to other input sizes: {result.fallback}")
+            return
+        for size, sample in result.samples:
+            self.estimator.add(size, *sample)
+        self.counts.probe_samples = len(result.samples)
+        self.counts.estimate_source = "probes"
+        self._fit()
 
     def prepared_note(self) -> str | None:
         c = self.counts
@@ -275,310 +266,11 @@ class MimosePolicy(Policy):
             return f"mimose: learning from measured steps first: {c.estimate_fallback}"
         return None
 
-    def _probe(self, make_batch, max_size: tuple, step_fn=None) -> None:
-        """Run the two probe steps (``planners.scaling``) and fit the estimator from samples
-        scaled from them; where they cannot be scaled, say why once and learn from measured
-        steps (the sheltered phase) instead."""
-        if self._probed or self.estimator.fitted:
-            self._probed = True
-            return
-        self._probed = True
-        start = time.perf_counter()
-        collector_ms = self.measurer.collector_ms
-        try:
-            # The probes' batches and steps are the planner's, not training's: the device's meter
-            # (a dispatch mode on the CPU) is set aside, and the probe counts its own bytes.
-            with without_dispatch_modes():
-                samples = self._probe_samples(make_batch, max_size, step_fn)
-        except ScalingError as err:
-            self.counts.estimate_fallback = str(err)
-            self._warn(f"mimose: learning from measured steps (a sheltered phase of {self.sheltered_steps}): "
-                       f"the probe steps cannot be scaled to other input sizes: {err}")
-            return
-        finally:
-            self.measurer.collector_ms = collector_ms  # the probes' measuring runs are in probe_ms
-            self.counts.probe_ms += (time.perf_counter() - start) * 1e3
-        if self.choice_times is not None:  # part of the probes' time
-            start = time.perf_counter()
-            self.choice_times.meter_ms, self.choice_times.mode_ms = dispatch_costs_ms()
-            self.counts.probe_ms += (time.perf_counter() - start) * 1e3
-        for size, sample in samples:
-            self.estimator.add(size, *sample)
-        self.counts.probe_samples = len(samples)
-        self.counts.estimate_source = "probes"
-        self._fit()
-
-    def _probe_samples(self, make_batch, max_size: tuple, step_fn) -> list:
-        """The probe steps, scaled: ``[(size, sample)]`` at the sizes that determine the fit."""
-        try:
-            first = make_batch(max_size)
-        except Exception as error:  # a batch this planner cannot cut (only inputs_embeds, ...)
-            raise ScalingError(f"no probe batch can be made from this batch ({type(error).__name__}: "
-                               f"{str(error)[:120]})") from error
-        images = isinstance(first, dict) and first.get("pixel_values") is not None
-        del first
-        if not images:
-            return self._probes_at(self._probe_sizes(make_batch, max_size, True), max_size, make_batch, step_fn)
-        # An image's sides are probed at two sizes (a CNN takes any) when the largest image is at
-        # least the larger (the probes cost no more than a real batch's images); a model that
-        # takes only its own sides (position embeddings) is probed at them, only the batch varying.
-        if min(max_size[1:]) >= SIDE_PAIR[1]:
-            sizes = self._probe_sizes(make_batch, max_size, True, image=True)
-            try:
-                samples = self._probes_at(sizes, max_size, make_batch, step_fn)
-                self.estimator.side_multiple = math.gcd(*SIDE_PAIR)
-                return samples
-            except ScalingError as err:
-                self.counts.probe_sides_refused = str(err)
-        else:
-            self.counts.probe_sides_refused = (f"the largest image, {max_size[1]} x {max_size[2]}, is smaller than "
-                                               f"{SIDE_PAIR[1]} px: its sides are probed as they are")
-        return self._probes_at(self._probe_sizes(make_batch, max_size, False), max_size, make_batch, step_fn)
-
-    def _probes_at(self, sizes: list, max_size: tuple, make_batch, step_fn) -> list:
-        """The plain probe step and the two measured ones at ``sizes``, scaled (``_probe_samples``)."""
-        # A block like an earlier one (a layer of a stack) skips its measuring run, and the
-        # layers of a long stack between the template and its last are left out of the probes
-        # (the template stands for them): the probes cost about as much at any depth. Should the
-        # left-out layers not be describable, every layer runs; should a group's first block not
-        # run as the others, its second stands for them; should layers alike still not run
-        # alike, every block is measured.
-        for first_leads in (True, False):
-            twins, runs = self._probe_layout(make_batch, sizes[0], step_fn, first_leads)
-            mismatch = None  # blocks alike that did not run alike (``scaling.Mismatch``)
-            if runs:
-                try:
-                    return self._left_out_probes(sizes, max_size, make_batch, step_fn, twins, runs)
-                except ValueError as err:  # a ScalingError, or a list the layers cannot be taken out of
-                    self.counts.probe_skips_refused = f"with {_layers(runs)} left out, {err}"
-                    mismatch = err.mismatch if isinstance(err, _TwinsRefused) else None
-            if twins and mismatch is None:
-                raws = self._probe_pair(make_batch, sizes, step_fn, twins)
-                mismatch = next(filter(None, map(twin_difference, raws)), None)
-                if mismatch is None:
-                    return self._pair_samples(raws, sizes, max_size, twins)
-                self.counts.probe_twins_refused = mismatch.why
-            if not (first_leads and _first_twin(mismatch, twins)) or self.counts.probe_first_refused:
-                break
-            # The group's first twin ran otherwise than the block standing for the group: that
-            # block may be the odd one (a stack's first layer), so the second stands for them.
-            self.counts.probe_first_refused = f"blocks alike ran otherwise ({mismatch.why})"
-            self.counts.probe_twins_refused = ""
-        return self._pair_samples(self._probe_pair(make_batch, sizes, step_fn, {}), sizes, max_size, {})
-
-    def _pair_samples(self, raws: list, sizes: list, max_size: tuple, twins: dict) -> list:
-        """The two measured probe steps (every layer run), scaled to samples at every size."""
-        self.counts.probe_twins = len(raws[0].twins)
-        prefixes = partial_prefixes(raws[0], self.parts.num_blocks, {})
-        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, self.parts.num_blocks,
-                            partial_keep=partial_keeps(prefixes))
-        self._time_choices(raws, sizes, max_size, twins, [], prefixes)
-        return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
-
-    def _left_out_probes(self, sizes: list, max_size: tuple, make_batch, step_fn, twins: dict, runs: list) -> list:
-        """The two measured probe steps with the layers of ``runs`` left out, scaled and written
-        out for every layer (``scaling.Deepening``), checked by one more probe step at the smaller
-        size with one layer more of each run kept: written out too, it must say the same (memory
-        that grows with the layers outside them, the head stacking every layer's output, does
-        not). Raises ValueError where they cannot stand for every layer."""
-        with left_out(self.parts.model, self.parts.blocks, _skipped(runs)):
-            raws = self._probe_pair(make_batch, sizes, step_fn, twins)
-        mismatch = next(filter(None, map(twin_difference, raws)), None) or run_difference(raws[0], runs, twins)
-        if mismatch is not None:  # nor would they with every layer run
-            self.counts.probe_twins_refused = mismatch.why
-            raise _TwinsRefused(mismatch)
-        n = self.parts.num_blocks
-        # What each partial level keeps, one count per block for the estimate and the runner: a
-        # left-out layer's its template's, whose bytes it is written out with (``Deepening``).
-        prefixes = partial_prefixes(raws[0], n, {i: template for template, skipped in runs for i in skipped})
-        keep = partial_keeps(prefixes)
-        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.estimator.feature_set, n, runs, keep)
-        deeper = deeper_by_one(runs)
-        with left_out(self.parts.model, self.parts.blocks, _skipped(deeper)):
-            check = self._probe_step(make_batch, sizes[0], step_fn, twins)
-        self.counts.probe_steps += 1
-        where = sample_difference(raw_sample(raws[0], n, runs, keep), raw_sample(check, n, deeper, keep))
-        if where is not None:
-            raise ScalingError(f"{where} changes when one more of them runs (memory that grows with the layers)")
-        self.counts.probe_twins = len(raws[0].twins)
-        self.counts.probe_skipped = len(_skipped(runs))
-        self._time_choices(raws, sizes, max_size, twins, runs, prefixes)
-        return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
-
-    def _time_choices(self, raws: list, sizes: list, max_size: tuple, twins: dict, runs: list, prefixes: list) -> None:
-        """With ``choices="selective"`` or ``"offload"``: each choice's recompute time per block from
-        the probes' measuring runs (``ChoiceTimes``), the ops' rates timed on a matmul and a
-        pointwise op as large as the largest batch's (``choices.probe_rates_ms``; the device's
-        meter is set aside here); a block run without a measuring run takes the block like it.
-        With ``"offload"`` also the copies' costs (``choices.copy_costs_ms``). Whatever the
-        choices, the runner learns how many heavy outputs each selective and partial checkpoint
-        keeps (``prefixes``: what the estimate's bytes for them assume)."""
-        stand_in = dict(twins)
-        for template, skipped in runs:
-            stand_in.update({i: twins.get(template, template) for i in skipped})
-        keeps = selective_keeps(raws[0], self.parts.num_blocks, stand_in)
-        self.parts.plan_runner.selective_keep = {i: k for i, k in enumerate(keeps) if k is not None}
-        self.parts.plan_runner.partial_keep = partial_keeps(prefixes)
-        if self.choices == "block":
-            return
-        # The dispatch modes' costs are timed once the device's meter is back (``_probe``).
-        self.choice_times = ChoiceTimes.from_probes(raws, sizes, self.estimator.feature_set, stand_in, (0.0, 0.0),
-                                                    self._rates(raws[1], sizes[1], max_size), prefixes)
-        if self.choice_times is None:
-            self._warn(f"mimose: plans stay block-level (choices: {self.choices} asked for): the probes' ops did not "
-                       "run alike at their two sizes, so each choice's recompute time cannot be scaled")
-        elif self.choices == "offload":
-            self.choice_times.copy_ms = self.parts.timed_or_warned(copy_costs_ms, "mimose: the copies' costs",
-                                                                   self._warn)
-            self._warn_if_offload_unknown("the copies' costs or the probes' saved storages are not known")
-
-    def _warn_if_offload_unknown(self, why: str) -> None:
-        """With ``choices="offload"`` but the copies' costs or the blocks' saved storages unknown
-        (``choices.ChoiceTimes.offload_at`` cannot price an offload): say so once (plans still keep,
-        checkpoint selectively or recompute)."""
-        times = self.choice_times
-        if self.choices == "offload" and times is not None and (times.copy_ms is None or times.storages is None):
-            self._warn(f"mimose: no block is offloaded (choices: offload asked for): {why}; plans keep, "
-                       "checkpoint selectively or recompute")
-
-    def _rates(self, raw, size: tuple, max_size: tuple) -> tuple | None:
-        """The ops' ms per unit of work (``choices.probe_rates_ms``); None where they cannot be
-        timed: the probes' own timings stand in."""
-        rates = self.parts.timed_or_warned(lambda device: probe_rates_ms(raw, size, max_size, device),
-                                           "mimose: the ops' rates", self._warn)
-        if rates is None:
-            self._warn("mimose: recompute times are scaled from the probes' own timings")
-        return rates
-
-    def _probe_pair(self, make_batch, sizes: list, step_fn, twins: dict) -> list:
-        """The two measured probe steps at ``sizes`` (``RawStep``s), the first once more when it
-        ran otherwise than the second: what only the first step of a process does (a GradScaler
-        creating its scale, a lazily built cache)."""
-        raws = [self._probe_step(make_batch, size, step_fn, twins) for size in sizes]
-        self.counts.probe_steps += 2
-        if structure_difference(*raws) is not None:
-            raws[0] = self._probe_step(make_batch, sizes[0], step_fn, twins)
-            self.counts.probe_steps += 1
-        return raws
-
-    def _probe_layout(self, make_batch, size: tuple, step_fn, first_leads: bool = True) -> tuple:
-        """``(twins, runs)``: the blocks the probes take as an earlier block alike (``twin_blocks``)
-        and the layers they leave out (``stack_runs``), after the plain probe step
-        (``_probe_releases``). With ``first_leads`` a group's first block stands for the others,
-        unless the plain probe step saw its inputs need gradients otherwise than the next one's
-        (frozen embeddings): then, as without ``first_leads``, its second does, and the plain
-        probe step runs again without the layers that leaves out."""
-        def layout(first_leads: bool) -> tuple:
-            twins = twin_blocks(self.parts.blocks, first_leads)
-            runs, self.counts.probe_skips_refused = stack_runs(self.parts.blocks, twins)
-            return (twins, *self._probe_releases(make_batch, size, step_fn, runs))
-
-        if first_leads:
-            twins, runs, input_grads = layout(True)
-            refused = first_runs_otherwise(twins, input_grads)
-            if refused is None:
-                return twins, runs
-            self.counts.probe_first_refused = refused
-        return layout(False)[:2]
-
-    def _probe_releases(self, make_batch, size: tuple, step_fn, runs: list) -> tuple:
-        """A plain probe step at ``size``: which inputs blocks run plainly let go of
-        (``collector.InputReleases``); the collector measures their bytes from then on. The
-        layers of ``runs`` are left out (``Releases.deepened``); where that cannot be described
-        (or run), the step runs again with every layer. Returns the runs still to leave out and
-        whether each block's tensor inputs needed gradients (``InputReleases.input_grads``)."""
-        if runs:
-            try:
-                releases, input_grads = self._plain_probe(make_batch, size, step_fn, runs)
-            except ValueError as err:  # a ScalingError, or releases a deeper stack cannot have
-                self.counts.probe_skips_refused, runs = f"with {_layers(runs)} left out, {err}", []
-        if not runs:
-            releases, input_grads = self._plain_probe(make_batch, size, step_fn, [])
-        self.counts.probe_releases = releases.count
-        self.estimator.releases = self.measurer.releases = releases
-        return runs, input_grads
-
-    def _plain_probe(self, make_batch, size: tuple, step_fn, runs: list) -> tuple:
-        """The plain probe step's ``Releases`` and ``InputReleases.input_grads``, with the layers
-        of ``runs`` left out."""
-        runner = InputReleases(self.parts.model, self.parts.num_blocks)
-        try:
-            with left_out(self.parts.model, self.parts.blocks, _skipped(runs)):
-                releases = probe_with_runner(self.parts, self._probe_batch(make_batch, size), runner, step_fn)
-        except Exception as error:  # a model that cannot run this small a batch: say so, measure
-            raise _probe_failed("plain probe step", size, error) from error
-        if releases is None:
-            raise ScalingError(f"the plain probe step at input size {size} ran out of memory")
-        return (releases.deepened(runs) if runs else releases), runner.input_grads
-
-    def _probe_sizes(self, make_batch, max_size: tuple, vary_lengths: bool, image: bool = False) -> list:
-        """The probes' two sizes at the smallest batch ``make_batch`` can make both of (two rows,
-        or whole multiple-choice examples): the probes cost what their batches hold."""
-        for batch in probe_batches(int(max_size[0])):
-            sizes = probe_sizes(max_size, vary_lengths, self.parts.encoder_decoder, batch, image)
-            if all(self._makes(make_batch, size) for size in sizes):
-                return sizes
-        return probe_sizes(max_size, vary_lengths, self.parts.encoder_decoder, image=image)
-
-    def _makes(self, make_batch, size: tuple) -> bool:
-        """Whether ``make_batch(size)`` gives a batch of exactly that size."""
-        try:
-            return infer_input_size(make_batch(size), self.parts.encoder_decoder) == tuple(size)
-        except Exception:  # noqa: BLE001 - a size that cannot be made is one not to probe at
-            return False
-
-    def _probe_batch(self, make_batch, size: tuple):
-        """A probe's batch at ``size``, given padding (the last row's last position masked) when
-        it has an attention mask: real batches padded to their longest row take the models'
-        masked code paths, which hold more memory."""
-        batch = to_model_device(self.parts.model, make_batch(size))
-        made = infer_input_size(batch, self.parts.encoder_decoder)
-        if made != tuple(size):
-            raise ScalingError(f"a probe batch of input size {size} came out as {made}")
-        return with_padding(batch)
-
-    def _probe_step(self, make_batch, size: tuple, step_fn=None, twins=None):
-        """One probe step at ``size`` (called with the device's meter set aside, ``_probe``), on
-        ``_probe_batch``'s batch: measured by the collector with storage lifetimes, unseen by the
-        training run (``trial.probe_step``). Blocks of ``twins`` skip their measuring run
-        (``ShuttlingCollector.twins``)."""
-        batch = self._probe_batch(make_batch, size)
-        try:
-            self.measurer.lifetimes, self.measurer.twins = True, twins or {}
-            self.measurer.begin(inputs=batch)
-            with self.parts.router.using(self.measurer):
-                peak = probe_step(self.parts, batch, step_fn)
-        except Exception as error:  # a model that cannot run this small a batch: say so, measure
-            self.measurer.abort()
-            raise _probe_failed("probe step", size, error) from error
-        except BaseException:
-            self.measurer.abort()
-            raise
-        finally:
-            self.measurer.lifetimes, self.measurer.twins = False, {}
-        if peak is None:
-            self.measurer.abort()
-            raise ScalingError(f"the probe step at input size {size} ran out of memory")
-        raw = self.measurer.end()
-        if raw is None:
-            raise ScalingError("the collector could not measure any block (checkpointed by the model itself?)")
-        return raw
-
     def decide(self, size: tuple, context: StepContext = NO_CONTEXT) -> Decision:
         """Sheltered: measure. Responsive: the cached plan for this size, else a new plan from the
-        estimator when the rule in docs/MIMOSE.md trusts its prediction, else measure. Before
-        the first step the probes give the estimate (``prepare``, or here from this batch)."""
-        if not self._probed:
-            batch = context.batch
-            if isinstance(batch, dict) and any(batch.get(k) is not None for k in ("input_ids", "pixel_values")):
-                before = self.counts.probe_ms
-                self._probe(lambda s: resized_batch(batch, s), size, context.step_fn)
-                self.counts.probe_in_step_ms += self.counts.probe_ms - before
-            else:
-                self._probed = True
-                self.counts.estimate_fallback = ("no batch to probe with: pass planner.step(batch) a dict with "
-                                                 "input_ids or pixel_values, or call planner.prepare(make_batch, max_input_size)")
-                self._warn(f"mimose: learning from measured steps: {self.counts.estimate_fallback}")
+        estimator when the rule in docs/MIMOSE.md trusts its prediction, else measure. The
+        probes ran before (``prepare``, or ``prepare_from``: the planner's, before the first step)."""
+        assert not self.needs_prepare, "MimosePolicy.decide before prepare: Planner._decide prepares it first"
         if self.sheltered:
             if not self.counts.estimate_source:
                 self.counts.estimate_source = "sheltered"
@@ -647,8 +339,7 @@ class MimosePolicy(Policy):
             features = self.estimator.feature_set.of(key)
             recompute_ms, selective_ms = self.choice_times.at(features)
             offload_ms = self.choice_times.offload_at(pred.blocks["saved_bytes"]) if self._offload_known() else None
-            whole_ms, offloaded = freeing_ms(recompute_ms, offload_ms)
-            pred = bounded_for_offload(pred, offloaded, self.choice_times.storages)
+            pred, whole_ms, offloaded = priced_freeing(pred, recompute_ms, offload_ms, self.choice_times.storages)
             timeline = Timeline(pred)  # the plans predicted below differ only in the blocks' choices
             partial_ms = self._partial_ms(features, selective_ms)
             # No saving, or buffers its recompute puts back (BatchNorm; torch's selective
@@ -821,7 +512,7 @@ class MimosePolicy(Policy):
         lookups = c.hits + c.misses
         # An ordinary step: the mean over responsive ones (the summary's mean iteration counts all).
         iteration_ms = c.responsive_ms / c.responsive_steps if c.responsive_steps else None
-        # Probes run in ``decide`` are in the planning time already.
+        # Probes run in the first step (``prepare_from``) are in its planning time already.
         overhead_ms = (self.measurer.collector_ms + c.estimator_fit_ms + counted["planning_ms_total"]
                        + c.probe_ms - c.probe_in_step_ms)
         return {**asdict(c), "phase": "sheltered" if self.sheltered else "responsive",
@@ -861,7 +552,7 @@ class MimosePolicy(Policy):
         self.estimator.load_state_dict(state["estimator"])
         self.measurer.releases = self.estimator.releases
         self.counts = _counters_of(state)
-        self._probed = True
+        self.needs_prepare = False
         self._loaded = True
         self.cache = {}
         self.choice_times = (ChoiceTimes.from_state(state.get("choice_times"), self.estimator.feature_set)
@@ -871,8 +562,11 @@ class MimosePolicy(Policy):
         for i, level, k in state.get("partial_keep", []):
             partial_keep.setdefault(int(i), {})[level] = int(k)
         self.parts.plan_runner.partial_keep = partial_keep
-        self._warn_if_offload_unknown("the saved estimator has no copy costs (saved without choices: offload, "
-                                      "or their timing failed); move its estimator.json aside to probe again")
+        unknown = offload_unknown(self.choices, self.choice_times, "the saved estimator has no copy costs (saved "
+                                  "without choices: offload, or their timing failed); move its estimator.json aside "
+                                  "to probe again")
+        if unknown is not None:
+            self._warn(unknown)
         if state.get("granularity") == self.granularity and state.get("choices", "block") == self.choices:
             self.cache = {tuple(k): CachedPlan(_cached_plan(p, rest, self.parts.num_blocks), float(peak), bool(fits))
                           for k, p, peak, fits, *rest in state.get("cache", [])}
