@@ -24,8 +24,8 @@ import torch
 from mimose_cli.launcher.data.loader import make_batch, max_input_size
 from mimose_cli.memory import param_bytes
 from mimose_cli.planners.base import Planner
-from mimose_cli.planners.blocks import KEEP
-from mimose_cli.planners.contract import plan_in_words
+from mimose_cli.planners.blocks import KEEP, OFFLOAD, SELECTIVE, checkpointed
+from mimose_cli.planners.contract import Decision
 from mimose_cli.planners.inputs import with_padding
 from mimose_cli.planners.trial import probe_with_plan
 from mimose_cli.units import format_budget, format_bytes
@@ -176,3 +176,14 @@ def preflight(trainer, config, state_bytes: int) -> BudgetRange:
                               "data.max_length") from None
     later = state_bytes + (param_bytes(trainer.model) if recipe.training.gradient_accumulation_steps > 1 else 0)
     return measure_range(trainer.planner, batch, size, later)
+
+
+def plan_in_words(decision: Decision, num_blocks: int) -> str:
+    """How a report says ``decision``'s plan: "with every block checkpointed", "... offloaded",
+    "without checkpointing", or how many blocks it checkpoints."""
+    plan, checkpointing = tuple(decision.plan), checkpointed(decision.plan)
+    if len(checkpointing) == num_blocks:
+        return "with every block checkpointed" + (" selectively" if plan == (SELECTIVE,) * num_blocks else "")
+    if not checkpointing:
+        return "with every block offloaded" if plan == (OFFLOAD,) * num_blocks else "without checkpointing"
+    return f"with {len(checkpointing)} of {num_blocks} blocks checkpointed"

@@ -15,7 +15,7 @@ loop did not call it), ``runner_for`` (a policy whose blocks run otherwise than 
 
 from dataclasses import dataclass
 
-from mimose_cli.planners.blocks import OFFLOAD, SELECTIVE, checkpointed, recompute_first
+from mimose_cli.planners.blocks import recompute_first
 
 
 @dataclass
@@ -178,14 +178,3 @@ class Policy:
 
     def load_state_dict(self, state: dict) -> None:
         """Take back what ``state_dict`` gave (the planner's whole saved state)."""
-
-
-def plan_in_words(decision: Decision, num_blocks: int) -> str:
-    """How a report says ``decision``'s plan: "with every block checkpointed", "... offloaded",
-    "without checkpointing", or how many blocks it checkpoints."""
-    plan, checkpointing = tuple(decision.plan), checkpointed(decision.plan)
-    if len(checkpointing) == num_blocks:
-        return "with every block checkpointed" + (" selectively" if plan == (SELECTIVE,) * num_blocks else "")
-    if not checkpointing:
-        return "with every block offloaded" if plan == (OFFLOAD,) * num_blocks else "without checkpointing"
-    return f"with {len(checkpointing)} of {num_blocks} blocks checkpointed"

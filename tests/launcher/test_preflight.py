@@ -105,9 +105,9 @@ def test_planners_with_one_plan_are_held_to_it():
     is that plan's. Planner ``none`` is refused only below what every block checkpointed needs;
     above, it is let run (its running out of memory on the long batches is its answer), with a
     warning that points to a planner that checkpoints."""
-    from mimose_cli.launcher.preflight import BudgetRange, budget_error, budget_warning
+    from mimose_cli.launcher.preflight import BudgetRange, budget_error, budget_warning, plan_in_words
     from mimose_cli.planners.blocks import recomputed
-    from mimose_cli.planners.contract import Decision, plan_in_words
+    from mimose_cli.planners.contract import Decision
 
     assert plan_in_words(Decision(("keep",) * 4), 4) == "without checkpointing"
     assert plan_in_words(Decision(("selective",) * 4), 4) == "with every block checkpointed selectively"
