@@ -55,15 +55,21 @@ def _imported(module: str, name: str) -> str:
     return module
 
 
-def test_no_module_imports_a_higher_layer():
+def upward_imports(folder: Path, rank_of, names: list, within: str = "mimose_cli") -> list:
+    """Every import in ``folder`` of a module of ``within`` that ``rank_of`` ranks above the
+    importing one, as ``path:line (its room) imports module (that room)``."""
     upward = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         here = module_name(path)
         for line, imported in package_imports(path):
-            if layer_of(imported) > layer_of(here):
-                upward.append(f"{path.relative_to(ROOT)}:{line} ({LAYERS[layer_of(here)][0]}) imports "
-                              f"{imported} ({LAYERS[layer_of(imported)][0]})")
-    assert upward == []
+            if imported.startswith(within) and rank_of(imported) > rank_of(here):
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({names[rank_of(here)][0]}) imports "
+                              f"{imported} ({names[rank_of(imported)][0]})")
+    return upward
+
+
+def test_no_module_imports_a_higher_layer():
+    assert upward_imports(PACKAGE, layer_of, LAYERS) == []
 
 
 def test_the_layer_check_sees_function_local_imports(tmp_path):
@@ -97,14 +103,7 @@ def household_of(module: str) -> int:
 
 
 def test_the_planner_framework_imports_no_planner_and_mimose_no_baseline():
-    crossing = []
-    for path in sorted((PACKAGE / "planners").rglob("*.py")):
-        here = module_name(path)
-        for line, imported in package_imports(path):
-            if imported.startswith("mimose_cli.planners") and household_of(imported) > household_of(here):
-                crossing.append(f"{path.relative_to(ROOT)}:{line} ({HOUSEHOLDS[household_of(here)][0]}) imports "
-                                f"{imported} ({HOUSEHOLDS[household_of(imported)][0]})")
-    assert crossing == []
+    assert upward_imports(PACKAGE / "planners", household_of, HOUSEHOLDS, within="mimose_cli.planners") == []
 
 
 def test_the_household_check_sees_the_framework_importing_a_baseline(tmp_path):
