@@ -204,3 +204,39 @@ def test_an_idle_override_is_said_by_the_launching_process_only(rank, monkeypatc
     assert result.exit_code == 2
     idle = [w for w in said if "has no effect" in str(w.message)]
     assert len(idle) == (0 if rank else 1)
+
+
+def _as_previous_release(line: dict) -> dict:
+    """A record line as the previous release wrote it: the plan as four fields (the indices
+    checkpointed, those of them selective, ``(block, level)`` partial, the offloaded ones)."""
+    plan = line.get("plan") or []
+    old = {**line, "plan": [i for i, c in enumerate(plan) if c not in ("keep", "offload")],
+           "selective": [i for i, c in enumerate(plan) if c == "selective"],
+           "partial": [[i, c] for i, c in enumerate(plan) if c.startswith("partial")],
+           "offload": [i for i, c in enumerate(plan) if c == "offload"]}
+    if line.get("ranks"):
+        old["ranks"] = [{**rank, "plan": [i for i, c in enumerate(rank["plan"]) if c not in ("keep", "offload")]}
+                        for rank in line["ranks"]]
+    return old
+
+
+def test_report_reads_a_run_directory_of_the_previous_release(tmp_path):
+    """``mimose report`` on a run whose metrics.jsonl and plans.jsonl carry the plan as the previous
+    release's four fields says what it says of the same run written as one choice per block."""
+    result = runner.invoke(app, ["train", QUICK, "--budget", "40MB", "--out", str(tmp_path / "new"),
+                                 "--view", "none", "training.max_steps=6", "training.batch_size=4",
+                                 "data.num_examples=32", "planner.mimose.choices=selective"])
+    assert result.exit_code == 0, result.output
+    (run_dir,) = list((tmp_path / "new").iterdir())
+    old_dir = tmp_path / "old" / run_dir.name
+    old_dir.parent.mkdir()
+    subprocess.run(["cp", "-r", str(run_dir), str(old_dir)], check=True)
+    for name in ("metrics.jsonl", "plans.jsonl"):
+        lines = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+        (old_dir / name).write_text("".join(json.dumps(_as_previous_release(line)) + "\n" for line in lines))
+    plans = [json.loads(line)["plan"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("keep" in plan for plan in plans) and any(set(plan) - {"keep"} for plan in plans)
+    reports = [runner.invoke(app, ["report", str(d)]) for d in (run_dir, old_dir)]
+    assert [r.exit_code for r in reports] == [0, 0], reports[1].output
+    assert reports[1].output.replace(str(old_dir), str(run_dir)) == reports[0].output
+    assert (old_dir / "plots" / "plan.png").stat().st_size > 0
