@@ -39,7 +39,8 @@ def fake_training(monkeypatch, tmp_path):
                    "mean_checkpointed_blocks": 1.5,
                    "mean_selective_blocks": 0.5 if choices in ("selective", "offload") else 0.0,
                    "mean_offloaded_blocks": 0.25 if choices == "offload" else 0.0,
-                   "planner": {"hit_rate": 0.5} if recipe.planner.name == "mimose" else {}}
+                   "planner": ({"hits": 3, "misses": 3, "cached_plans": 3, "hit_rate": 0.5}
+                               if recipe.planner.name == "mimose" else {})}
         return mimose_cli.launcher.train.RunResult(run_dir, summary)
 
     monkeypatch.setattr(mimose_cli.launcher.sweep, "run_training", run_training)
