@@ -8,6 +8,7 @@ memory is a result (status "oom"), never a crash of the comparison.
 import json
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from mimose_cli.planners.registry import PLANNERS
 from mimose_cli.runs.compare import render_compare
 from mimose_cli.runs.live import check_view, new_console
 from mimose_cli.runs.rundir import RunLock, check_out_dir, unique_dir
+from mimose_cli.runs.summary import planner_figures
 
 
 def _variants() -> list:
@@ -92,18 +94,19 @@ def _distinct_runs(recipes: dict, console) -> list:
 def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
     stats = summary.get("planner") or {}
     recompute = summary.get("recompute_ms_total", stats.get("recompute_ms"))
-    hit_rate = summary.get("hit_rate", stats.get("hit_rate"))
+    figures = planner_figures(summary)
     return {
         "planner": spec, "status": summary.get("status"), "steps": summary.get("steps"),
         "oom_steps": summary.get("oom_steps", 0), "train_time_s": summary.get("train_time_s"),
         "peak_bytes": summary.get("peak_bytes"), "budget_bytes": summary.get("budget_bytes"),
         "recompute_ms": recompute, "planning_ms_total": summary.get("planning_ms_total"),
-        "hit_rate": hit_rate, "error": summary.get("error"),
+        "hit_rate": figures.hit_rate, "error": summary.get("error"),
         "mean_checkpointed_blocks": summary.get("mean_checkpointed_blocks"),
         "mean_selective_blocks": summary.get("mean_selective_blocks"),
         "mean_offloaded_blocks": summary.get("mean_offloaded_blocks"),
         "mean_partial_blocks": summary.get("mean_partial_blocks"),
         "phase": stats.get("phase"),  # mimose: still "sheltered" when the run never left that phase
+        "figures": asdict(figures),  # the planner's table in words, as numbers
         "run_dir": str(Path(run_dir).relative_to(compare_dir)) if run_dir else None,
     }
 
@@ -111,6 +114,21 @@ def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
 def _median(values):
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
+
+
+def _median_figures(rounds: list) -> dict:
+    """One planner's figures over several rounds: each number the rounds' median (a count stays
+    a count: the lower median is one of them), the rest as the first round has them."""
+    merged = dict(rounds[0])
+    for key, value in rounds[0].items():
+        known = [r[key] for r in rounds if _number(r.get(key))]
+        if _number(value) and known:
+            merged[key] = statistics.median_low(known)
+    return merged
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def merge_repeats(rows: list) -> dict:
@@ -126,6 +144,7 @@ def merge_repeats(rows: list) -> dict:
         for key in ("train_time_s", "recompute_ms", "planning_ms_total", "mean_checkpointed_blocks",
                     "mean_selective_blocks", "mean_offloaded_blocks", "mean_partial_blocks"):
             merged[key] = _median(r.get(key) for r in rows)
+        merged["figures"] = _median_figures([r["figures"] for r in rows])
     return merged
 
 

@@ -13,7 +13,8 @@ from typing_extensions import Required, TypedDict
 
 from mimose_cli.files import read_json
 from mimose_cli.runs.live import new_console
-from mimose_cli.units import format_budget, format_bytes, format_duration
+from mimose_cli.runs.summary import PlannerFigures, hit_rate_text, overhead_text, recompute_text
+from mimose_cli.units import format_budget, format_bytes
 
 NOISE = 0.05
 """Timings on a shared machine swing by this much run to run (docs/BENCHMARKS.md)."""
@@ -56,6 +57,7 @@ class _RunRow(TypedDict, total=False):
     planning_ms_total: float | None
     hit_rate: float | None
     phase: str | None
+    figures: dict
 
 
 class _BudgetEntry(TypedDict, total=False):
@@ -74,8 +76,13 @@ COMPARE_FILE = TypeAdapter(_CompareFile)
 """What ``render_compare`` reads of a compare.json: these keys, of these types."""
 
 
-def _fmt_ms(value) -> str:
-    return format_duration(value)
+def _figures(row: dict) -> PlannerFigures:
+    """The row's planner figures (``summary.planner_figures``); a compare.json of the previous
+    release, without them, has its recompute and planning time and hit rate."""
+    if row.get("figures"):
+        return PlannerFigures(**row["figures"])
+    return PlannerFigures(recompute_ms=row.get("recompute_ms"), overhead_ms=row.get("planning_ms_total"),
+                          hit_rate=row.get("hit_rate"))
 
 
 def _blocks(row: dict) -> str:
@@ -95,9 +102,10 @@ def compare_table(entry: dict) -> Table:
     table = Table(title=f"budget {format_budget(entry['budget'], entry['budget_bytes'])}; "
                         f"time relative to {reference or '-'}", title_justify="left")
     for column in ("planner", "status", "time", "train time", "peak memory", "OOM",
-                   "blocks", "recompute", "planning", "cache hits"):
+                   "blocks", "recompute", "planning overhead", "cache hits"):
         table.add_column(column, justify="left" if column in ("planner", "status") else "right")
     for row in entry["runs"]:
+        figures = _figures(row)
         status = row["status"] if row["status"] != "oom" else f"[red]oom[/red] after {row['steps']}"
         table.add_row(
             row["planner"], status,
@@ -105,8 +113,8 @@ def compare_table(entry: dict) -> Table:
             "-" if row.get("train_time_s") is None else f"{row['train_time_s']:.2f} s",
             format_bytes(row.get("peak_bytes")), str(row.get("oom_steps", 0)),
             _blocks(row),
-            _fmt_ms(row.get("recompute_ms")), _fmt_ms(row.get("planning_ms_total")),
-            "-" if row.get("hit_rate") is None else f"{row['hit_rate']:.0%}")
+            recompute_text(figures, compact=True) or "-", overhead_text(figures, compact=True) or "-",
+            hit_rate_text(figures) or "-")
     return table
 
 

@@ -9,7 +9,7 @@ from rich.table import Table
 from mimose_cli.runs.compare import render_compare, timing_noise
 from mimose_cli.runs.live import new_console, step_table
 from mimose_cli.runs.rundir import CHECKPOINT, load_run
-from mimose_cli.runs.summary import summary_tables
+from mimose_cli.runs.summary import raw_planner_table, summary_tables
 from mimose_cli.units import format_bytes
 
 LENGTH_BUCKETS = 8
@@ -58,11 +58,14 @@ def eval_table(records) -> Table | None:
     return table
 
 
-def render_run(run_dir, console: Console) -> dict:
+def render_run(run_dir, console: Console, stats: bool = False) -> dict:
+    """Print a run directory's tables; with ``stats`` also every raw counter of its planner."""
     summary, records = load_run(run_dir)
     console.print(f"run {Path(run_dir).name}")
     for table in summary_tables(summary):
         console.print(table)
+    if stats:
+        console.print(raw_planner_table(summary))
     console.print(length_table(records))
     evaluations = eval_table(records)
     if evaluations is not None:
@@ -89,24 +92,29 @@ def _outputs(run_dir: Path, summary: dict) -> list:
     return lines
 
 
-def render(path, console: Console | None = None, plots: bool = True) -> None:
+def render(path, console: Console | None = None, plots: bool = True, stats: bool = False) -> None:
     """Render a run directory, or a compare directory (one holding compare.json); with ``plots``
-    also write its PNGs into ``path/plots/`` and print their paths."""
+    also write its PNGs into ``path/plots/`` and print their paths, with ``stats`` a run's raw
+    planner counters (summary.json's ``planner`` section) under their own names."""
     console = console or new_console()
     path = Path(path)
     if not path.is_dir():
         what = "a file" if path.exists() else "no such directory"
         raise ValueError(f"{path} is not a run directory ({what}); expected runs/<id> or a compare directory")
+    compare = (path / "compare.json").exists()
+    if stats and compare:
+        raise ValueError(f"--stats prints one run's planner counters; {path} is a compare directory: "
+                         f"give one of its runs, {path}/runs/<budget>/<planner>")
     written = None
     if plots:  # first: a reader that stops early still gets them
         from mimose_cli.runs.plots import write_plots  # matplotlib: imported only when plotting
 
         written = write_plots(path)
-    if (path / "compare.json").exists():
+    if compare:
         data = render_compare(path, console)
         console.print(timing_noise(data)[0], highlight=False, soft_wrap=True)
     else:
-        render_run(path, console)
+        render_run(path, console, stats)
     if written is not None:
         _print_plots(written, console)
 

@@ -1,6 +1,7 @@
 """Run summaries from per-iteration records, and the tables that show them."""
 
 import statistics
+from dataclasses import dataclass
 
 import numpy as np
 from pydantic import TypeAdapter
@@ -147,15 +148,13 @@ def _fmt(value, kind):
 
 SUMMARY_ROWS = (
     ("status", "status", "str"), ("steps completed", "steps", "str"),
-    ("out-of-memory steps", "oom_steps", "str"), ("retried steps / retries", None, "retries"),
+    ("out-of-memory steps", "oom_steps", "str"),
     ("budget", "budget_bytes", "budget"),
     ("peak memory", "peak_bytes", "bytes"), ("mean peak memory", "mean_peak_bytes", "bytes"),
     ("steps over budget", "over_budget_steps", "str"),
     ("training time", "train_time_s", "seconds"), ("mean iteration", "mean_iter_ms", "ms"),
     ("p50 / p95 iteration", None, "p50p95"),
     ("mean blocks checkpointed", "mean_checkpointed_blocks", "blocks"),
-    ("planning time total", "planning_ms_total", "ms"),
-    ("recompute time total", "recompute_ms_total", "ms"),
     ("loss first / last 10 steps", None, "loss"),
     ("peak memory per rank", None, "ranks"),
 )
@@ -166,8 +165,6 @@ def _summary_value(summary, key, kind):
         return f"{_fmt(summary.get('p50_iter_ms'), 'ms')} / {_fmt(summary.get('p95_iter_ms'), 'ms')}"
     if kind == "loss":
         return f"{_fmt(summary.get('loss_first'), 'float')} / {_fmt(summary.get('loss_last'), 'float')}"
-    if kind == "retries":
-        return f"{summary.get('retried_steps', 0)} / {summary.get('retries', 0)}"
     if kind == "ranks":
         return " / ".join(_fmt(r.get("peak_bytes"), "bytes") for r in summary["ranks"])
     value = summary.get(key)
@@ -191,19 +188,196 @@ def _finer(summary) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _planner_value(key: str, value) -> str:
+@dataclass(frozen=True)
+class PlannerFigures:
+    """The figures of a planner's work a user acts on, read once off a summary (``planner_figures``);
+    each None where it does not apply to this planner or run. JSON-ready: a compare row keeps them."""
+
+    estimate_from: str | None = None
+    """probes, sheltered (measured training steps), profile (a static plan's, before training) or
+    sizes (the oracle measures each input size)."""
+    estimate_steps: int | None = None
+    estimate_ms: float | None = None
+    estimate_extra_iterations: float | None = None
+    estimate_fallback: str | None = None
+    """Why the probes could not give the estimate (then a sheltered phase did)."""
+    still_sheltered: bool = False
+    """The run ended inside its sheltered phase: every step measured, nothing planned yet."""
+    cached_plans: int | None = None
+    cache_hits: int | None = None
+    cache_misses: int | None = None
+    hit_rate: float | None = None
+    overhead_ms: float | None = None
+    overhead_iterations: float | None = None
+    iteration_ms: float | None = None
+    recompute_ms: float | None = None
+    recompute_share: float | None = None
+    measured_steps: int | None = None
+    untrusted_steps: int | None = None
+    untrusted_reasons: dict | None = None
+    underpredictions: int | None = None
+    max_underprediction_bytes: int | None = None
+    retried_steps: int | None = None
+    retries: int | None = None
+    full_sizes: int | None = None
+    """Input sizes run with every block checkpointed after running out of memory."""
+
+
+def _estimate(stats: dict) -> dict:
+    """Where the planner's memory estimate came from and what it cost."""
+    source = stats.get("estimate_source")
+    if source == "probes":
+        return {"estimate_from": "probes", "estimate_steps": stats.get("probe_steps"),
+                "estimate_ms": stats.get("probe_ms")}
+    if source == "sheltered":
+        return {"estimate_from": "sheltered", "estimate_steps": stats.get("sheltered_attempts"),
+                "estimate_extra_iterations": stats.get("sheltered_extra_iterations"),
+                "estimate_fallback": stats.get("estimate_fallback") or None,
+                "still_sheltered": stats.get("phase") == "sheltered"}
+    if "measured_sizes" in stats:
+        return {"estimate_from": "sizes", "estimate_steps": stats["measured_sizes"],
+                "estimate_ms": stats.get("excluded_ms_total")}
+    if stats.get("prepare_ms") is not None:
+        return {"estimate_from": "profile", "estimate_ms": stats["prepare_ms"]}
+    return {}
+
+
+def _cache(stats: dict) -> dict:
+    """The plan cache, for a planner that keeps one."""
+    if "hits" not in stats or "misses" not in stats:
+        return {}
+    lookups = stats["hits"] + stats["misses"]
+    return {"cached_plans": stats.get("cached_plans"), "cache_hits": stats["hits"],
+            "cache_misses": stats["misses"], "hit_rate": stats["hits"] / lookups if lookups else None}
+
+
+def _overhead(summary: dict, stats: dict) -> dict:
+    """The planner's whole overhead, and as iterations of an ordinary step (Mimose's own count,
+    which knows its probes, collector and fits, else the planning time and a static plan's profile)."""
+    if "overhead_ms" in stats:
+        return {"overhead_ms": stats["overhead_ms"], "overhead_iterations": stats.get("overhead_iterations"),
+                "iteration_ms": stats.get("responsive_iteration_ms")}
+    planning = summary.get("planning_ms_total", stats.get("planning_ms_total"))
+    if planning is None:
+        return {}
+    overhead = planning + (stats.get("prepare_ms") or 0.0)
+    iteration = summary.get("mean_iter_ms")
+    return {"overhead_ms": overhead, "overhead_iterations": overhead / iteration if iteration else None,
+            "iteration_ms": iteration}
+
+
+def _trust(stats: dict) -> dict:
+    """Steps a planner that predicts measured, or did not trust its prediction at, and why."""
+    if "measuring_steps" not in stats:
+        return {}
+    return {"measured_steps": stats["measuring_steps"], "untrusted_steps": stats.get("untrusted_steps"),
+            "untrusted_reasons": stats.get("untrusted_reasons") or None,
+            "underpredictions": stats.get("underpredictions"),
+            "max_underprediction_bytes": stats.get("max_underprediction_bytes")}
+
+
+def planner_figures(summary: dict) -> PlannerFigures:
+    """The figures a user acts on of a summary.json's planner (its ``planner`` section) and run."""
+    stats = summary.get("planner") or {}
+    recompute = summary.get("recompute_ms_total")
+    recompute = stats.get("recompute_ms") if recompute is None else recompute  # DTR counts its own
+    train_ms = (summary.get("train_time_s") or 0) * 1e3
+    return PlannerFigures(
+        **_estimate(stats), **_cache(stats), **_overhead(summary, stats), **_trust(stats),
+        recompute_ms=recompute or None, recompute_share=recompute / train_ms if recompute and train_ms else None,
+        retried_steps=summary.get("retried_steps"), retries=summary.get("retries"),
+        full_sizes=stats.get("full_sizes") or None)
+
+
+def estimate_text(f: PlannerFigures) -> str | None:
+    """Where the estimate came from and its cost, in words (None: the planner keeps none)."""
+    if f.estimate_from == "probes":
+        return f"probes: {f.estimate_steps} steps, {format_duration(f.estimate_ms)}"
+    if f.estimate_from == "sheltered":
+        cost = ("" if f.estimate_extra_iterations is None
+                else f", {f.estimate_extra_iterations:.2f} extra iterations")
+        ended = " (the run ended in it)" if f.still_sheltered else ""
+        return f"a sheltered phase{ended}: {f.estimate_steps} steps{cost}"
+    if f.estimate_from == "sizes":
+        return f"measuring each input size: {f.estimate_steps} sizes, {format_duration(f.estimate_ms)}"
+    if f.estimate_from == "profile":
+        return f"a profile before training: {format_duration(f.estimate_ms)}"
+    return None
+
+
+def overhead_text(f: PlannerFigures, compact: bool = False) -> str | None:
+    """The overhead in ms and in iterations of an ordinary step (Mimose's: a responsive one);
+    ``compact`` for a table's cell."""
+    if f.overhead_ms is None:
+        return None
+    if f.overhead_iterations is None:
+        return format_duration(f.overhead_ms)
+    of = " it" if compact else f" iterations of {format_duration(f.iteration_ms)}"
+    return f"{format_duration(f.overhead_ms)} ({f.overhead_iterations:.2f}{of})"
+
+
+def recompute_text(f: PlannerFigures, compact: bool = False) -> str | None:
+    """Recompute time and its share of the training time; ``compact`` for a table's cell."""
+    if f.recompute_ms is None:
+        return None
+    of = "" if compact else " of training"
+    share = "" if f.recompute_share is None else f" ({f.recompute_share:.1%}{of})"
+    return f"{format_duration(f.recompute_ms)}{share}"
+
+
+def hit_rate_text(f: PlannerFigures) -> str | None:
+    """The plan cache's hit rate; None for a planner without one."""
+    return None if f.hit_rate is None else f"{f.hit_rate:.0%}"
+
+
+def planner_rows(summary: dict) -> list[tuple[str, str]]:
+    """The planner's table in words, (label, value) rows: what ``mimose train`` prints at its end,
+    ``mimose report`` and ``mimose compare`` show; a figure that does not apply is left out
+    (every counter stays in summary.json; ``mimose report --stats`` prints them)."""
+    f = planner_figures(summary)
+    rows = [("estimate from", estimate_text(f)),
+            ("probes not used", f.estimate_fallback),
+            ("plans cached", None if f.cache_hits is None else str(f.cached_plans)),
+            ("plan cache hits / misses", None if f.cache_hits is None else f"{f.cache_hits} / {f.cache_misses}"),
+            ("plan cache hit rate", hit_rate_text(f)),
+            ("planning overhead", overhead_text(f)),
+            ("recompute time", recompute_text(f)),
+            ("steps measured / untrusted",
+             None if f.measured_steps is None else f"{f.measured_steps} / {f.untrusted_steps}")]
+    rows += [(reason, f"{count} steps") for reason, count in (f.untrusted_reasons or {}).items()]
+    if f.underpredictions:
+        rows.append(("steps over their prediction",
+                     f"{f.underpredictions} (at most {format_bytes(f.max_underprediction_bytes)})"))
+    rows += [("retried steps / retries", None if f.retries is None else f"{f.retried_steps} / {f.retries}"),
+             ("sizes checkpointed in full after running out of memory",
+              None if f.full_sizes is None else str(f.full_sizes))]
+    return [(label, value) for label, value in rows if value is not None]
+
+
+def _table(title: str, rows) -> Table:
+    table = Table(title=title, title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for label, value in rows:
+        table.add_row(label, value)
+    return table
+
+
+def _raw_value(key: str, value) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and "_ms" in key:
-        return format_duration(value)
+        return format_duration(value) if abs(value) >= 1 or not value else f"{value:.3g} ms"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _empty(value) -> bool:
-    """A planner figure with nothing in it: None, or an empty text, list or mapping (0 is a figure)."""
-    return value is None or (isinstance(value, (str, list, tuple, dict)) and not value)
+def raw_planner_table(summary: dict) -> Table:
+    """Every counter of summary.json's planner section, under its own name (``report --stats``)."""
+    stats = summary.get("planner") or {}
+    return _table(f"planner counters: {stats.get('planner', '?')} (summary.json)",
+                  ((key, _raw_value(key, value)) for key, value in stats.items() if key != "planner"))
 
 
 def summary_tables(summary: dict) -> list:
-    """The run's summary and its planner's overhead breakdown, as rich tables."""
+    """The run's summary and its planner's table in words, as rich tables."""
     table = Table(title="summary", title_justify="left", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -217,17 +391,5 @@ def summary_tables(summary: dict) -> list:
                       f"{summary.get('eval_time_s') or 0:.2f} s / {_fmt(summary.get('eval_peak_bytes'), 'bytes')}")
     if summary.get("error"):  # why a run that did not complete ended
         table.add_row("error", str(summary["error"]))
-    tables = [table]
-    stats = summary.get("planner") or {}
-    if stats:
-        figures = {key: value for key, value in stats.items() if key != "planner"}
-        shown = {key: value for key, value in figures.items() if not _empty(value)}
-        left_out = " (empty figures left out; all in summary.json)" if len(shown) < len(figures) else ""
-        planner = Table(title=f"planner: {stats.get('planner', '?')}{left_out}", title_justify="left",
-                        show_header=False)
-        planner.add_column("what")
-        planner.add_column("value", justify="right")
-        for key, value in shown.items():
-            planner.add_row(key, _planner_value(key, value))
-        tables.append(planner)
-    return tables
+    name = (summary.get("planner") or {}).get("planner")
+    return [table, _table(f"planner: {name}" if name else "planner", planner_rows(summary))]

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,34 @@ def test_train_then_report_via_cli(tmp_path):
     report = runner.invoke(app, ["report", str(run_dir)])
     assert report.exit_code == 0, report.output
     assert "summary" in report.output and "per-iteration statistics" in report.output
+    for output in (result.output, report.output):  # full: no estimate, no plan cache, no trust
+        assert "planner: full" in output and "retried steps / retries" in output
+        assert not any(word in output for word in ("estimate from", "plan cache", "steps measured", "sheltered"))
+
+
+def _row_labels(output: str) -> list:
+    """The first cell of every row of the tables in ``output``."""
+    return [line.split("│")[1].strip() for line in output.splitlines() if line.startswith("│")]
+
+
+def test_the_end_of_a_run_and_its_report_show_the_planner_in_words_and_stats_its_counters(tmp_path):
+    """A quickstart-like Mimose run: its end and ``report`` show the planner's table in words, no
+    row named by a counter; ``report --stats`` prints every counter of summary.json's planner."""
+    result = runner.invoke(app, ["train", QUICK, "--out", str(tmp_path), "--view", "plain", *ROOT_ARGS])
+    assert result.exit_code == 0, result.output
+    (run_dir,) = list(tmp_path.iterdir())
+    report = runner.invoke(app, ["report", str(run_dir), "--no-plots"])
+    stats = runner.invoke(app, ["report", str(run_dir), "--no-plots", "--stats"])
+    assert report.exit_code == stats.exit_code == 0, report.output + stats.output
+    for output in (result.output, report.output):
+        assert "planner: mimose" in output and "estimate from" in output and "probes:" in output
+        assert "plan cache hit rate" in output and "planning overhead" in output and "iterations of" in output
+        assert not [label for label in _row_labels(output) if re.fullmatch(r"[a-z]+(_[a-z]+)+", label)]
+        assert "sheltered" not in output  # the probes gave the estimate: no sheltered phase
+    counters = json.loads((run_dir / "summary.json").read_text())["planner"]
+    assert "probe_twins" not in report.output
+    assert stats.output.startswith(report.output.split("per-iteration")[0])
+    assert set(counters) - {"planner"} <= set(_row_labels(stats.output))
 
 
 def test_train_out_of_memory_exits_nonzero_with_message(tmp_path):

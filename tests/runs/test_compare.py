@@ -39,7 +39,8 @@ def fake_training(monkeypatch, tmp_path):
                    "mean_checkpointed_blocks": 1.5,
                    "mean_selective_blocks": 0.5 if choices in ("selective", "offload") else 0.0,
                    "mean_offloaded_blocks": 0.25 if choices == "offload" else 0.0,
-                   "planner": {"hit_rate": 0.5} if recipe.planner.name == "mimose" else {}}
+                   "planner": ({"hits": 3, "misses": 3, "cached_plans": 3, "hit_rate": 0.5}
+                               if recipe.planner.name == "mimose" else {})}
         return mimose_cli.launcher.train.RunResult(run_dir, summary)
 
     monkeypatch.setattr(mimose_cli.launcher.sweep, "run_training", run_training)
@@ -163,6 +164,32 @@ def test_render_reads_the_compare_directory(fake_training, tmp_path):
     report = CliRunner().invoke(app, ["report", str(out), "--no-plots"])
     assert report.exit_code == 0 and "timings are from one round each" in report.output
     assert "--repeats" not in report.output  # the library names no flag
+    stats = CliRunner().invoke(app, ["report", str(out), "--stats"])
+    assert stats.exit_code == 2 and "--stats prints one run's planner counters" in stats.output
+
+
+def test_compare_rows_carry_the_planners_figures_and_read_without_them(fake_training, tmp_path):
+    """Each compare row keeps the planner's figures in words' numbers (``planner_figures``): the
+    overhead in iterations, the hit rate for the planner with a plan cache only; a compare.json of
+    the previous release, without them, still shows its hit rate."""
+    out = tmp_path / "cmp"
+    CliRunner().invoke(app, ["compare", str(QUICKSTART), "--budgets", "2MB", "--out", str(out)])
+    data = json.loads((out / "compare.json").read_text())
+    rows = {r["planner"]: r for r in data["budgets"][0]["runs"]}
+    assert rows["mimose"]["figures"]["cache_hits"] == 3 and rows["dtr"]["figures"]["hit_rate"] is None
+
+    def rendered() -> list:
+        console = Console(record=True, width=200)
+        render_compare(out, console)
+        return [line for line in console.export_text().splitlines() if line.startswith("│ mimose")]
+
+    (mimose,) = rendered()
+    assert "50%" in mimose and "1 ms" in mimose
+    for row in data["budgets"][0]["runs"]:
+        del row["figures"]
+    (out / "compare.json").write_text(json.dumps(data))
+    (old,) = rendered()
+    assert "50%" in old
 
 
 def test_repeats_rotate_the_order_and_report_the_median(monkeypatch, tmp_path):
