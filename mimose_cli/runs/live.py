@@ -120,8 +120,9 @@ class RunningFigures:
     """Micro-batches whose plan the planner looked up in its plan cache (``cache_hit`` not None)."""
     hits: int = 0
     planned_sizes: set = field(default_factory=set)
-    """Input sizes planned on a miss: one cached plan each (Mimose's cache keeps one per size, the
-    oracle's one per size measured)."""
+    """Input sizes planned on a miss: one cached plan each (the oracle's cache and Mimose's, whose key
+    rounds a size up so that a size rounded to a cached key hits it). Counted from the records, so
+    at most the planner's own count: Mimose empties its cache when it refits after measuring."""
     planner_ms: float | None = None
     """The planner's time deciding, in ms (None until a step records one)."""
     train_ms: float = 0.0
@@ -136,7 +137,7 @@ class RunningFigures:
 
     def add(self, record: StepRecord) -> None:
         """Count one micro-batch's record."""
-        self.last_peak_bytes = record.reached_bytes if record.oom else record.peak_bytes
+        self.last_peak_bytes = (record.reached_bytes or record.peak_bytes) if record.oom else record.peak_bytes
         if not record.oom and record.peak_bytes is not None:
             self.highest_peak_bytes = max(self.highest_peak_bytes or 0, record.peak_bytes)
             self.train_ms += record.train_ms
