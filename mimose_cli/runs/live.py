@@ -1,6 +1,6 @@
-"""What the user sees while training: a rich live table under a progress bar on a terminal,
-plain lines otherwise; setup lines before the first step, and a line whenever the planner's phase
-changes (why the sheltered steps are slower).
+"""What the user sees while training: a rich live table under a progress bar on a terminal, with
+a panel of the run's figures so far under it, plain lines otherwise; setup lines before the first
+step, and a line whenever the planner's phase changes (why the sheltered steps are slower).
 
 Both are views of the same per-iteration ``StepRecord``s that go to metrics.jsonl.
 """
@@ -8,6 +8,7 @@ Both are views of the same per-iteration ``StepRecord``s that go to metrics.json
 import os
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -105,6 +106,119 @@ def step_table(records: list[StepRecord], budget_bytes, title: str) -> Table:
     return table
 
 
+@dataclass
+class RunningFigures:
+    """The run's figures so far, added up from its ``StepRecord``s (``add``): what the live panel
+    and the plain lines show beside the step at hand. Plain data, so a test builds one from a few
+    records."""
+
+    last_peak_bytes: int | None = None
+    """The latest micro-batch's peak (an out-of-memory one's: the bytes it reached)."""
+    highest_peak_bytes: int | None = None
+    """The highest peak of the micro-batches that completed."""
+    lookups: int = 0
+    """Micro-batches whose plan the planner looked up in its plan cache (``cache_hit`` not None)."""
+    hits: int = 0
+    planned_sizes: set = field(default_factory=set)
+    """Input sizes planned on a miss: one cached plan each (the oracle's cache and Mimose's, whose key
+    rounds a size up so that a size rounded to a cached key hits it). Counted from the records, so
+    at most the planner's own count: Mimose empties its cache when it refits after measuring."""
+    planner_ms: float | None = None
+    """The planner's time deciding, in ms (None until a step records one)."""
+    train_ms: float = 0.0
+    """Training time of the completed micro-batches (``StepRecord.train_ms``), in ms."""
+    completed: int = 0
+    recompute_ms: float | None = None
+    """Time spent recomputing in backward, in ms (None until a step records one)."""
+    checkpointed_any: bool = False
+    """Whether a step so far checkpointed (DTR: evicted) a block: recomputing applies."""
+    retries: int = 0
+    retried_steps: int = 0
+
+    def add(self, record: StepRecord) -> None:
+        """Count one micro-batch's record."""
+        self.last_peak_bytes = (record.reached_bytes or record.peak_bytes) if record.oom else record.peak_bytes
+        if not record.oom and record.peak_bytes is not None:
+            self.highest_peak_bytes = max(self.highest_peak_bytes or 0, record.peak_bytes)
+            self.train_ms += record.train_ms
+            self.completed += 1
+        if record.cache_hit is not None:
+            self.lookups += 1
+            self.hits += record.cache_hit
+            if not record.cache_hit and record.input_size:
+                self.planned_sizes.add(tuple(record.input_size))
+        if record.planner_ms is not None:
+            self.planner_ms = (self.planner_ms or 0.0) + record.planner_ms
+        if record.recompute_ms is not None:
+            self.recompute_ms = (self.recompute_ms or 0.0) + record.recompute_ms
+        self.checkpointed_any |= record.blocks("checkpointed") > 0
+        self.retries += record.retries
+        self.retried_steps += record.retries > 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Share of the plan-cache lookups that hit; None for a planner without a cache."""
+        return self.hits / self.lookups if self.lookups else None
+
+    @property
+    def overhead_iterations(self) -> float | None:
+        """The planner's time so far in mean iterations (``planner_ms`` / mean ``train_ms``)."""
+        if self.planner_ms is None or not self.train_ms:
+            return None
+        return self.planner_ms / (self.train_ms / self.completed)
+
+    @property
+    def recompute_share(self) -> float | None:
+        """Share of the training time spent recomputing; None where nothing was checkpointed."""
+        if self.recompute_ms is None or not self.checkpointed_any or not self.train_ms:
+            return None
+        return self.recompute_ms / self.train_ms
+
+
+def _of_budget(num_bytes, budget_bytes) -> str:
+    share = f" ({100 * num_bytes / budget_bytes:.0f}%)" if budget_bytes and num_bytes is not None else ""
+    return format_bytes(num_bytes) + share
+
+
+def _ms(ms: float) -> str:
+    """Planner time: tenths of a ms below a second (a step's decision often takes less than one)."""
+    return f"{ms:.1f} ms" if ms < 1000 else format_duration(ms)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def running_lines(figures: RunningFigures, budget_label: str, budget_bytes) -> list:
+    """The panel's (label, text) lines; a figure that does not apply to the run is left out."""
+    lines = [("memory", f"this step {_of_budget(figures.last_peak_bytes, budget_bytes)}, highest "
+                        f"{_of_budget(figures.highest_peak_bytes, budget_bytes)} of budget {budget_label}")]
+    if figures.hit_rate is not None:
+        lines.append(("plan cache", f"{100 * figures.hit_rate:.0f}% hits ({figures.hits} of {figures.lookups}), "
+                                    f"{_count(len(figures.planned_sizes), 'plan')} cached"))
+    if figures.planner_ms is not None:
+        iterations = figures.overhead_iterations
+        in_iterations = f" = {iterations:.2f} iterations" if iterations is not None else ""
+        lines.append(("planner", f"{_ms(figures.planner_ms)} deciding{in_iterations}"))
+    if figures.recompute_share is not None:
+        lines.append(("recompute", f"{100 * figures.recompute_share:.1f}% of training time "
+                                   f"({format_duration(figures.recompute_ms)})"))
+    retried = f" ({_count(figures.retried_steps, 'step')})" if figures.retries else ""
+    lines.append(("retries", f"{figures.retries}{retried}"))
+    return lines
+
+
+def running_panel(figures: RunningFigures, budget_label: str, budget_bytes) -> Table:
+    """The live view's panel under the step table: the run's figures so far."""
+    panel = Table.grid(padding=(0, 2))
+    panel.title, panel.title_justify = "so far", "left"
+    panel.add_column(style="bold")
+    panel.add_column()
+    for label, text in running_lines(figures, budget_label, budget_bytes):
+        panel.add_row(label, text)
+    return panel
+
+
 PHASE_NOTES = {
     "sheltered": "sheltered phase: every block is checkpointed and measured once per step to fit the "
                  "memory estimator, so these steps are slower than the ones after",
@@ -141,6 +255,7 @@ class ProgressView:
         self.micro_batches = micro_batches
         """Micro-batches per step (gradient accumulation): each has a line, which says which."""
         self.rows = deque(maxlen=ROWS_SHOWN)
+        self.figures = RunningFigures()
         self.total_steps = None
         self._phase = None
         self._created = time.perf_counter()
@@ -165,7 +280,8 @@ class ProgressView:
     def _render(self):
         header = Text(f"{self.title}  budget {self.budget_label}")
         return Group(header, self._progress.get_renderable(),
-                     step_table(list(self.rows), self.budget_bytes, ""))
+                     step_table(list(self.rows), self.budget_bytes, ""),
+                     running_panel(self.figures, self.budget_label, self.budget_bytes))
 
     def timing(self) -> str:
         """Elapsed, ETA and rate as one phrase (the plain lines)."""
@@ -177,6 +293,7 @@ class ProgressView:
 
     def update(self, record: StepRecord) -> None:
         self.rows.append(record)
+        self.figures.add(record)
         self._progress.update(self._task, completed=record.step + 1)
         if record.phase != self._phase:
             note = PHASE_NOTES.get(record.phase) if record.phase != "responsive" or self._phase else None
@@ -190,7 +307,12 @@ class ProgressView:
                 f"step {record.step}/{self.total_steps}{self._micro(record)} input {_shape(record)} "
                 f"loss {_loss(record)} "
                 f"{format_duration(record.iter_ms)} peak {_peak(record, self.budget_bytes)} "
-                f"ckpt {_blocks(record)} {_phase(record)}".rstrip() + f" | {self.timing()}".rstrip())
+                f"ckpt {_blocks(record)} {_phase(record)}".rstrip() + self._hit_rate() + f" | {self.timing()}".rstrip())
+
+    def _hit_rate(self) -> str:
+        """The plain line's running hit rate, for a planner with a plan cache."""
+        rate = self.figures.hit_rate
+        return "" if rate is None else f" | hit rate {100 * rate:.0f}%"
 
     def _micro(self, record: StepRecord) -> str:
         return f" micro {record.micro_step + 1}/{self.micro_batches}" if self.micro_batches > 1 else ""

@@ -136,33 +136,46 @@ def input_size_figure(records, title: str = "input size per step") -> Figure:
     return fig
 
 
-_SHADE = {blocks.KEEP: 0.0, blocks.OFFLOAD: 1.0, blocks.SELECTIVE: 2.0, **dict.fromkeys(blocks.PARTIAL_LEVELS, 3.0),
-          blocks.RECOMPUTE: 4.0}
-"""Each choice's shade in the plan heat map (``plan_figure``'s colour map)."""
+def _plan_choices(what: str) -> tuple:
+    """The heat map's choices, its shade the index: (choices of ``blocks.CHOICES``, colour, legend
+    label). ``what`` a recomputed block is: checkpointed (recomputed whole), DTR's evicted."""
+    recomputed = f"{what} (recomputed whole)" if what == "checkpointed" else what
+    return (((blocks.KEEP,), PLAIN, "kept (run plainly)"),
+            ((blocks.OFFLOAD,), OFFLOADED, "offloaded to host memory"),
+            ((blocks.SELECTIVE,), SELECTIVE, "checkpointed selectively"),
+            (blocks.PARTIAL_LEVELS, PARTIAL, "checkpointed partially"),
+            ((blocks.RECOMPUTE,), CHECKPOINTED, recomputed))
+
+
+_LEGEND_ORDER = (0, 2, 3, 4, 1)
+"""The legend's order of the shades: from the block kept to the blocks freed whole."""
+
+
+def plan_grid(records, num_blocks: int) -> np.ma.MaskedArray:
+    """The plans as (block, step) shades, an index into ``_plan_choices``; masked where a step has
+    no choice for the block (it ran out of memory before any plan)."""
+    shade = {choice: index for index, (choices, _, _) in enumerate(_plan_choices("checkpointed")) for choice in choices}
+    grid = np.full((num_blocks, len(records)), np.nan)
+    for i, record in enumerate(records):
+        grid[:len(record.plan), i] = [shade[choice] for choice in record.plan]
+    return np.ma.masked_invalid(grid)
 
 
 def plan_figure(records, title: str = "blocks checkpointed per step", what: str = "checkpointed") -> Figure:
-    """Heat map of the plan: one column per step, one row per block, coloured by the block's
-    choice: in the plan (``what`` a block in it is: checkpointed; DTR's plan is what it evicted),
-    checkpointed selectively (its compute-heavy ops' outputs kept) or partially (the first of
-    them kept), offloaded (what it saves held in host memory), or run plainly."""
+    """Heat map of the plan: one column per step, one row per block (a full row each, between
+    lines), coloured by the block's choice: kept (run plainly), checkpointed selectively (its
+    compute-heavy ops' outputs kept) or partially (the first of them kept), recomputed whole
+    (``what`` it is: checkpointed; DTR's plan is what it evicted), offloaded (what it saves held in
+    host memory). The legend names the choices the run made, and out of memory where a step ran out."""
     num_blocks = max([r.num_blocks or 0 for r in records] + [len(r.plan) for r in records] + [1])
-    grid = np.zeros((num_blocks, len(records)))
-    for i, record in enumerate(records):
-        grid[:len(record.plan), i] = [_SHADE[choice] for choice in record.plan]
+    grid = plan_grid(records, num_blocks)
+    choices = _plan_choices(what)
     fig, ax = new_figure()
-    ax.imshow(grid, cmap=ListedColormap([PLAIN, OFFLOADED, SELECTIVE, PARTIAL, CHECKPOINTED]), vmin=0, vmax=4,
+    ax.imshow(grid, cmap=ListedColormap([colour for _, colour, _ in choices]), vmin=-0.5, vmax=len(choices) - 0.5,
               aspect="auto", origin="lower", interpolation="nearest",
               extent=(-0.5, len(records) - 0.5, -0.5, num_blocks - 0.5))
-    handles = [Patch(color=CHECKPOINTED, label=what), Patch(color=PLAIN, label="run plainly")]
-    if any(r.blocks("selective") for r in records):
-        handles[0] = Patch(color=CHECKPOINTED, label=f"{what} (recomputed whole)")
-        handles.insert(1, Patch(color=SELECTIVE, label="checkpointed selectively"))
-    if any(r.blocks("partial") for r in records):
-        handles[0] = Patch(color=CHECKPOINTED, label=f"{what} (recomputed whole)")
-        handles.insert(1, Patch(color=PARTIAL, label="checkpointed partially"))
-    if any(r.blocks("offload") for r in records):
-        handles.insert(-1, Patch(color=OFFLOADED, label="offloaded to host memory"))
+    made = set(np.unique(grid.compressed()).astype(int))
+    handles = [Patch(color=choices[index][1], label=choices[index][2]) for index in _LEGEND_ORDER if index in made]
     oom = [i for i, r in enumerate(records) if r.oom]
     for i in oom:
         ax.axvline(i, color="red", linewidth=2)
@@ -170,9 +183,13 @@ def plan_figure(records, title: str = "blocks checkpointed per step", what: str 
         handles.append(Patch(color="red", label="out of memory"))
     if num_blocks <= 24:
         ax.set_yticks(range(num_blocks))
+    if num_blocks <= 48:  # a line between blocks: each reads as a row of its own
+        ax.set_yticks(np.arange(1, num_blocks) - 0.5, minor=True)
+        ax.grid(which="minor", axis="y", color="white", linewidth=1)
+        ax.tick_params(which="minor", left=False)
     ax.set_xlabel(_step_axis(records))
     ax.set_ylabel("block")
-    ax.set_title(title)
+    ax.set_title(title, loc="left")  # a run's name makes it wider than the axes: it runs on over the legend
     _legend(ax, handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return fig
 

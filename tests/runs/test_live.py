@@ -134,3 +134,87 @@ def test_the_blocks_column_counts_the_finer_choices():
     view.update(record)
     view.close()
     assert "3/4 (1 sel, 1 part, 1 off)" in out.getvalue()
+
+
+def _figures(*records):
+    from mimose_cli.runs.live import RunningFigures
+
+    figures = RunningFigures()
+    for record in records:
+        figures.add(record)
+    return figures
+
+
+def _timed(step, *, peak_mib, hit, size, planner_ms=2.0, recompute_ms=0.0, iter_ms=100.0, retries=0,
+           plan=("keep", "keep", "keep", "keep")):
+    return StepRecord(step=step, input_shape=[4, 4, size], input_size=[16, size], loss=1.0, iter_ms=iter_ms,
+                      peak_bytes=peak_mib * 2**20, plan=list(plan), num_blocks=4, planner_ms=planner_ms,
+                      cache_hit=hit, recompute_ms=recompute_ms, retries=retries)
+
+
+def test_the_running_figures_add_up_the_records():
+    """Hit rate over the lookups, plans cached (sizes planned on a miss), the highest peak, the
+    planner's time in mean iterations, the share recomputing and the retries."""
+    ckpt = ("recompute", "keep", "keep", "keep")
+    figures = _figures(_timed(0, peak_mib=30, hit=False, size=64, planner_ms=6.0, plan=ckpt, recompute_ms=10.0),
+                       _timed(1, peak_mib=36, hit=True, size=64, iter_ms=300.0, retries=2),
+                       _timed(2, peak_mib=20, hit=False, size=32),
+                       _timed(3, peak_mib=25, hit=True, size=32, plan=ckpt, recompute_ms=30.0))
+    assert (figures.hits, figures.lookups, figures.hit_rate) == (2, 4, 0.5)
+    assert figures.planned_sizes == {(16, 64), (16, 32)}
+    assert figures.last_peak_bytes == 25 * 2**20 and figures.highest_peak_bytes == 36 * 2**20
+    assert figures.planner_ms == 12.0 and figures.overhead_iterations == pytest.approx(12.0 / 150.0)
+    assert figures.recompute_share == pytest.approx(40.0 / 600.0)
+    assert (figures.retries, figures.retried_steps) == (2, 1)
+
+
+def test_the_panel_says_the_figures_and_leaves_out_what_does_not_apply():
+    from mimose_cli.runs.live import running_lines
+
+    mimose = dict(running_lines(_figures(_timed(0, peak_mib=30, hit=False, size=64, plan=("recompute",) * 4,
+                                                recompute_ms=25.0),
+                                         _timed(1, peak_mib=20, hit=True, size=64, retries=1)),
+                                "40MiB", 40 * 2**20))
+    assert mimose["memory"] == "this step 20.00 MiB (50%), highest 30.00 MiB (75%) of budget 40MiB"
+    assert mimose["plan cache"] == "50% hits (1 of 2), 1 plan cached"
+    assert mimose["planner"] == "4.0 ms deciding = 0.04 iterations"
+    assert mimose["recompute"] == "12.5% of training time (25 ms)"
+    assert mimose["retries"] == "1 (1 step)"
+    # A planner without a cache that never checkpointed (none): no hit rate, nothing recomputed.
+    plain = dict(running_lines(_figures(_timed(0, peak_mib=30, hit=None, size=64)), "unlimited", None))
+    assert list(plain) == ["memory", "planner", "retries"]
+    assert plain["memory"] == "this step 30.00 MiB, highest 30.00 MiB of budget unlimited"
+
+
+def test_an_out_of_memory_step_is_this_steps_memory_not_the_highest():
+    figures = _figures(_timed(0, peak_mib=30, hit=None, size=64),
+                       StepRecord(step=1, oom=True, reached_bytes=41 * 2**20, peak_bytes=None, planner_ms=1.0))
+    assert figures.last_peak_bytes == 41 * 2**20 and figures.highest_peak_bytes == 30 * 2**20
+    assert figures.overhead_iterations == pytest.approx(3.0 / 100.0)  # the mean of the completed step
+
+
+def test_the_live_view_shows_the_panel_under_the_table():
+    out = io.StringIO()
+    view = ProgressView("t", "40MiB", 40 * 2**20, console=Console(file=out, force_terminal=True, width=120))
+    view.begin(2)
+    view.update(_timed(0, peak_mib=30, hit=False, size=64))
+    view.update(_timed(1, peak_mib=20, hit=True, size=64))
+    view.close()
+    text = out.getvalue()
+    assert "so far" in text and "50% hits (1 of 2), 1 plan cached" in text
+    assert text.rindex("so far") > text.rindex("peak (of budget)")
+
+
+def test_plain_lines_carry_the_running_hit_rate_where_the_planner_has_a_cache():
+    out = io.StringIO()
+    view = ProgressView("t", "40MiB", 40 * 2**20, console=Console(file=out, width=200))
+    view.begin(4)
+    for step, hit in enumerate((False, True, True, True)):
+        view.update(_timed(step, peak_mib=30, hit=hit, size=64))
+    rates = [line.split("| hit rate ")[1].split()[0] for line in out.getvalue().splitlines()]
+    assert rates == ["0%", "50%", "67%", "75%"]
+    out = io.StringIO()
+    view = ProgressView("t", "40MiB", 40 * 2**20, console=Console(file=out, width=200))
+    view.begin(1)
+    view.update(_timed(0, peak_mib=30, hit=None, size=64))
+    assert "hit rate" not in out.getvalue()

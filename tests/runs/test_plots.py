@@ -208,3 +208,38 @@ def test_the_plan_map_is_titled_by_what_the_blocks_did():
     assert _plan_title(steps(("offload", "offload", "keep"), kept), "checkpointed") == "blocks offloaded"
     assert _plan_title(steps(recomputed, ("keep", "keep", "offload")), "checkpointed") == "blocks checkpointed or offloaded"
     assert _plan_title(steps(recomputed), "evicted") == "blocks evicted"
+
+
+def test_the_plan_legend_names_only_the_choices_the_run_made():
+    """Neither "kept" nor "recomputed" is named for a run that never kept or never recomputed a block."""
+    from mimose_cli.runs.plots import plan_figure
+
+    def legend(*plans, oom=False, what="checkpointed"):
+        records = [StepRecord(step=i, plan=list(plan), num_blocks=3) for i, plan in enumerate(plans)]
+        records[-1].oom = oom
+        return legend_texts(plan_figure(records, what=what).axes[0])
+
+    assert legend(("selective", "selective", "offload")) == ["checkpointed selectively", "offloaded to host memory"]
+    assert legend(("keep", "recompute", "keep"), ("keep", "keep", "keep")) == [
+        "kept (run plainly)", "checkpointed (recomputed whole)"]
+    assert legend(("recompute",) * 3, ("partial2", "recompute", "keep"), oom=True) == [
+        "kept (run plainly)", "checkpointed partially", "checkpointed (recomputed whole)", "out of memory"]
+    assert legend(("keep", "recompute", "recompute"), what="evicted") == ["kept (run plainly)", "evicted"]
+
+
+def test_each_block_of_the_plan_map_is_a_full_row_of_its_colour():
+    """Rows are one block high and centred on the block's tick, with a line between blocks; a
+    step with no plan (out of memory before one) is left blank, not drawn as kept."""
+    from matplotlib.colors import to_rgba
+
+    from mimose_cli.runs.plots import CHECKPOINTED, PLAIN, SELECTIVE, plan_figure
+
+    records = [StepRecord(step=0, plan=["selective", "keep", "recompute"], num_blocks=3),
+               StepRecord(step=1, plan=[], num_blocks=3, oom=True)]
+    ax = plan_figure(records).axes[0]
+    image = ax.images[0]
+    assert image.get_extent() == [-0.5, 1.5, -0.5, 2.5] and ax.get_ylim() == (-0.5, 2.5)
+    assert list(ax.get_yticks()) == [0, 1, 2] and list(ax.get_yticks(minor=True)) == [0.5, 1.5]
+    colours = image.to_rgba(image.get_array())
+    assert [tuple(c) for c in colours[:, 0]] == [to_rgba(SELECTIVE), to_rgba(PLAIN), to_rgba(CHECKPOINTED)]
+    assert image.get_array().mask[:, 1].all()
