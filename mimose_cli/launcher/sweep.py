@@ -2,7 +2,8 @@
 
 ``run_compare`` writes a compare directory (``runs.compare`` reads and shows it): ``compare.json``
 and one run directory per (budget, planner) under ``runs/<budget>/``. A run that goes out of
-memory is a result (status "oom"), never a crash of the comparison.
+memory is a result (status "oom"), never a crash of the comparison; a signal (Ctrl-C, SIGTERM)
+stops it, and compare.json says so (``status``, ``signal``, each row's ``rounds``).
 """
 
 import json
@@ -15,6 +16,7 @@ import torch
 
 from mimose_cli.files import write_json
 from mimose_cli.launcher.recipe import Recipe, recipe_from_dict, recipe_to_dict
+from mimose_cli.launcher.signals import StopRequest
 from mimose_cli.launcher.spawn import under_torchrun
 from mimose_cli.launcher.train import run_training
 from mimose_cli.planners.registry import PLANNERS
@@ -31,12 +33,13 @@ def _variants() -> list:
             if PLANNERS.options(name).variant_field]
 
 
-def planner_specs(baselines) -> list:
-    """``["mimose", *baselines, "none", "oracle"]`` without repeats; ``name:value`` sets the
-    planner's variant option (its options' ``variant_field``: ``sublinear:sqrt``, ``mimose:selective``).
+def planner_specs(baselines, own: str | None = None) -> list:
+    """``["mimose", *baselines, own, "none", "oracle"]`` without repeats, ``own`` being the recipe's
+    own planner (a recipe written for dtr compares dtr whatever the baselines); ``name:value`` sets
+    the planner's variant option (its options' ``variant_field``: ``sublinear:sqrt``, ``mimose:selective``).
     Unknown planners, and variants of a planner without them, raise ValueError."""
     specs = []
-    for spec in ["mimose", *baselines, "none", "oracle"]:
+    for spec in ["mimose", *baselines, own or "", "none", "oracle"]:
         spec = spec.strip()
         if not spec or spec in specs:
             continue
@@ -105,6 +108,8 @@ def _row(spec: str, summary: dict, run_dir, compare_dir: Path) -> dict:
         "mean_selective_blocks": summary.get("mean_selective_blocks"),
         "mean_offloaded_blocks": summary.get("mean_offloaded_blocks"),
         "mean_partial_blocks": summary.get("mean_partial_blocks"),
+        "signal": summary.get("signal"),  # what stopped an interrupted run
+        "rounds": 1,  # runs made of this planner at this budget (merge_repeats: one per round)
         "phase": stats.get("phase"),  # mimose: still "sheltered" when the run never left that phase
         "figures": asdict(figures),  # the planner's table in words, as numbers
         "run_dir": str(Path(run_dir).relative_to(compare_dir)) if run_dir else None,
@@ -138,6 +143,7 @@ def merge_repeats(rows: list) -> dict:
     merged = dict(failed or rows[0])
     merged["train_times_s"] = [r["train_time_s"] for r in rows]
     merged["run_dirs"] = [r["run_dir"] for r in rows]
+    merged["rounds"] = len(rows)
     merged["peak_bytes"] = max((r["peak_bytes"] for r in rows if r["peak_bytes"] is not None), default=None)
     merged["oom_steps"] = max(r.get("oom_steps", 0) for r in rows)
     if failed is None:
@@ -169,6 +175,9 @@ def _one_run(run: Recipe, spec: str, compare_dir: Path, view: str) -> dict:
         summary = {"status": "oom", "steps": 0, "oom_steps": 1, "error": str(err).splitlines()[0],
                    "budget_bytes": run.budget_bytes}
         return _row(spec, summary, None, compare_dir)
+    except KeyboardInterrupt:  # Ctrl-C where the run does not catch it (building it, a second Ctrl-C)
+        summary = {"status": "interrupted", "signal": "SIGINT", "steps": 0, "budget_bytes": run.budget_bytes}
+        return _row(spec, summary, None, compare_dir)
     return _row(spec, result.summary, result.run_dir, compare_dir)
 
 
@@ -194,14 +203,56 @@ def _claim_compare_dir(out, recipe: Recipe, recipe_name: str, data: dict) -> Pat
     return compare_dir
 
 
+def _distinct_budgets(at_budgets: list, console) -> list:
+    """The recipes at ``at_budgets`` whose budgets differ in bytes: ``40MB``, ``40 MB`` and
+    ``40000000`` are one budget spelled three ways, which runs once, as first written, and this is said."""
+    kept: dict = {}  # budget_bytes -> the recipe at that budget as first written
+    for base in at_budgets:
+        first = kept.setdefault(base.budget_bytes, base)
+        if first is not base:
+            console.print(f"compare: budget {base.budget!r} is {first.budget} again ({base.budget_bytes} bytes); "
+                          f"it runs once, as {first.budget}", highlight=False)
+    return list(kept.values())
+
+
+def _run_rounds(data: dict, at_budgets: list, recipes: dict, compare_dir: Path, view: str, console,
+                stop: StopRequest) -> str | None:
+    """Run each of ``data``'s planners ``data["repeats"]`` times at each budget, the order rotated
+    every round, writing compare.json after every run; returns the signal that stopped the
+    comparison (a run's, or one between runs), None when every run ran."""
+    specs, repeats, started = data["planners"], data["repeats"], time.perf_counter()
+    for base in at_budgets:
+        entry = {"budget": base.budget, "budget_bytes": base.budget_bytes, "reference": None, "runs": []}
+        data["budgets"].append(entry)
+        done = {spec: [] for spec in specs}
+        for round_ in range(repeats):
+            for spec in specs[round_ % len(specs):] + specs[:round_ % len(specs)]:
+                elapsed = time.perf_counter() - started
+                console.print(f"compare [{data['runs_done'] + 1}/{data['runs_total']}, {elapsed:.0f} s]: {spec} "
+                              f"at {base.budget}" + (f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""))
+                row = _one_run(recipes[base.budget, spec], spec, compare_dir, view)
+                done[spec].append(row)
+                data["runs_done"] += 1
+                entry["runs"] = [merge_repeats(rows) if repeats > 1 else rows[0] for rows in done.values() if rows]
+                entry["reference"] = normalise(entry["runs"])
+                write_json(compare_dir / "compare.json", data)
+                if row["status"] == "interrupted" or stop.requested:  # Ctrl-C or SIGTERM: stop it all
+                    return row["signal"] or stop.signal_name or "SIGINT"
+    return None
+
+
 def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr", "hf-every-n"), budgets=None, steps=None,
                 out=None, view: str = "none", console=None, recipe_name: str = "recipe",
                 repeats: int = 1) -> Path:
-    """Run every planner at every budget and write ``compare.json``; returns the directory.
+    """Run every planner (mimose, the baselines, the recipe's own, none and oracle) at every
+    budget and write ``compare.json``; returns the directory.
 
     With ``repeats`` > 1 each planner runs that many times per budget, the order rotated every
     round so that a slow stretch of a shared machine does not always hit the same planner; each
-    row then reports the median (``train_times_s`` keeps every round's time).
+    row then reports the median (``train_times_s`` keeps every round's time, ``rounds`` their
+    number). A signal (Ctrl-C, SIGTERM) stops the comparison after the run it lands in:
+    compare.json's ``status`` is then "interrupted" and ``signal`` names it ("running" while it
+    runs, "completed" once every run ran).
     """
     if under_torchrun():  # N copies would race for one compare directory and one machine's timings
         raise ValueError("compare runs its planners one after another in one process; start it without torchrun")
@@ -210,7 +261,7 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr", "hf-every-n"),
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         raise ValueError(f"steps={steps!r} is invalid; expected an integer >= 1 (or none: the recipe's)")
     check_view(view)
-    specs = planner_specs(baselines)
+    specs = planner_specs(baselines, recipe.planner.name)
     budgets = list(budgets or ([recipe.budget] if recipe.budget else []))
     if not budgets:
         raise ValueError("compare needs a budget: set `budget` in the recipe or pass budgets=[...]")
@@ -218,37 +269,22 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr", "hf-every-n"),
     if repeated is not None:
         raise ValueError(f"budget {repeated} is given twice among the budgets to compare; give each once "
                          "(--repeats N runs each budget N times)")
+    console = console or new_console()
     # Every budget and every planner's recipe checked before the first run.
-    at_budgets = [_at_budget(recipe, budget) for budget in budgets]
+    at_budgets = _distinct_budgets([_at_budget(recipe, budget) for budget in budgets], console)
     # Built once, before the first run: a recipe's warnings (a warm-up longer than the run) are
     # said once, not again for every run after a run's own warnings reset Python's registry.
     recipes = {(base.budget, spec): _run_recipe(base, spec, steps) for base in at_budgets for spec in specs}
-    console = console or new_console()
     specs = _distinct_runs({spec: recipes[at_budgets[0].budget, spec] for spec in specs}, console)
     data = {"recipe": recipe_name, "planners": specs, "steps": steps or recipe.training.max_steps,
-            "seed": recipe.seed, "repeats": repeats, "budgets": []}
+            "seed": recipe.seed, "repeats": repeats, "status": "running", "signal": None,
+            "runs_done": 0, "runs_total": len(at_budgets) * len(specs) * repeats, "budgets": []}
     compare_dir = _claim_compare_dir(out, recipe, recipe_name, data)
-    with RunLock(compare_dir):  # its runs are written by this process alone
-        total, started, count = len(budgets) * len(specs) * repeats, time.perf_counter(), 0
-        for base in at_budgets:
-            entry = {"budget": base.budget, "budget_bytes": base.budget_bytes, "reference": None, "runs": []}
-            data["budgets"].append(entry)
-            done = {spec: [] for spec in specs}
-            for round_ in range(repeats):
-                for spec in specs[round_ % len(specs):] + specs[:round_ % len(specs)]:
-                    count += 1
-                    elapsed = time.perf_counter() - started
-                    console.print(f"compare [{count}/{total}, {elapsed:.0f} s]: {spec} at {base.budget}"
-                                  + (f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""))
-                    done[spec].append(_one_run(recipes[base.budget, spec], spec, compare_dir, view))
-                    entry["runs"] = [merge_repeats(rows) if repeats > 1 else rows[0]
-                                     for rows in done.values() if rows]
-                    entry["reference"] = normalise(entry["runs"])
-                    write_json(compare_dir / "compare.json", data)
-                    if done[spec][-1]["status"] == "interrupted":  # SIGTERM or Ctrl-C: stop it all
-                        console.print("interrupted: the comparison stops here")
-                        render_compare(compare_dir, console)
-                        return compare_dir
+    # Its runs are written by this process alone; a signal between two runs stops it as one in a run does.
+    with RunLock(compare_dir), StopRequest(announce=False) as stop:
+        stopped = _run_rounds(data, at_budgets, recipes, compare_dir, view, console, stop)
+        data["status"], data["signal"] = ("interrupted", stopped) if stopped else ("completed", None)
+        write_json(compare_dir / "compare.json", data)
     render_compare(compare_dir, console)
     console.print(f"compare directory: {compare_dir}")
     return compare_dir

@@ -28,16 +28,39 @@ def timing_noise(data: dict) -> tuple[str, bool]:
     if repeats == 1:
         return (f"timings are from one round each; differences under {NOISE:.0%} are within the noise "
                 "of a shared machine", True)
+    medians = f"medians of {_rounds_text(data)}"
     spreads = [(max(times) / min(times) - 1, row["planner"], entry["budget"])
                for entry in data["budgets"] for row in entry["runs"]
                if len(times := [t for t in row.get("train_times_s") or [] if t]) > 1]
     if not spreads:
-        return f"timings are medians of {repeats} rounds", False
+        return f"timings are {medians}", False
     spread, planner, budget = max(spreads)
     if spread <= NOISE:
-        return f"timings are medians of {repeats} rounds, each planner's within {spread:.1%} across rounds", False
-    return (f"timings are medians of {repeats} rounds but noisy: {planner} at {budget} spread {spread:.0%} "
+        return f"timings are {medians}, each planner's within {spread:.1%} across rounds", False
+    return (f"timings are {medians} but noisy: {planner} at {budget} spread {spread:.0%} "
             "across rounds; differences smaller than that are noise", True)
+
+
+def _rounds_text(data: dict) -> str:
+    """How many rounds the rows' medians are of: ``3 rounds``, or where the comparison stopped
+    early (a row's ``rounds`` below ``repeats``) ``1 to 3 rounds``."""
+    repeats = data.get("repeats", 1)
+    fewest = min((row.get("rounds", repeats) for entry in data["budgets"] for row in entry["runs"]),
+                 default=repeats)
+    return f"{repeats} rounds" if fewest >= repeats else f"{fewest} to {repeats} rounds (stopped early)"
+
+
+def unfinished(data: dict) -> str | None:
+    """Why a compare.json holds fewer runs than it was asked for (None when it is complete; one
+    of an earlier release, without ``status``, was written at its end)."""
+    status = data.get("status", "completed")
+    if status == "completed":
+        return None
+    at = f"run {data.get('runs_done')} of {data.get('runs_total')}"
+    if status == "interrupted":
+        return (f"interrupted by {data.get('signal') or 'a signal'} at {at}: the comparison stopped there; "
+                "each row has the rounds its planner ran")
+    return f"not finished ({status} at {at}): still running, or killed before it could say"
 
 
 class _RunRow(TypedDict, total=False):
@@ -57,6 +80,8 @@ class _RunRow(TypedDict, total=False):
     planning_ms_total: float | None
     hit_rate: float | None
     phase: str | None
+    rounds: int
+    signal: str | None
     figures: dict
 
 
@@ -70,6 +95,10 @@ class _BudgetEntry(TypedDict, total=False):
 class _CompareFile(TypedDict, total=False):
     budgets: Required[list[_BudgetEntry]]
     repeats: int
+    status: str
+    signal: str | None
+    runs_done: int
+    runs_total: int
 
 
 COMPARE_FILE = TypeAdapter(_CompareFile)
@@ -96,8 +125,9 @@ def _blocks(row: dict) -> str:
     return f"{blocks:.2f}" + (f" ({', '.join(finer)})" if finer else "")
 
 
-def compare_table(entry: dict) -> Table:
-    """One budget's rows as a rich table."""
+def compare_table(entry: dict, repeats: int = 1) -> Table:
+    """One budget's rows as a rich table; a row of fewer rounds than ``repeats`` (an interrupted
+    comparison) says how many in its status."""
     reference = entry.get("reference")
     table = Table(title=f"budget {format_budget(entry['budget'], entry['budget_bytes'])}; "
                         f"time relative to {reference or '-'}", title_justify="left")
@@ -107,6 +137,8 @@ def compare_table(entry: dict) -> Table:
     for row in entry["runs"]:
         figures = _figures(row)
         status = row["status"] if row["status"] != "oom" else f"[red]oom[/red] after {row['steps']}"
+        if row.get("rounds", repeats) < repeats:
+            status += f" ({row['rounds']}/{repeats} rounds)"
         table.add_row(
             row["planner"], status,
             "-" if row.get("normalised_time") is None else f"{row['normalised_time']:.3f}×",
@@ -130,10 +162,12 @@ def render_compare(compare_dir, console=None) -> dict:
     data = read_compare(compare_dir)
     repeats = data.get("repeats", 1)
     console.print(f"compare {data.get('recipe')}: {data.get('steps')} steps, seed {data.get('seed')}"
-                  + (f", median of {repeats} rounds" if repeats > 1 else "")
+                  + (f", median of {_rounds_text(data)}" if repeats > 1 else "")
                   + "; blocks = mean blocks checkpointed (dtr: evicted) per step")
     for entry in data["budgets"]:
-        console.print(compare_table(entry))
+        console.print(compare_table(entry, repeats))
+    if unfinished(data):
+        console.print(unfinished(data), highlight=False)
     if any(row.get("phase") == "sheltered" for entry in data["budgets"] for row in entry["runs"]):
         console.print("mimose spent every step of this comparison in its sheltered phase (measuring, every "
                       "block checkpointed): compare more steps than planner.mimose.sheltered_steps to see "

@@ -269,3 +269,22 @@ def test_report_reads_a_run_directory_of_the_previous_release(tmp_path):
     assert [r.exit_code for r in reports] == [0, 0], reports[1].output
     assert reports[1].output.replace(str(old_dir), str(run_dir)) == reports[0].output
     assert (old_dir / "plots" / "plan.png").stat().st_size > 0
+
+
+def test_ctrl_c_once_report_is_done_ends_in_one_line_and_130(tmp_path):
+    """A Ctrl-C while Python shuts down after ``mimose report`` (here sent from an atexit callback,
+    which runs before torch's own) is the one line and exit status of a Ctrl-C during it, not a
+    traceback from whichever atexit callback it lands in."""
+    row = {"planner": "mimose", "status": "completed", "steps": 5, "train_time_s": 1.0}
+    (tmp_path / "compare.json").write_text(json.dumps(
+        {"recipe": "q", "steps": 5, "seed": 0, "repeats": 1,
+         "budgets": [{"budget": "40MB", "budget_bytes": 40_000_000, "reference": None, "runs": [row]}]}))
+    script = ("import atexit, os, signal, sys\n"
+              "from mimose_cli.cli import main\n"
+              "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+              "sys.argv = ['mimose', 'report', sys.argv[1], '--no-plots']\n"
+              "main()\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert "budget 40MB" in done.stdout  # the report was printed in full first
+    assert (done.returncode, done.stderr) == (130, "error: interrupted\n")

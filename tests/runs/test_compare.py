@@ -232,6 +232,8 @@ def test_timings_within_the_noise_suggest_no_more_rounds():
 
 
 def test_an_interrupted_run_stops_the_comparison_and_no_run_keeps_checkpoints(monkeypatch, tmp_path):
+    """A run that SIGTERM stopped stops the comparison: the command exits 143 (as ``train`` does)
+    and compare.json says it was interrupted, and where."""
     calls = []
 
     def run_training(recipe, *, out_dir=None, view="auto", console=None, recipe_name="run", save=True):
@@ -239,16 +241,69 @@ def test_an_interrupted_run_stops_the_comparison_and_no_run_keeps_checkpoints(mo
         run_dir = out_dir / f"{recipe_name}-{len(calls)}"
         run_dir.mkdir(parents=True)
         summary = {"status": "interrupted" if len(calls) == 2 else "completed", "steps": 5, "oom_steps": 0,
-                   "train_time_s": 10.0, "peak_bytes": 900_000, "budget_bytes": 10**6, "planner": {}}
+                   "train_time_s": 10.0, "peak_bytes": 900_000, "budget_bytes": 10**6, "planner": {},
+                   "signal": "SIGTERM" if len(calls) == 2 else None}
         return mimose_cli.launcher.train.RunResult(run_dir, summary)
 
     monkeypatch.setattr(mimose_cli.launcher.sweep, "run_training", run_training)
     result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines", "sublinear,dtr",
                                       "--budgets", "1MB,2MB", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 143, result.output
+    assert calls == [False, False]
+    assert "interrupted by SIGTERM at run 2 of 10: the comparison stopped there" in " ".join(result.output.split())
+    data = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert (data["status"], data["signal"], data["runs_done"], data["runs_total"]) == ("interrupted", "SIGTERM", 2, 10)
+    assert len(data["budgets"]) == 1 and [r["status"] for r in data["budgets"][0]["runs"]] == ["completed", "interrupted"]
+
+
+def test_ctrl_c_in_round_two_exits_130_and_says_how_many_rounds_ran(fake_training, monkeypatch, tmp_path):
+    """Ctrl-C that escapes a run (raised as KeyboardInterrupt) in the second of 3 rounds: exit 130,
+    and neither the tables nor compare.json claim medians of 3 rounds: each row has its rounds."""
+    inner = mimose_cli.launcher.sweep.run_training
+
+    def run_training(recipe, **kwargs):
+        if len(fake_training) == 3:  # mimose, none and oracle ran; none again, round 2, is stopped
+            raise KeyboardInterrupt
+        return inner(recipe, **kwargs)
+
+    monkeypatch.setattr(mimose_cli.launcher.sweep, "run_training", run_training)
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines", "", "--budgets", "2MB",
+                                      "--repeats", "3", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 130, result.output
+    assert len(fake_training) == 3
+    data = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert (data["status"], data["signal"], data["runs_done"]) == ("interrupted", "SIGINT", 4)
+    rows = {r["planner"]: r for r in data["budgets"][0]["runs"]}
+    assert {name: (r["status"], r["rounds"]) for name, r in rows.items()} == {
+        "mimose": ("completed", 1), "none": ("interrupted", 2), "oracle": ("completed", 1)}
+    text = " ".join(result.output.split())
+    assert "median of 3 rounds" not in text and "median of 1 to 3 rounds (stopped early)" in text
+    assert "completed (1/3 rounds)" in text and "interrupted by SIGINT at run 4 of 9" in text
+    report = CliRunner().invoke(app, ["report", str(tmp_path / "c"), "--no-plots"])
+    assert report.exit_code == 0 and "timings are medians of 1 to 3 rounds" in " ".join(report.output.split())
+
+
+def test_the_recipes_own_planner_is_compared(fake_training, tmp_path):
+    """A recipe written for dtr compares dtr, with its own options, though the baselines leave it out."""
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines", "sublinear", "--budgets", "2MB",
+                                      "--out", str(tmp_path / "c"), "planner.name=dtr"])
     assert result.exit_code == 0, result.output
-    assert calls == [False, False] and "the comparison stops here" in result.output
-    entry = json.loads((tmp_path / "c" / "compare.json").read_text())["budgets"]
-    assert len(entry) == 1 and [r["status"] for r in entry[0]["runs"]] == ["completed", "interrupted"]
+    assert [c[0] for c in fake_training] == ["mimose", "sublinear", "dtr", "none", "oracle"]
+    assert json.loads((tmp_path / "c" / "compare.json").read_text())["planners"] == [
+        "mimose", "sublinear", "dtr", "none", "oracle"]
+
+
+def test_one_budget_spelled_three_ways_runs_once_and_says_so(fake_training, tmp_path):
+    result = CliRunner().invoke(app, ["compare", str(QUICKSTART), "--baselines", "", "--budgets",
+                                      "40MB,40000000,40 MB,2MB", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert [(c[0], c[1]) for c in fake_training] == [(name, budget) for budget in ("40MB", "2MB")
+                                                     for name in ("mimose", "none", "oracle")]
+    text = " ".join(result.output.split())
+    assert "budget '40000000' is 40MB again (40000000 bytes); it runs once, as 40MB" in text
+    assert "budget '40 MB' is 40MB again" in text
+    data = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert [b["budget"] for b in data["budgets"]] == ["40MB", "2MB"] and data["runs_total"] == 6
 
 
 def test_repeats_must_be_positive():
