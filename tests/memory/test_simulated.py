@@ -302,6 +302,25 @@ def test_step_memory_is_filled_in():
         assert meter.current_bytes() == 0
 
 
+def test_a_steps_peak_is_its_own_not_the_step_befores():
+    """``Meter.step`` starts each step's peak window at the live bytes, the host's peak too."""
+    meter = build_meter("simulated")
+    with meter.activate():
+        keep = torch.empty(256)
+        with meter.step() as first:
+            scratch = torch.empty(1024)
+            del scratch
+            meter.host_copy(keep.clone)  # let go at once: only the host's peak remembers it
+        with meter.step() as second:
+            out = torch.empty(64)
+        with meter.step() as idle:
+            pass
+        assert (first.peak_bytes, first.peak_host_bytes) == (1024 + 4096, 1024)
+        assert (second.peak_bytes, second.peak_host_bytes) == (1024 + 256, 0)
+        assert idle.peak_bytes == 1024 + 256  # what is live, not zero
+        del keep, out
+
+
 def test_build_meter_picks_and_validates():
     assert build_meter("auto", device=torch.device("cpu")).kind == "simulated"
     assert build_meter("simulated", budget_bytes=123).budget_bytes == 123
