@@ -289,20 +289,7 @@ def test_cuda_meter_has_no_pressure_handler():
         meter.set_pressure_handler(lambda need_bytes: None)
 
 
-def test_step_memory_is_filled_in():
-    meter = build_meter("simulated")
-    with meter.activate():
-        keep = torch.empty(256)
-        with meter.step() as mem:
-            scratch = torch.empty(1024)
-            del scratch
-            out = torch.empty(64)
-        assert mem == StepMemory(start_bytes=1024, peak_bytes=1024 + 4096, end_bytes=1024 + 256)
-        del keep, out
-        assert meter.current_bytes() == 0
-
-
-def test_a_steps_peak_is_its_own_not_the_step_befores():
+def test_step_memory_is_filled_in_and_each_steps_peak_is_its_own():
     """``Meter.step`` starts each step's peak window at the live bytes, the host's peak too."""
     meter = build_meter("simulated")
     with meter.activate():
@@ -310,15 +297,15 @@ def test_a_steps_peak_is_its_own_not_the_step_befores():
         with meter.step() as first:
             scratch = torch.empty(1024)
             del scratch
+            out = torch.empty(64)
             meter.host_copy(keep.clone)  # let go at once: only the host's peak remembers it
         with meter.step() as second:
-            out = torch.empty(64)
-        with meter.step() as idle:
             pass
-        assert (first.peak_bytes, first.peak_host_bytes) == (1024 + 4096, 1024)
-        assert (second.peak_bytes, second.peak_host_bytes) == (1024 + 256, 0)
-        assert idle.peak_bytes == 1024 + 256  # what is live, not zero
+        assert first == StepMemory(start_bytes=1024, peak_bytes=1024 + 4096, end_bytes=1024 + 256,
+                                   peak_host_bytes=1024)
+        assert (second.peak_bytes, second.peak_host_bytes) == (1024 + 256, 0)  # what is live, not zero
         del keep, out
+        assert meter.current_bytes() == 0
 
 
 def test_build_meter_picks_and_validates():
