@@ -24,7 +24,9 @@ def parse_size(text, allow_zero: bool = False) -> int:
     if isinstance(text, (int, float)):
         if isinstance(text, float) and not math.isfinite(text):
             raise ValueError(f"a byte size must be a finite number, got {text!r}")
-        if text < 0 or (text == 0 and not allow_zero):
+        if text < 0:
+            raise ValueError(f"a byte size cannot be negative, got {text!r}")
+        if text == 0 and not allow_zero:
             raise ValueError(f"a byte size must be positive, got {text!r}")
         return int(text)
     match = _SIZE.match(str(text))
@@ -40,6 +42,15 @@ def parse_size(text, allow_zero: bool = False) -> int:
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"a byte size must be positive, got {text!r}")
     return value
+
+
+def parse_size_option(name: str, value, allow_zero: bool = False) -> int:
+    """``parse_size`` of the option ``name`` (``budget``, ``safety_margin``): its ValueError
+    names the option and the value as given, e.g. ``safety_margin=-500000: ...``."""
+    try:
+        return parse_size(value, allow_zero=allow_zero)
+    except ValueError as error:
+        raise ValueError(f"{name}={value!r}: {error}") from None
 
 
 def format_bytes(num_bytes) -> str:

@@ -35,3 +35,9 @@ def test_a_budget_is_shown_as_written_with_its_binary_size_beside(text, expected
     (125_000, "2 min 05 s"), (7_300_000, "2 h 01 min"), (None, "-")])
 def test_durations_over_a_second_are_in_seconds(ms, expected):
     assert format_duration(ms) == expected
+
+
+@pytest.mark.parametrize("size, allow_zero", [(-1, False), (-0.5, True), (-500_000, True)])
+def test_parse_size_refuses_a_negative_number_even_where_zero_is_allowed(size, allow_zero):
+    with pytest.raises(ValueError, match="negative"):
+        parse_size(size, allow_zero=allow_zero)

@@ -35,7 +35,7 @@ from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_pad
 from mimose_cli.planners.options import OptionError, parse_options
 from mimose_cli.planners.registry import PLANNERS
 from mimose_cli.planners.trial import model_device
-from mimose_cli.units import format_bytes, parse_size
+from mimose_cli.units import format_bytes, parse_size_option
 
 logger = logging.getLogger(__name__)
 
@@ -167,10 +167,7 @@ def fit_budget(trainer, budget, planner: str = "mimose", *, max_input_size=None,
     """
     if isinstance(getattr(trainer, "_mimose_budget", None), TrainerBudget):
         raise ValueError("fit_budget was called on this trainer already; call it once per Trainer")
-    try:
-        budget_bytes = parse_size(budget)
-    except ValueError as error:
-        raise ValueError(f"budget={budget!r}: {error}") from None
+    budget_bytes = parse_size_option("budget", budget)
     _take_over_checkpointing(trainer)
     _refuse_unsupported(trainer, budget_bytes)
     _check_planner(planner, options, max_input_size)

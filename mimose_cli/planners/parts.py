@@ -17,7 +17,7 @@ from mimose_cli.planners.session import MeterSession
 from mimose_cli.planners.trial import model_device
 from mimose_cli.planners.usage import said, warn_if_eager
 from mimose_cli.torch_private import without_dispatch_modes
-from mimose_cli.units import parse_size
+from mimose_cli.units import parse_size_option
 
 # Provisional until measured on a GPU (docs/MIMOSE.md): the caching allocator rounds requests to
 # 512 B and large ones to 2 MiB segments, and reserved - allocated runs to a few per cent in
@@ -50,9 +50,9 @@ class PlannerParts:
         """The planner's options (``planners.options``: ``MimoseOptions``, ...), checked already."""
         self.blocks = blocks
         self.num_blocks = len(blocks)
-        self.budget_bytes = None if budget is None else parse_size(budget)
+        self.budget_bytes = None if budget is None else parse_size_option("budget", budget)
         auto = safety_margin in (None, "auto")
-        self._safety_margin = None if auto else parse_size(safety_margin, allow_zero=True)
+        self._safety_margin = None if auto else parse_size_option("safety_margin", safety_margin, allow_zero=True)
         self.session = MeterSession(model, meter, builds_meter, self.budget_bytes)
         warn_if_eager(model, self.meter)
         self.recompute_clock = RecomputeClock()

@@ -1,11 +1,13 @@
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from rich.console import Console
 from transformers import AutoModelForMultipleChoice
 
-from mimose_cli.launcher.checkpoint import CHECKPOINT, Progress, load_checkpoint
+from mimose_cli.launcher import checkpoint
+from mimose_cli.launcher.checkpoint import CHECKPOINT, Progress, load_checkpoint, save_checkpoint
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.launcher.train import run_training
 from mimose_cli.runs.report import render
@@ -61,6 +63,33 @@ def test_report_says_where_the_model_and_the_checkpoint_are(finished):
 def test_a_run_without_checkpoint_cannot_be_loaded(tmp_path):
     with pytest.raises(ValueError, match="no checkpoint.pt"):
         load_checkpoint(tmp_path)
+
+
+def _trainer(weight: float):
+    """What ``save_checkpoint`` reads of a trainer, around a one-weight model."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return SimpleNamespace(model=model, optimizer=optimizer, scaler=None, device=torch.device("cpu"),
+                           scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                           recipe=load_recipe(QUICKSTART, QUICK_OVERRIDES),
+                           planner=SimpleNamespace(state_dict=lambda: {"name": "none"}))
+
+
+def test_a_save_cut_off_mid_write_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, _trainer(1.0), Progress(step=4))
+
+    def cut_off(state, file):  # what a full disk does: part of the file, then an error
+        file.write(b"PK\x03\x04 partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", cut_off)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(tmp_path, _trainer(2.0), Progress(step=6))
+    assert not (tmp_path / f".{CHECKPOINT}.tmp").exists()
+    kept = load_checkpoint(tmp_path)
+    assert kept["progress"]["step"] == 4 and kept["model"]["weight"].item() == 1.0
 
 
 def test_every_file_of_a_run_is_as_readable_as_its_metrics(finished):

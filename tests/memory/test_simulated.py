@@ -289,15 +289,21 @@ def test_cuda_meter_has_no_pressure_handler():
         meter.set_pressure_handler(lambda need_bytes: None)
 
 
-def test_step_memory_is_filled_in():
+def test_step_memory_is_filled_in_and_each_steps_peak_is_its_own():
+    """``Meter.step`` starts each step's peak window at the live bytes, the host's peak too."""
     meter = build_meter("simulated")
     with meter.activate():
         keep = torch.empty(256)
-        with meter.step() as mem:
+        with meter.step() as first:
             scratch = torch.empty(1024)
             del scratch
             out = torch.empty(64)
-        assert mem == StepMemory(start_bytes=1024, peak_bytes=1024 + 4096, end_bytes=1024 + 256)
+            meter.host_copy(keep.clone)  # let go at once: only the host's peak remembers it
+        with meter.step() as second:
+            pass
+        assert first == StepMemory(start_bytes=1024, peak_bytes=1024 + 4096, end_bytes=1024 + 256,
+                                   peak_host_bytes=1024)
+        assert (second.peak_bytes, second.peak_host_bytes) == (1024 + 256, 0)  # what is live, not zero
         del keep, out
         assert meter.current_bytes() == 0
 

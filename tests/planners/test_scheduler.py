@@ -63,3 +63,14 @@ def test_checked_variant_leaves_out_blocks_the_plan_fits_without():
     # four for an excess of 55, and the re-check gives back the last two.
     plan, peak, fits = greedy_plan_checked([10.0] * 4, lambda plan: 100.0 - 30.0 * len(plan), 45.0)
     assert plan == (0, 1) and peak == 40.0 and fits
+
+
+def test_checked_variant_never_takes_a_nan_peak_as_fitting():
+    """As ``choice_plan_checked``: a peak that is not a number does not fit, before or after."""
+    nan = float("nan")
+    plan, peak, fits = greedy_plan_checked([5.0, 5.0], lambda plan: nan, 20.0)
+    assert plan == (0, 1) and peak != peak and not fits
+    # The re-check gives back block 3 (three blocks: 30), not block 2 as well (two blocks: NaN).
+    peaks = {4: 20.0, 3: 30.0, 2: nan, 1: 40.0, 0: 100.0}
+    plan, peak, fits = greedy_plan_checked([10.0] * 4, lambda plan: peaks[len(plan)], 45.0)
+    assert plan == (0, 1, 2) and peak == 30.0 and fits

@@ -5,12 +5,14 @@ before the planner learned when to trust a prediction."""
 import contextlib
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.mimose.estimator import BLOCK_QUANTITIES, STEP_QUANTITIES, Estimator
+from mimose_cli.planners.mimose.features import REACH
 from mimose_cli.planners.mimose.policy import Mimose
 
 
@@ -111,6 +113,14 @@ def test_trust_rule_needs_the_sizes_to_determine_the_features():
     two = _estimator([(4, 8), (4, 16)])
     assert "not determined" in two.trust.reason((4, 24))
     assert two.trust.reason((4, 16)) is None  # a size measured is always determined
+
+
+@pytest.mark.parametrize("size, trusted", [
+    ((2 * REACH, 24), True), ((2 * REACH + 1, 24), False), ((2, 24 * REACH), True), ((2, 24 * REACH + 1), False)])
+def test_a_size_determined_but_past_the_reach_is_not_trusted(size, trusted):
+    """Two batches by three lengths determine every feature, so the reach alone decides."""
+    est = _estimator([(b, n) for b in (1, 2) for n in (8, 16, 24)])
+    assert est.trust.reason(size) == (None if trusted else f"over {REACH}x the largest size measured")
 
 
 def test_a_part_of_the_timeline_never_measured_is_not_trusted():

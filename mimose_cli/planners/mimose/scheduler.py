@@ -10,6 +10,7 @@ before it still holds its activations: checkpointing the last block frees nothin
 checkpointing the first frees its bytes for nearly the whole backward.
 """
 
+import math
 from typing import Callable, Sequence
 
 
@@ -92,16 +93,19 @@ def greedy_plan_checked(block_bytes: Sequence[float], predict_peak: Callable[[tu
     greedy = Greedy(block_bytes, bucket)
     plan = ()
     peak = predict_peak(plan)
-    while peak > limit_bytes and greedy.left:
-        greedy.cover(peak - limit_bytes)
+    # A peak that is not a number never fits (as in ``choices.choice_plan_checked``): its excess
+    # covers nothing, so every block is taken.
+    while not peak <= limit_bytes and greedy.left:
+        excess = peak - limit_bytes
+        greedy.cover(excess if excess > 0 else math.inf)
         plan = tuple(sorted(greedy.plan))
         peak = predict_peak(plan)
-    if peak > limit_bytes:
+    if not peak <= limit_bytes:
         return plan, peak, False
     for index in reversed(greedy.plan[1:]):
         trial = tuple(i for i in plan if i != index)
         trial_peak = predict_peak(trial)
-        if trial_peak > limit_bytes:
+        if not trial_peak <= limit_bytes:
             break
         plan, peak = trial, trial_peak
     return plan, peak, True
