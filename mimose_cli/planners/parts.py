@@ -53,6 +53,9 @@ class PlannerParts:
         self.budget_bytes = None if budget is None else parse_size_option("budget", budget)
         auto = safety_margin in (None, "auto")
         self._safety_margin = None if auto else parse_size_option("safety_margin", safety_margin, allow_zero=True)
+        if self.budget_bytes is not None and self._safety_margin is not None and self._safety_margin >= self.budget_bytes:
+            raise ValueError(f"safety_margin={safety_margin!r} leaves nothing of budget={budget!r} to plan with; "
+                             "give a margin less than the budget")
         self.session = MeterSession(model, meter, builds_meter, self.budget_bytes)
         warn_if_eager(model, self.meter)
         self.recompute_clock = RecomputeClock()

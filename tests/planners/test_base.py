@@ -116,7 +116,8 @@ def test_a_planner_without_phases_leaves_the_steps_phase_empty(name):
     ({"budget": 1_000_000, "safety_margin": -500_000}, "safety_margin=-500000"),
     ({"budget": "1MB", "safety_margin": "-500KB"}, "safety_margin='-500KB'"),
     ({"budget": -1_000_000}, "budget=-1000000"),
-], ids=["margin", "margin-text", "budget"])
+    ({"budget": "1MB", "safety_margin": "1MB"}, "safety_margin='1MB' leaves nothing of budget='1MB'"),
+], ids=["margin", "margin-text", "budget", "margin-the-whole-budget"])
 def test_a_negative_budget_or_margin_is_refused_naming_it(sizes, named):
     """Before, a margin of -500 kB was taken as 500 kB of room beyond the budget."""
     with pytest.raises(ValueError, match=re.escape(named)):
