@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mimose_cli import Mimose, fit_budget
 from mimose_cli.launcher.preflight import model_state_error
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.launcher.resume import resume_recipe
@@ -15,7 +16,7 @@ from mimose_cli.launcher.sweep import planner_specs, run_compare
 from mimose_cli.planners import build_planner
 from mimose_cli.planners.blocks import discover_blocks
 
-from helpers import QUICKSTART, tiny_bert
+from helpers import QUICKSTART, bert_batch, tiny_bert
 
 FLAG = re.compile(r"(?<![\w-])--[a-z]")
 
@@ -53,3 +54,45 @@ def test_run_and_compare_errors_name_no_flag(tmp_path):
     }
     for named, message in messages.items():
         assert named in message and not FLAG.search(message), message
+
+
+def one_line(error, action, *args, **kwargs) -> str:
+    """The message of the ``error`` that ``action(*args, **kwargs)`` raises, checked to be one line."""
+    with pytest.raises(error) as caught:
+        action(*args, **kwargs)
+    message = str(caught.value)
+    assert "\n" not in message and not FLAG.search(message), message
+    return message
+
+
+def test_a_planner_given_no_model_instance_says_what_it_got_and_how_to_get_one():
+    from transformers import BertModel
+
+    messages = {
+        "model is the class BertModel: expected a model instance (a torch.nn.Module); build one first, "
+        "e.g. BertModel(config)": one_line(TypeError, Mimose, BertModel, "1GB"),
+        "model is the function tiny_bert: expected a model instance (a torch.nn.Module); call it and pass "
+        "what it returns": one_line(TypeError, build_planner, "full", tiny_bert),
+        "model is None: expected a model instance": one_line(TypeError, Mimose, None, "1GB"),
+    }
+    for named, message in messages.items():
+        assert message.startswith(named), message
+
+
+def test_prepare_given_a_bare_int_asks_for_a_batch_and_length():
+    with Mimose(tiny_bert(layers=2), "1GB") as planner:
+        message = one_line(ValueError, planner.prepare, lambda size: bert_batch(*size), 128)
+    assert message.startswith("max_input_size=128 is invalid; expected (batch_size, max_length) as a tuple"), message
+
+
+def test_fit_budget_given_no_trainer_says_to_build_one():
+    from transformers import Trainer
+
+    messages = {
+        "trainer is the class Trainer: expected a built transformers.Trainer (or a subclass); build one first, "
+        "e.g. Trainer(model=model": one_line(TypeError, fit_budget, Trainer, "1GB"),
+        "trainer is a BertForSequenceClassification: expected a built transformers.Trainer (or a subclass); "
+        "build the Trainer and pass it": one_line(TypeError, fit_budget, tiny_bert(layers=2), "1GB"),
+    }
+    for named, message in messages.items():
+        assert message.startswith(named), message

@@ -31,10 +31,11 @@ from mimose_cli.memory import build_meter, param_bytes
 from mimose_cli.planners.base import Planner, build_planner, library_keywords
 from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.planners.contract import Policy, StepInfo
-from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
+from mimose_cli.planners.inputs import checked_input_size, infer_input_size, resized_batch, with_padding
 from mimose_cli.planners.options import OptionError, parse_options
 from mimose_cli.planners.registry import PLANNERS
 from mimose_cli.planners.trial import model_device
+from mimose_cli.planners.usage import not_an_instance
 from mimose_cli.units import format_bytes, parse_size_option
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ def fit_budget(trainer, budget, planner: str = "mimose", *, max_input_size=None,
     ``blocks`` (a glob over module names) and ``safety_margin`` are the planner's. Settings mimose
     cannot work with raise ``ValueError`` naming the setting and the fix.
     """
+    _check_trainer(trainer)
     if isinstance(getattr(trainer, "_mimose_budget", None), TrainerBudget):
         raise ValueError("fit_budget was called on this trainer already; call it once per Trainer")
     budget_bytes = parse_size_option("budget", budget)
@@ -185,6 +187,17 @@ def fit_budget(trainer, budget, planner: str = "mimose", *, max_input_size=None,
 
     trainer.train = train_then_close
     return fitted
+
+
+def _check_trainer(trainer) -> None:
+    """TypeError in one line unless ``trainer`` is a built Trainer: what ``fit_budget`` wraps and
+    reads (``training_step``, ``args``, ``model``), checked by shape so that importing mimose does
+    not import transformers' Trainer."""
+    if isinstance(trainer, type) or not (callable(getattr(trainer, "training_step", None))
+                                         and hasattr(trainer, "args") and hasattr(trainer, "model")):
+        raise not_an_instance("trainer", trainer, "a built transformers.Trainer (or a subclass)",
+                              "{}(model=model, args=TrainingArguments(...), train_dataset=data)",
+                              "build the Trainer and pass it, e.g. fit_budget(Trainer(model=model, ...), '6GB')")
 
 
 def _wrap(trainer, name: str, method) -> None:
@@ -213,9 +226,8 @@ def _check_planner(planner: str, options: dict, max_input_size) -> None:
     if plans_ahead and max_input_size is None:
         raise ValueError(f"planner={planner!r} plans once, for the largest batch: pass "
                          "max_input_size=(batch_size, max_length) to fit_budget")
-    if max_input_size is not None and not (isinstance(max_input_size, (tuple, list)) and len(max_input_size) >= 2
-                                           and all(isinstance(d, int) and d > 0 for d in max_input_size)):
-        raise ValueError(f"max_input_size={max_input_size!r} is invalid; expected (batch_size, max_length)")
+    if max_input_size is not None:
+        checked_input_size(max_input_size)
 
 
 def _take_over_checkpointing(trainer) -> None:

@@ -20,12 +20,12 @@ from pathlib import Path
 from mimose_cli.files import write_text
 from mimose_cli.planners.blocks import RECOMPUTE
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
-from mimose_cli.planners.inputs import infer_input_size, resized_batch
+from mimose_cli.planners.inputs import checked_input_size, infer_input_size, resized_batch
 from mimose_cli.planners.options import parse_options
 from mimose_cli.planners.parts import PlannerParts, resolve_blocks
 from mimose_cli.planners.recovery import run_recovering
 from mimose_cli.planners.registry import PLANNERS
-from mimose_cli.planners.usage import EnteredOnce, check_supported, claim, release
+from mimose_cli.planners.usage import EnteredOnce, check_model, check_supported, claim, release
 
 
 class Planner:
@@ -53,6 +53,7 @@ class Planner:
                  **options):
         if not (isinstance(policy, type) and issubclass(policy, Policy)):
             raise TypeError(f"policy={policy!r}: expected a Policy subclass (planners.contract), e.g. MimosePolicy")
+        check_model(model)
         planner_options, library = _split_options(policy, options)
         self.name = policy.name
         self.closed = True  # until the policy is made
@@ -138,7 +139,7 @@ class Planner:
     def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
         """Before training (``Policy.prepare``): static plans, Mimose's probe steps."""
         self._check_open("prepare")
-        self.policy.prepare(make_batch, max_input_size, reserve_bytes, step_fn)
+        self.policy.prepare(make_batch, checked_input_size(max_input_size), reserve_bytes, step_fn)
 
     def prepared_note(self) -> str | None:
         return self.policy.prepared_note()

@@ -1,6 +1,7 @@
 """The input size a planner plans for, read off a batch."""
 
 import math
+import operator
 from collections.abc import Mapping
 
 import torch
@@ -41,6 +42,20 @@ def infer_input_size(batch, encoder_decoder: bool = False) -> tuple:
                              "decoder, or call planner.step(input_size=(B, L, D))")
         size += (decoder.shape[-1],)
     return size
+
+
+def checked_input_size(size, name: str = "max_input_size") -> tuple:
+    """``size`` as a tuple of at least two positive ints ((batch, length), (batch, height, width),
+    ...), or ValueError in one line naming ``name``: a bare ``128`` says neither the batch nor the
+    length."""
+    try:
+        dims = tuple(operator.index(d) for d in size) if isinstance(size, (tuple, list)) else ()
+    except TypeError:
+        dims = ()
+    if len(dims) < 2 or min(dims) <= 0 or any(isinstance(d, bool) for d in size):
+        raise ValueError(f"{name}={size!r} is invalid; expected (batch_size, max_length) as a tuple of "
+                         "positive ints, e.g. (8, 128)")
+    return dims
 
 
 def with_padding(batch):

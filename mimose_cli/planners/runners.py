@@ -7,6 +7,7 @@ puts its own runner in force (``Policy.runner_for``, ``StepRouter.using``).
 """
 
 import contextlib
+import copy
 import functools
 import time
 
@@ -287,7 +288,8 @@ class StepRouter:
 
 
 class BlockRouter:
-    """Replaces each block's ``forward`` with ``route(index, forward, args, kwargs)``.
+    """Replaces each block's ``forward`` with ``route(index, forward, args, kwargs)``
+    (``RoutedForward``).
 
     The one hook point for every planner (``StepRouter`` hands each call to the runner in force). ``remove()`` restores the original forwards.
 
@@ -302,14 +304,39 @@ class BlockRouter:
     def __init__(self, blocks: list, route):
         self.blocks = blocks
         for index, (_, module) in enumerate(blocks):
-            forward = _buffers_kept_in_recompute(module, module.forward)
-            module.forward = functools.partial(self._call, index, module, forward, route)
-
-    @staticmethod
-    def _call(index, module, forward, route, *args, **kwargs):
-        return route(index, forward, args, training_kwargs(module, kwargs))
+            module.forward = RoutedForward(index, module, module.forward, route)
 
     def remove(self) -> None:
         for _, module in self.blocks:
             if "forward" in module.__dict__:
                 del module.forward
+
+
+class RoutedForward:
+    """A block's ``forward`` while a planner is attached: each call goes to the planner's
+    ``route``.
+
+    It is an attribute of the block, so ``copy.deepcopy`` and ``pickle`` (``torch.save``) of the
+    model meet it, and its route belongs to this block and this planner alone: a copy routed
+    through it would run the original block's forward, with the original's weights, its backward
+    filling the original's gradients. So a copy takes ``plain``, the forward the block had before
+    the planner attached, copied along with the block (a bound method: the copy's own ``forward``
+    bound to the copy). A deep copy or a saved model is the plain model, planned by nothing; the
+    planner stays attached to the original. Deciding it here, on the one object the planner puts
+    in a block, covers every copy of the model, of one block, and pickle, with nothing to undo
+    when the planner closes.
+    """
+
+    def __init__(self, index: int, module: nn.Module, plain, route):
+        self._index, self._module, self._route = index, module, route
+        self._plain = plain
+        self._forward = _buffers_kept_in_recompute(module, plain)
+
+    def __call__(self, *args, **kwargs):
+        return self._route(self._index, self._forward, args, training_kwargs(self._module, kwargs))
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(self._plain, memo)
+
+    def __reduce_ex__(self, protocol):
+        return self._plain.__reduce_ex__(protocol)

@@ -1,7 +1,8 @@
 """Mistakes in using a planner from code, each said in one line instead of an internal error or
 nothing: a second planner on a model that has one, a step inside a step, a planner used after
 ``close``, ``step`` called without ``with``, ``track`` given something it cannot count, a model
-sharded by FSDP or wrapped by DeepSpeed; and a compiled model on the simulated device, which runs
+that is no model instance (its class, the function that builds it), sharded by FSDP or wrapped by
+DeepSpeed; and a compiled model on the simulated device, which runs
 eagerly."""
 
 import contextlib
@@ -47,6 +48,27 @@ def claim(model, planner) -> None:
         raise ValueError(f"this model already has a {holder.name} planner attached; close() it first "
                          "(a `with` block closes it) or plan with that one")
     _OWNERS[model] = weakref.ref(planner)
+
+
+def not_an_instance(argument: str, value, expected: str, build: str, fix: str) -> TypeError:
+    """The one-line TypeError for ``argument`` given ``value`` where ``expected`` (an instance) is
+    due: a class is to be built (``build``, its name in ``{}``: "{}(config)"), a function called,
+    anything else replaced as ``fix`` says."""
+    if isinstance(value, type):
+        got, fix = f"the class {value.__name__}", f"build one first, e.g. {build.format(value.__name__)}"
+    elif callable(value) and hasattr(value, "__name__"):
+        got, fix = f"the function {value.__name__}", "call it and pass what it returns"
+    else:
+        got = "None" if value is None else f"a {type(value).__name__}"
+    return TypeError(f"{argument} is {got}: expected {expected}; {fix}")
+
+
+def check_model(model) -> None:
+    """TypeError in one line unless ``model`` is a model instance (``Mimose(BertModel, ...)``
+    would otherwise fail deep in block discovery)."""
+    if not isinstance(model, torch.nn.Module):
+        raise not_an_instance("model", model, "a model instance (a torch.nn.Module)",
+                              "{0}(config) or {0}.from_pretrained(name)", "pass the model to train")
 
 
 def check_supported(model) -> None:
