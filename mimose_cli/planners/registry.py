@@ -77,8 +77,14 @@ class Registry(MutableMapping):
         return self._entries[name].options
 
     def options_of(self, policy: type) -> type:
-        """The options class ``policy`` was registered with (``NoOptions`` where it was not)."""
-        return next((entry.options for entry in self._entries.values() if entry.names(policy)), NoOptions)
+        """The options class ``policy`` was registered with, or the nearest registered class it
+        derives from (a subclass of ``MimosePolicy`` takes Mimose's options); ``NoOptions`` where
+        none was."""
+        for cls in policy.__mro__:
+            found = next((entry.options for entry in self._entries.values() if entry.names(cls)), None)
+            if found is not None:
+                return found
+        return NoOptions
 
 
 PLANNERS = Registry({

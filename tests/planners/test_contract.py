@@ -220,3 +220,21 @@ def test_a_plan_is_one_choice_per_block_wherever_it_travels():
     _step(model, planner, 8)
     assert planner.last.plan == planner.plan == ("recompute", "keep", "selective", "offload")
     planner.close()
+
+
+def test_a_subclass_of_a_registered_policy_takes_its_options():
+    """``PLANNERS`` says which options a planner takes; a policy derived from a registered one
+    (a user's tweak of ``MimosePolicy``) is given the same, checked the same way."""
+    from mimose_cli.planners import Planner
+    from mimose_cli.planners.mimose.policy import MimosePolicy
+    from mimose_cli.planners.options import MimoseOptions
+
+    from helpers import tiny_bert
+
+    class Tweaked(MimosePolicy):
+        name = "tweaked"
+
+    with Planner(tiny_bert(layers=2), Tweaked, "1GB", granularity=8) as planner:
+        assert planner.parts.options == MimoseOptions(granularity=8) and planner.policy.granularity == 8
+    with pytest.raises(ValueError, match="granularity=0"):
+        Planner(tiny_bert(layers=2), Tweaked, "1GB", granularity=0)
