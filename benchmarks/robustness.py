@@ -9,7 +9,8 @@ out-of-memory past the budget):
   blocks, target lengths varying independently of the inputs; ``t5`` as configured by default,
   ``t5-nocache`` with ``use_cache=False``, see MODELS), ViT (image classification, the
   image side varying per batch, 32-96 px in multiples of the 8 px patch, with
-  ``interpolate_pos_encoding=True``), ResNet (image classification, bottleneck stages of 2, 3,
+  ``interpolate_pos_encoding=True``; ``vit16``: 6 blocks, 16 px patches, sides 64-224 px in steps
+  of 16), ResNet (image classification, bottleneck stages of 2, 3,
   6 and 2 layers, all 13 of them blocks, BatchNorm in each; sides 32-160 px in multiples of 32);
 - settings: fp32; bf16 and fp16 autocast around the forward (fp16 with a GradScaler); lengths
   padded up to a multiple of 128 (images: the side up to a multiple of 32 px); gradient
@@ -111,6 +112,12 @@ MODELS = {
     "vit": ModelSpec("ViTForImageClassification", "image",
                      dict(model_type="vit", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                           intermediate_size=128, image_size=32, patch_size=8, num_labels=10)),
+    # Patches of 16 px, sides 64-224 px in steps of 16: trusted at multiples of the patch (read from
+    # the probes' shapes), not only at multiples of 32.
+    "vit16": ModelSpec("ViTForImageClassification", "image",
+                       dict(model_type="vit", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                            intermediate_size=128, image_size=224, patch_size=16, num_labels=10),
+                       sides=tuple(range(64, 225, 16))),
     # Bottleneck stages of 2, 3, 6 and 2 layers: every stage's layers are blocks (13), though
     # transformers has no checkpointing of its own for it.
     "resnet": ModelSpec("ResNetForImageClassification", "image",
