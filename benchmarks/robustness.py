@@ -34,6 +34,7 @@ Writes benchmarks/results/robustness.json.
 
     python benchmarks/robustness.py [--steps 100] [--models bert,t5] [--settings fp32,accum4]
     python benchmarks/robustness.py --quick      # a few steps of a subset, about a minute
+    python benchmarks/robustness.py --models vit16 --settings fp32 --steps 40 --results robustness_vit16
     python benchmarks/robustness.py --jobs 2     # (model, setting) pairs in 2 processes
     python benchmarks/robustness.py --choices selective   # Mimose's finer plans (robustness_selective.json)
     python benchmarks/robustness.py --choices offload     # offload among them too (robustness_offload.json)
@@ -527,6 +528,8 @@ def main():
     parser.add_argument("--choices", default="block", choices=get_args(ChoiceSet),
                         help="Mimose's plans (planner.mimose.choices); selective writes robustness_selective.json, "
                              "offload robustness_offload.json")
+    parser.add_argument("--results", default=None,
+                        help="the results file's name (default robustness, or robustness_<choices>)")
     args = parser.parse_args()
     if args.quick:
         args.models, args.settings, args.steps = "bert,vit", "fp32,varbatch", 12
@@ -539,7 +542,7 @@ def main():
     rows = run_matrix(pairs, args.steps, args.jobs, args.choices)
     wall_s = time.perf_counter() - start
     counts = target_counts(rows)
-    name = "robustness" if args.choices == "block" else f"robustness_{args.choices}"
+    name = args.results or ("robustness" if args.choices == "block" else f"robustness_{args.choices}")
     write_results(name, rows, steps=args.steps, jobs=args.jobs, wall_s=wall_s, choices=args.choices,
                   budget_fractions=list(BUDGET_FRACTIONS), targets=TARGETS,
                   targets_met={k: list(v) for k, v in counts.items()})

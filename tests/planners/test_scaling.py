@@ -542,6 +542,19 @@ def test_a_model_that_takes_only_its_own_image_size_is_probed_at_it():
         assert 0 <= planner.predict_peak((6, 96, 96), kept) / probe_with_plan(planner.parts, batch, kept) - 1 <= 0.01
 
 
+def test_the_side_multiple_is_the_models_patch_or_stride():
+    """Read from the shapes at the probes' sizes: 16 px patches with a class token, a stride-32 map
+    (with the batch's rows flattened in), and a dimension read neither way: the probes' 32."""
+    from mimose_cli.planners.mimose.scaling import side_multiple
+
+    sizes = (2, 64, 64), (4, 96, 96)
+    pixels = ((2, 3, 64, 64), 4), ((4, 3, 96, 96), 4)
+    tokens = ((2, 17, 8), 4), ((4, 37, 8), 4)
+    assert side_multiple(*zip(pixels, tokens, (((34, 8), 4), ((148, 8), 4))), *sizes) == 16
+    assert side_multiple(*zip(pixels, (((2, 8, 2, 2), 4), ((4, 8, 3, 3), 4)), (((16,), 4), ((72,), 4))), *sizes) == 32
+    assert side_multiple(*zip(pixels, tokens, (((5,), 4), ((11,), 4))), *sizes) == 32
+
+
 def test_a_vits_sides_are_trusted_at_multiples_of_its_patch():
     """A ViT of 8 px patches with interpolated positions: the probes (64 and 96 px) read its
     tokens as (H / 8) * (W / 8) + 1, so a side that is a multiple of 8 but not of 32 is trusted
