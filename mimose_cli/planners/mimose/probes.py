@@ -256,7 +256,7 @@ class Probes:
     def _scaled_samples(self, scaled: ScaledStep, max_size: tuple) -> list:
         """``scaled``'s samples at every size; where the probes varied an image's sides, the
         multiple of them the model imposes (``scaling.side_multiple``) is the one trusted."""
-        if len(scaled.size_a) == 3 and scaled.size_a[1:] != scaled.size_b[1:]:
+        if scaled.image and scaled.size_a[1:] != scaled.size_b[1:]:
             self.result.side_multiple = side_multiple(*scaled.shapes, scaled.size_a, scaled.size_b)
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 

@@ -629,6 +629,7 @@ class ScaledStep:
             if partial_keep is None else partial_keep
         self.size_a, self.size_b = tuple(size_a), tuple(size_b)
         self.shapes = (a.shapes, b.shapes)  # what ``side_multiple`` reads
+        self.image = len(size_a) - 1 > len(feature_set.lengths(size_a))  # (B, H, W): one length, H * W
         fa, fb = feature_set.of(size_a), feature_set.of(size_b)
         self.fa = fa
         coef = coefficients(a, b, size_a, size_b, feature_set)
