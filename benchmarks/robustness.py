@@ -9,7 +9,8 @@ out-of-memory past the budget):
   blocks, target lengths varying independently of the inputs; ``t5`` as configured by default,
   ``t5-nocache`` with ``use_cache=False``, see MODELS), ViT (image classification, the
   image side varying per batch, 32-96 px in multiples of the 8 px patch, with
-  ``interpolate_pos_encoding=True``), ResNet (image classification, bottleneck stages of 2, 3,
+  ``interpolate_pos_encoding=True``; ``vit16``: 6 blocks, 16 px patches, sides 64-224 px in steps
+  of 16), ResNet (image classification, bottleneck stages of 2, 3,
   6 and 2 layers, all 13 of them blocks, BatchNorm in each; sides 32-160 px in multiples of 32);
 - settings: fp32; bf16 and fp16 autocast around the forward (fp16 with a GradScaler); lengths
   padded up to a multiple of 128 (images: the side up to a multiple of 32 px); gradient
@@ -33,6 +34,7 @@ Writes benchmarks/results/robustness.json.
 
     python benchmarks/robustness.py [--steps 100] [--models bert,t5] [--settings fp32,accum4]
     python benchmarks/robustness.py --quick      # a few steps of a subset, about a minute
+    python benchmarks/robustness.py --models vit16 --settings fp32 --steps 40 --results robustness_vit16
     python benchmarks/robustness.py --jobs 2     # (model, setting) pairs in 2 processes
     python benchmarks/robustness.py --choices selective   # Mimose's finer plans (robustness_selective.json)
     python benchmarks/robustness.py --choices offload     # offload among them too (robustness_offload.json)
@@ -111,6 +113,12 @@ MODELS = {
     "vit": ModelSpec("ViTForImageClassification", "image",
                      dict(model_type="vit", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                           intermediate_size=128, image_size=32, patch_size=8, num_labels=10)),
+    # Patches of 16 px, sides 64-224 px in steps of 16: trusted at multiples of the patch (read from
+    # the probes' shapes), not only at multiples of 32.
+    "vit16": ModelSpec("ViTForImageClassification", "image",
+                       dict(model_type="vit", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                            intermediate_size=128, image_size=224, patch_size=16, num_labels=10),
+                       sides=tuple(range(64, 225, 16))),
     # Bottleneck stages of 2, 3, 6 and 2 layers: every stage's layers are blocks (13), though
     # transformers has no checkpointing of its own for it.
     "resnet": ModelSpec("ResNetForImageClassification", "image",
@@ -520,6 +528,8 @@ def main():
     parser.add_argument("--choices", default="block", choices=get_args(ChoiceSet),
                         help="Mimose's plans (planner.mimose.choices); selective writes robustness_selective.json, "
                              "offload robustness_offload.json")
+    parser.add_argument("--results", default=None,
+                        help="the results file's name (default robustness, or robustness_<choices>)")
     args = parser.parse_args()
     if args.quick:
         args.models, args.settings, args.steps = "bert,vit", "fp32,varbatch", 12
@@ -532,7 +542,7 @@ def main():
     rows = run_matrix(pairs, args.steps, args.jobs, args.choices)
     wall_s = time.perf_counter() - start
     counts = target_counts(rows)
-    name = "robustness" if args.choices == "block" else f"robustness_{args.choices}"
+    name = args.results or ("robustness" if args.choices == "block" else f"robustness_{args.choices}")
     write_results(name, rows, steps=args.steps, jobs=args.jobs, wall_s=wall_s, choices=args.choices,
                   budget_fractions=list(BUDGET_FRACTIONS), targets=TARGETS,
                   targets_met={k: list(v) for k, v in counts.items()})

@@ -542,6 +542,50 @@ def test_a_model_that_takes_only_its_own_image_size_is_probed_at_it():
         assert 0 <= planner.predict_peak((6, 96, 96), kept) / probe_with_plan(planner.parts, batch, kept) - 1 <= 0.01
 
 
+def test_the_side_multiple_is_the_models_patch_or_stride():
+    """Read from the shapes at the probes' sizes: 16 px patches with a class token, a stride-32 map
+    (with the batch's rows flattened in), and a dimension read neither way: the probes' 32."""
+    from mimose_cli.planners.mimose.scaling import side_multiple
+
+    sizes = (2, 64, 64), (4, 96, 96)
+    pixels = ((2, 3, 64, 64), 4), ((4, 3, 96, 96), 4)
+    tokens = ((2, 17, 8), 4), ((4, 37, 8), 4)
+    assert side_multiple(*zip(pixels, tokens, (((34, 8), 4), ((148, 8), 4))), *sizes) == 16
+    assert side_multiple(*zip(pixels, (((2, 8, 2, 2), 4), ((4, 8, 3, 3), 4)), (((16,), 4), ((72,), 4))), *sizes) == 32
+    assert side_multiple(*zip(pixels, tokens, (((5,), 4), ((11,), 4))), *sizes) == 32
+
+
+def test_a_vits_sides_are_trusted_at_multiples_of_its_patch():
+    """A ViT of 8 px patches with interpolated positions: the probes (64 and 96 px) read its
+    tokens as (H / 8) * (W / 8) + 1, so a side that is a multiple of 8 but not of 32 is trusted
+    and predicted exactly (never under); a side that is not a multiple of 8 is measured."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=32, num_labels=4)
+    model = ViTForImageClassification(config).train()
+
+    def step_fn(batch):
+        loss = model(**batch, interpolate_pos_encoding=True).loss
+        loss.backward()
+        return loss.detach()
+
+    with metered_mimose(model) as (planner, meter):
+        planner.prepare(_images, (4, 128, 128), step_fn=step_fn)
+        assert planner.stats["estimate_source"] == "probes" and not planner.stats["probe_sides_refused"]
+        trust = planner.policy.estimator.trust
+        assert trust.side_multiple == 8 and trust.reason((3, 72, 104)) is None
+        assert "not a multiple of 8" in trust.reason((3, 100, 100))
+        errors = []
+        for size in ((3, 72, 72), (2, 104, 120), (4, 40, 40)):
+            batch = _images(size)
+            for plan in (recomputed(blocks, planner.num_blocks) for blocks in ((), (1,))):
+                predicted = planner.predict_peak(size, plan)
+                errors.append(predicted / probe_with_plan(planner.parts, batch, plan, step_fn) - 1)
+    assert 0 <= min(errors) and max(errors) <= 0.02, errors
+
+
 @pytest.mark.parametrize("probe_as_training", [True, False])
 def test_the_probes_run_the_batch_as_training_does(probe_as_training):
     """Given training's step function (here bf16 autocast), the probes measure what a training

@@ -11,7 +11,6 @@ checkpoint keeps), what it counted and what it would warn of. It writes nothing 
 ``releases``, which its later measured steps need.
 """
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ from mimose_cli.planners.mimose.scaling import (
     run_difference,
     sample_difference,
     selective_keeps,
+    side_multiple,
     structure_difference,
     twin_difference,
 )
@@ -80,7 +80,8 @@ class ProbeResult:
     releases: Releases | None = None
     """The inputs blocks run plainly let go of (the last plain probe step's); None: none ran."""
     side_multiple: int | None = None
-    """The multiple of an image's sides the estimate is trusted at, where the probes varied them."""
+    """The multiple of an image's sides the estimate is trusted at, where the probes varied them:
+    the one the model imposes, read from the probes' shapes (``scaling.side_multiple``)."""
     timed: TimedChoices | None = None
     """The heavy outputs each selective and partial checkpoint keeps, and with ``choices`` other
     than ``"block"`` each choice's times (the last measured probes'); None: none got that far."""
@@ -203,10 +204,9 @@ class Probes:
         if min(max_size[1:]) >= SIDE_PAIR[1]:
             sizes = self._probe_sizes(max_size, True, image=True)
             try:
-                samples = self._probes_at(sizes, max_size)
-                self.result.side_multiple = math.gcd(*SIDE_PAIR)
-                return samples
+                return self._probes_at(sizes, max_size)
             except ScalingError as err:
+                self.result.side_multiple = None
                 self.counts.probe_sides_refused = str(err)
         else:
             self.counts.probe_sides_refused = (f"the largest image, {max_size[1]} x {max_size[2]}, is smaller than "
@@ -251,6 +251,13 @@ class Probes:
         scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.feature_set, self.parts.num_blocks,
                             partial_keep=partial_keeps(prefixes))
         self._time_choices(raws, sizes, max_size, twins, [], prefixes)
+        return self._scaled_samples(scaled, max_size)
+
+    def _scaled_samples(self, scaled: ScaledStep, max_size: tuple) -> list:
+        """``scaled``'s samples at every size; where the probes varied an image's sides, the
+        multiple of them the model imposes (``scaling.side_multiple``) is the one trusted."""
+        if scaled.image and scaled.size_a[1:] != scaled.size_b[1:]:
+            self.result.side_multiple = side_multiple(*scaled.shapes, scaled.size_a, scaled.size_b)
         return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
 
     def _left_out_probes(self, sizes: list, max_size: tuple, twins: dict, runs: list) -> list:
@@ -281,7 +288,7 @@ class Probes:
         self.counts.probe_twins = len(raws[0].twins)
         self.counts.probe_skipped = len(_skipped(runs))
         self._time_choices(raws, sizes, max_size, twins, runs, prefixes)
-        return [(size, scaled.sample(size)) for size in scaled.sizes(max_size)]
+        return self._scaled_samples(scaled, max_size)
 
     def _time_choices(self, raws: list, sizes: list, max_size: tuple, twins: dict, runs: list, prefixes: list) -> None:
         """With ``choices="selective"`` or ``"offload"``: each choice's recompute time per block from

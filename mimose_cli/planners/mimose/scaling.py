@@ -23,6 +23,7 @@ measured peak against the prediction), which then measures that size.
 
 import functools
 import math
+from fractions import Fraction
 from typing import NamedTuple
 
 import numpy as np
@@ -42,10 +43,58 @@ SIDE_PAIR = (64, 96)
 model takes other sides than its own: multiples of 32, the stride of a CNN's last stage (ResNet, ConvNeXt, Swin), so that every
 feature map is a whole fraction of the side; factor 1.5."""
 _MAX_SLOPE = 2
+_EXTRA_TOKENS = 8
+"""Tokens a vision transformer may add to its patches' (a class token, a distillation token, registers)."""
 
 
 class ScalingError(ValueError):
     """The two probe steps cannot be scaled to other sizes; the message says why (one line)."""
+
+
+def _dimension_multiple(da: int, db: int, size_a: tuple, size_b: tuple) -> int | None:
+    """The multiple of an image's sides at which one dimension of a tensor, ``da`` and ``db`` at
+    the probes' sizes ``(B, H, W)``, is what the probes read: 1 for a constant or the batch; ``s``
+    for a side's fraction ``H / s`` (a convolution's map of stride ``s``); ``p`` for patches of
+    ``p`` px, ``H * W / p**2`` and a few tokens more (a vision transformer's tokens); either with
+    the batch's rows flattened into it. None when it is none of these."""
+    if da == db:
+        return 1
+    for rows_a, rows_b in ((1, 1), (size_a[0], size_b[0])):
+        if da % rows_a or db % rows_b:
+            continue
+        xa, xb = da // rows_a, db // rows_b
+        if xa == xb:
+            return 1
+        if xa * size_b[1] == xb * size_a[1]:
+            return Fraction(size_a[1], xa).numerator
+        area_a, area_b = size_a[1] * size_a[2], size_b[1] * size_b[2]
+        step, rest = divmod(area_b - area_a, xb - xa) if xb > xa else (0, 1)
+        patch = math.isqrt(step)
+        if not rest and patch * patch == step and not area_a % step and 0 <= xa - area_a // step <= _EXTRA_TOKENS:
+            return patch
+    return None
+
+
+def side_multiple(shapes_a: list, shapes_b: list, size_a: tuple, size_b: tuple) -> int:
+    """The multiple of an image's sides the probes' reading holds at, from the shapes of every
+    storage at the two probe sizes (``RawStep.shapes``): the least common multiple of what each
+    dimension imposes (``_dimension_multiple``: a convolution's stride, a patch's side), so a ViT of
+    16 px patches is trusted at every multiple of 16 and a stride-32 CNN at multiples of 32. Where
+    a storage that grew has no shape, or a dimension is not read, or the multiple does not divide
+    both probes' sides, the probes' common divisor (``SIDE_PAIR``)."""
+    fallback = math.gcd(*SIDE_PAIR)
+    multiple = 1
+    for a, b in zip(shapes_a, shapes_b):
+        if a is None or b is None or len(a[0]) != len(b[0]):
+            if a != b:
+                return fallback
+            continue
+        for da, db in zip(a[0], b[0]):
+            dim = _dimension_multiple(int(da), int(db), size_a, size_b)
+            if dim is None:
+                return fallback
+            multiple = math.lcm(multiple, dim)
+    return multiple if not fallback % multiple else fallback
 
 
 def probe_batches(max_batch: int) -> list:
@@ -122,15 +171,26 @@ def exponents(feature_set) -> tuple:
     return tuple(variables), [tuple(p.get(v, 0) for v in variables) for p in parsed]
 
 
+def _patches(da: int, db: int, pixels_a: int, pixels_b: int) -> tuple | None:
+    """``(p**2, c)`` where a dimension ``da``, ``db`` at ``pixels_a``, ``pixels_b`` (H * W) is
+    ``H * W / p**2 + c``: patches of ``p`` px and 1 to ``_EXTRA_TOKENS`` tokens more; else None."""
+    step, rest = divmod(pixels_b - pixels_a, db - da) if db > da else (0, 1)
+    extra = da - pixels_a // step if step else -1
+    if not rest and step > 1 and math.isqrt(step) ** 2 == step and not pixels_a % step and 1 <= extra <= _EXTRA_TOKENS:
+        return step, extra
+    return None
+
+
 @functools.lru_cache(maxsize=4096)
-def _dimension(da: int, db: int, va: tuple, vb: tuple, monomials: tuple = ()):
+def _dimension(da: int, db: int, va: tuple, vb: tuple, monomials: tuple = (), image: bool = False):
     """One dimension of a tensor at the two sizes as a polynomial in one variable, ``{exponents:
     coefficient}``: a constant; ``k * x`` (it grew by the factor the variable ``x`` did); else,
     for a length (not the batch, variable 0), ``k * x + c`` with ``k`` 1 or 2 (a padded, shifted
     or relative-position length: ``L + 1``, ``2 * L - 1``; a steeper slope would also fit sums of
     two lengths, ``E + D``, and is refused), or the batch's rows of one flattened into it,
-    ``B * (k * x + c)`` (``B * (L - 1)``: a causal LM's shifted tokens).
-    None when it is none of these, or when two readings of the same kind fit."""
+    ``B * (k * x + c)`` (``B * (L - 1)``: a causal LM's shifted tokens); for an ``image``'s pixels
+    ``x = H * W``, also its patches of ``p`` px and a few tokens more, ``x / p**2 + c`` (a vision
+    transformer's tokens with its class token). None when it is none of these, or when two readings of the same kind fit."""
     width = len(va)
     if da == db:
         return {(0,) * width: float(da)}
@@ -150,6 +210,9 @@ def _dimension(da: int, db: int, va: tuple, vb: tuple, monomials: tuple = ()):
         slope, rest = divmod(db - da, vb[x] - va[x])
         if x > 0 and not rest and 1 <= slope <= _MAX_SLOPE:
             affine.append({unit: float(slope), (0,) * width: float(da - slope * va[x])})
+        patches = _patches(da, db, va[x], vb[x]) if image and x > 0 else None
+        if patches is not None:
+            affine.append({unit: 1.0 / patches[0], (0,) * width: float(patches[1])})
         # Flattened rows of a shifted length, B * (L - 1) (a causal LM's shifted tokens, in one row).
         if x > 0 and va[0] != vb[0] and not da % va[0] and not db % vb[0]:
             per_a, per_b = da // va[0], db // vb[0]
@@ -158,20 +221,25 @@ def _dimension(da: int, db: int, va: tuple, vb: tuple, monomials: tuple = ()):
                 batch = tuple(int(i == 0) for i in range(width))
                 affine.append({tuple(int(i in (0, x)) for i in range(width)): float(slope),
                                batch: float(per_a - slope * va[x])})
+            patches = _patches(per_a, per_b, va[x], vb[x]) if image else None
+            if patches is not None:
+                batch = tuple(int(i == 0) for i in range(width))
+                affine.append({tuple(int(i in (0, x)) for i in range(width)): 1.0 / patches[0],
+                               batch: float(patches[1])})
     found = proportional or affine
     return found[0] if len(found) == 1 else None
 
 
 @functools.lru_cache(maxsize=4096)
-def _polynomial(shape_a, shape_b, itemsize: int, va: tuple, vb: tuple, monomials: tuple = ()):
+def _polynomial(shape_a, shape_b, itemsize: int, va: tuple, vb: tuple, monomials: tuple = (), image: bool = False):
     """A tensor's bytes as a polynomial ``{exponents: coefficient}`` in the size's variables,
-    from its shape at the two sizes (a dimension may be a flattened product: ``monomials``), or
-    None."""
+    from its shape at the two sizes (a dimension may be a flattened product: ``monomials``; an
+    ``image``'s, its patches: ``_dimension``), or None."""
     if len(shape_a) != len(shape_b):
         return None
     poly = {(0,) * len(va): float(itemsize)}
     for da, db in zip(shape_a, shape_b):
-        dim = _dimension(int(da), int(db), va, vb, monomials)
+        dim = _dimension(int(da), int(db), va, vb, monomials, image)
         if dim is None:
             return None
         product = {}
@@ -193,11 +261,12 @@ class _Reading:
         self.monomials = tuple(tuple(p) for p in powers)
         self.va = tuple(int(v) for v in (size_a[0], *feature_set.lengths(size_a)))
         self.vb = tuple(int(v) for v in (size_b[0], *feature_set.lengths(size_b)))
+        self.image = len(size_a) - 1 > len(feature_set.lengths(size_a))  # (B, H, W): one length, H * W
 
     def row(self, shape_a, shape_b, factor) -> np.ndarray | None:
         """``factor`` times the product of a shape's dims, as coefficients over the features
         (``_polynomial``); None where the dims are not read or need a feature not in the set."""
-        poly = _polynomial(tuple(shape_a), tuple(shape_b), factor, self.va, self.vb, self.monomials)
+        poly = _polynomial(tuple(shape_a), tuple(shape_b), factor, self.va, self.vb, self.monomials, self.image)
         if poly is None or not all(e in self.columns for e in poly):
             return None
         row = np.zeros(len(self.monomials))
@@ -559,6 +628,8 @@ class ScaledStep:
         self.partial_keep = partial_keeps(partial_prefixes(a, num_blocks, {}, self.pairings)) \
             if partial_keep is None else partial_keep
         self.size_a, self.size_b = tuple(size_a), tuple(size_b)
+        self.shapes = (a.shapes, b.shapes)  # what ``side_multiple`` reads
+        self.image = len(size_a) - 1 > len(feature_set.lengths(size_a))  # (B, H, W): one length, H * W
         fa, fb = feature_set.of(size_a), feature_set.of(size_b)
         self.fa = fa
         coef = coefficients(a, b, size_a, size_b, feature_set)

@@ -46,8 +46,9 @@ class Trust:
     3. **Every part of the step timeline was measured**: each block's held bytes and backward, and
        the embeddings, head and tail around them. A part never measured is not guessed.
     4. **The blocks ran in one order** in every sample (the timeline is built in that order).
-    5. **An image's sides are multiples of the probes' common divisor** when the probes varied
-       them (``Estimator.side_multiple``): a convolution's output is a rounded fraction of its
+    5. **An image's sides are multiples of what the model imposes** when the probes varied them
+       (``Estimator.side_multiple``, ``scaling.side_multiple``: a patch's side, a convolution's
+       stride, read from the probes' shapes): a convolution's output is a rounded fraction of its
        input (a stride-32 stack's last map is ``ceil(H / 32)`` wide), linear in the side only at
        such multiples.
 
@@ -89,8 +90,8 @@ class Trust:
         if self.unmeasured:
             return f"never measured: {', '.join(self.unmeasured)}"
         if self.side_multiple > 1 and any(int(side) % self.side_multiple for side in size[1:]):
-            return (f"an image side of {tuple(size[1:])} is not a multiple of {self.side_multiple} (the probes' "
-                    "sides): measured")
+            return (f"an image side of {tuple(size[1:])} is not a multiple of {self.side_multiple} (the model's "
+                    "patch or stride): measured")
         lengths = self.feature_set.lengths(size)
         if size[0] > REACH * self.max_batch or any(n > REACH * m for n, m in zip(lengths, self.max_lengths)):
             return f"over {REACH}x the largest size measured"
