@@ -2,6 +2,8 @@
 step function doing what they cannot undo (an optimizer step, another planner's step) is refused
 in one line before it happens."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -152,3 +154,6 @@ def test_the_step_function_sees_as_many_probe_calls_as_the_docs_say(layers, prob
         planner.run(step_fn, bert_batch(4, 32))
         assert (planner.stats["probe_skipped"] > 0) == (layers == 8)
     assert len(calls) == probe_calls + 1 and calls[-1] == (4, 32)
+    said = " ".join((Path(__file__).resolve().parents[2] / "docs" / "MIMOSE.md").read_text().split())
+    assert ("The probes call the step function three times before the first step" in said
+            and "four times where a long stack's middle layers are left out" in said)
