@@ -9,6 +9,7 @@ import torch
 
 import mimose_cli
 from mimose_cli.planners import build_planner
+from mimose_cli.planners.inputs import resized_batch
 from mimose_cli.planners.trial import ProbeRefused
 
 from helpers import bert_batch, tiny_bert
@@ -106,8 +107,7 @@ def test_an_optimizer_step_in_the_step_function_is_refused_before_it_happens(pre
         with pytest.raises(ProbeRefused, match=r"^AdamW.step\(\) inside a planner's probe step: .* step the "
                                                r"optimizer after planner.run returns") as refused:
             if prepared:
-                planner.prepare(lambda size: mimose_cli.planners.inputs.resized_batch(batch, size), (4, 32),
-                                step_fn=step_fn)
+                planner.prepare(lambda size: resized_batch(batch, size), (4, 32), step_fn=step_fn)
             else:
                 planner.run(step_fn, batch)
     assert "\n" not in str(refused.value) and "planner.prepare(make_batch, max_input_size)" in str(refused.value)
