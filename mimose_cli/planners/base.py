@@ -25,6 +25,7 @@ from mimose_cli.planners.options import parse_options
 from mimose_cli.planners.parts import PlannerParts, resolve_blocks
 from mimose_cli.planners.recovery import run_recovering
 from mimose_cli.planners.registry import PLANNERS
+from mimose_cli.planners.trial import refuse_inside_probe
 from mimose_cli.planners.usage import EnteredOnce, check_model, check_supported, claim, release
 
 
@@ -178,6 +179,7 @@ class Planner:
         backward; yields the ``StepInfo``. ``attempt`` and ``step_fn`` are what ``run`` tells the
         policy of its attempts (``StepContext``)."""
         self._check_open("step")
+        refuse_inside_probe("planner.step")
         return EnteredOnce(self._step(StepContext(batch, attempt, step_fn), input_size), "planner.step(batch)")
 
     def _check_open(self, what: str) -> None:
@@ -228,6 +230,7 @@ class Planner:
         again, with ``recover``'s remedy, then every block checkpointed); returns what ``step_fn``
         returns, and ``self.last.retries`` says how many attempts failed first."""
         self._check_open("run")
+        refuse_inside_probe("planner.run")
         if self._stepping:
             raise RuntimeError("planner.run inside a step of the same planner: one step at a time")
         encoder_decoder = self.parts.encoder_decoder

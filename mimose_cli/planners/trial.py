@@ -3,9 +3,51 @@
 import contextlib
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mimose_cli.planners.snapshots import restored_buffers
 from mimose_cli.torch_private import tree_leaves
+
+_RUNNING: list = []  # the step functions a probe is running now (a probe inside a probe nests)
+
+_NOT_UNDONE = ("the probes run your step function on small batches cut from the first one and undo only "
+               "the model's gradients, buffers and RNG")
+_FIX = "call {}prepare(make_batch, max_input_size) before the loop, whose probes run the model's own loss"
+
+
+class ProbeRefused(ValueError):
+    """A step function doing, inside a probe step, what the probe cannot undo (it steps an
+    optimizer, it runs another planner's step): refused before it happens, in one line naming the
+    fix. The probes let it through (it is no failure of theirs to learn around)."""
+
+
+def refuse_inside_probe(what: str) -> None:
+    """``ProbeRefused`` when a probe is running a step function: ``what`` (another planner's
+    step) would take place on a cut probe batch, unseen by the probe's undoing."""
+    if _RUNNING:
+        raise ProbeRefused(f"{what} inside a planner's probe step: {_NOT_UNDONE}, not another planner's "
+                           f"model; run one planner's step after the other's, not inside its step function, or "
+                           f"{_FIX.format('the outer planner.')}")
+
+
+def _refuse_optimizer_step(optimizer, args, kwargs) -> None:
+    raise ProbeRefused(f"{type(optimizer).__name__}.step() inside a planner's probe step: {_NOT_UNDONE}, not "
+                       "an optimizer step; step the optimizer after planner.run returns, not in the step "
+                       f"function, or {_FIX.format('planner.')}")
+
+
+@contextlib.contextmanager
+def _running(step_fn):
+    """While ``step_fn`` runs in a probe: an optimizer step (any optimizer's, through torch's global
+    pre-hook, before it changes anything) and another planner's step (``refuse_inside_probe``)
+    raise ``ProbeRefused``."""
+    hook = register_optimizer_step_pre_hook(_refuse_optimizer_step)
+    _RUNNING.append(step_fn)
+    try:
+        yield
+    finally:
+        _RUNNING.pop()
+        hook.remove()
 
 
 def run_model(model, batch):
@@ -51,8 +93,10 @@ def probe_step(parts, batch, step_fn=None):
     """One forward and backward on ``batch`` that the training run never sees: RNG forked,
     buffers restored, the gradients put back as they were (the probe starts from none), the
     meter's peak reset afterwards. ``step_fn(batch)`` runs them as training does (its autocast,
-    its loss scaling); without it, the model's loss (``loss_of``) is backpropagated. Returns the
-    probe's peak (0 without a meter), or None when it ran out of memory."""
+    its loss scaling); without it, the model's loss (``loss_of``) is backpropagated. What the probe
+    could not undo, ``step_fn`` stepping an optimizer or another planner, raises ``ProbeRefused``
+    before it happens. Returns the probe's peak (0 without a meter), or None when it ran out of
+    memory."""
     meter = parts.meter
     params = list(parts.model.parameters())
     grads = [p.grad for p in params]
@@ -63,7 +107,8 @@ def probe_step(parts, batch, step_fn=None):
     try:
         with side_effect_free(parts.model, batch), torch.enable_grad():
             if step_fn is not None:
-                step_fn(batch)
+                with _running(step_fn):
+                    step_fn(batch)
             else:
                 loss_of(run_model(parts.model, batch)).backward()
         return meter.peak_bytes() if meter is not None else 0

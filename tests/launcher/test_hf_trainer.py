@@ -6,6 +6,7 @@ gradient norms and weights compare with a Trainer that has no mimose at all.
 
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from mimose_cli.planners.recovery import PlanOutOfMemoryError
 from helpers import assert_tensors_close, tiny_bert
 
 STEPS, ACCUMULATION, BATCH = 6, 2, 4
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def _data(n=32):
@@ -134,7 +136,7 @@ class OutOfMemoryOnce(Trainer):
     ballast_bytes = 0
 
     def compute_loss(self, model, inputs, **kwargs):
-        # Mimose's two probe steps (before the first micro-batch, at 8 and 12 tokens) run the
+        # Mimose's three probe steps (before the first micro-batch, at 8 and 12 tokens) run the
         # Trainer's training step too: only the training micro-batches are counted.
         self.calls += inputs["input_ids"].shape[-1] > 12
         self.ballast = torch.empty(self.ballast_bytes, dtype=torch.uint8) if self.calls == self.AT else None
@@ -243,3 +245,22 @@ def test_the_trainers_own_checkpointing_is_taken_over_with_one_line(budget, plai
     assert not trainer.args.gradient_checkpointing and not trainer.model.is_activation_checkpointing
     assert any(checkpointed(info.plan) for info in run.infos) and not all(checkpointed(info.plan) for info in run.infos)  # mimose's plans
     _same_training(run, plain)
+
+
+class CountingCalls(Trainer):
+    """Notes the length of every batch its ``compute_loss`` sees."""
+
+    def compute_loss(self, model, inputs, **kwargs):
+        self.lengths.append(inputs["input_ids"].shape[-1])
+        return super().compute_loss(model, inputs, **kwargs)
+
+
+def test_compute_loss_sees_as_many_probe_calls_as_the_docs_say():
+    """docs/HF_TRAINER.md: the probes call the Trainer's ``training_step`` three times before the
+    first micro-batch (the tiny BERT's stack of 3 is too short to leave layers out)."""
+    trainer = _trainer(CountingCalls, steps=1)
+    trainer.lengths = []
+    _train(trainer, "1GB")
+    assert trainer.lengths[:3] == [8, 8, 12] and len(trainer.lengths) == 3 + ACCUMULATION
+    said = " ".join((DOCS / "HF_TRAINER.md").read_text().split())
+    assert "Mimose's probes call the Trainer's own `training_step` three times" in said

@@ -36,7 +36,7 @@ from mimose_cli.planners.mimose.scaling import (
     structure_difference,
     twin_difference,
 )
-from mimose_cli.planners.trial import probe_step, probe_with_runner, to_model_device
+from mimose_cli.planners.trial import ProbeRefused, probe_step, probe_with_runner, to_model_device
 from mimose_cli.planners.usage import said
 from mimose_cli.torch_private import without_dispatch_modes
 
@@ -227,6 +227,8 @@ class Probes:
             if runs:
                 try:
                     return self._left_out_probes(sizes, max_size, twins, runs)
+                except ProbeRefused:
+                    raise
                 except ValueError as err:  # a ScalingError, or a list the layers cannot be taken out of
                     self.counts.probe_skips_refused = f"with {_layers(runs)} left out, {err}"
                     mismatch = err.mismatch if isinstance(err, _TwinsRefused) else None
@@ -365,6 +367,8 @@ class Probes:
         if runs:
             try:
                 releases, input_grads = self._plain_probe(size, runs)
+            except ProbeRefused:
+                raise
             except ValueError as err:  # a ScalingError, or releases a deeper stack cannot have
                 self.counts.probe_skips_refused, runs = f"with {_layers(runs)} left out, {err}", []
         if not runs:
@@ -380,6 +384,8 @@ class Probes:
         try:
             with left_out(self.parts.model, self.parts.blocks, _skipped(runs)):
                 releases = probe_with_runner(self.parts, self._probe_batch(size), runner, self.step_fn)
+        except ProbeRefused:
+            raise
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
             raise _probe_failed("plain probe step", size, error) from error
         if releases is None:
@@ -425,6 +431,8 @@ class Probes:
                 peak = probe_step(self.parts, batch, self.step_fn)
         except Exception as error:  # a model that cannot run this small a batch: say so, measure
             self.measurer.abort()
+            if isinstance(error, ProbeRefused):
+                raise
             raise _probe_failed("probe step", size, error) from error
         except BaseException:
             self.measurer.abort()
