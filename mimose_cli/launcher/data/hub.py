@@ -7,6 +7,7 @@ Column layouts: sequence_classification and causal_lm read ``data.text_fields`` 
 QA example, no document stride).
 """
 
+import warnings
 from pathlib import Path
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -178,10 +179,18 @@ def _classification(raw, tokenizer, data, names=None) -> list:
 
 
 def _causal_lm(raw, tokenizer, data, names=None) -> list:
+    """One example per non-empty text; empty and whitespace-only texts (WikiText's blank lines)
+    are dropped with a warning saying how many, since they hold no token to predict."""
     fields = data.text_fields or ["text"]
     texts = _columns(raw, fields[:1], "data.text_fields", texts=1)[fields[0]]
-    enc = _encode(tokenizer, texts, None, data.max_length)
-    return [_rows(enc, i) for i in range(len(texts)) if enc["input_ids"][i]]
+    kept = [t for t in texts if t.strip()]
+    if not kept:
+        raise ValueError(f"data.text_fields: every text in column {fields[0]!r} is empty; give a data set with text")
+    if len(kept) < len(texts):
+        warnings.warn(f"dropped {len(texts) - len(kept)} of {len(texts)} rows whose column {fields[0]!r} "
+                      "is empty or only whitespace")
+    enc = _encode(tokenizer, kept, None, data.max_length)
+    return [_rows(enc, i) for i in range(len(kept))]
 
 
 def _multiple_choice(raw, tokenizer, data, names=None) -> list:
@@ -257,11 +266,23 @@ TASK_READERS = {
 }
 
 
+def _training_rows(data):
+    """The first ``data.num_examples`` rows of the training split (as run_glue's
+    ``max_train_samples``); all of them when None, and a warning when the split has fewer."""
+    raw, count = load_raw(data, False), data.num_examples
+    if count is None:
+        return raw
+    if count > len(raw):
+        warnings.warn(f"data.num_examples={count} but the split has {len(raw)} rows; training on all {len(raw)}")
+        return raw
+    return raw.select(range(count))
+
+
 def build_hf(recipe, config, validation: bool = False) -> list:
     """Examples of ``data.name`` (``validation``: of ``data.validation_split``) tokenized by
     ``data.tokenizer`` for ``recipe.task``, in file order."""
-    raw = load_raw(recipe.data, validation)
-    names = text_label_names(load_raw(recipe.data, False), recipe.task, recipe.data) if validation else None
+    raw = load_raw(recipe.data, True) if validation else _training_rows(recipe.data)
+    names = text_label_names(_training_rows(recipe.data), recipe.task, recipe.data) if validation else None
     tokenizer = load_tokenizer(recipe, config)
     pair = recipe.task in ("multiple_choice", "question_answering") or len(recipe.data.text_fields or ()) == 2
     special = tokenizer.num_special_tokens_to_add(pair=pair)
