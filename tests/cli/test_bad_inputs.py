@@ -29,6 +29,7 @@ HF = ["task=sequence_classification", "data.source=hf", "data.tokenizer={tok}", 
 A_DIRECTORY = object()  # a ``files`` value: make a directory there
 A_FIFO = object()  # a named pipe
 A_LOOP = object()  # a symbolic link to itself
+A_DANGLING = object()  # a symbolic link to 'nowhere', which does not exist
 CSV = "text,label\nthe cat sat,0\na dog ran,1\n"
 STEP = '{"step": 0, "loss": 1.0, "memory/peak_bytes": 5}\n'
 RUN = {"run/metrics.jsonl": STEP}
@@ -199,6 +200,12 @@ OUT_DIRS = [
     train("out-unwritable", "--out", "/sys/mimose-test", named="'/sys/mimose-test' is not writable"),
     Case("out-dir-key-is-a-file", ["train", "{quick}", "out_dir={tmp}/file"], "out_dir='{tmp}/file' is a file",
          files={"file": "x"}),
+    train("out-a-dangling-link", "--out", "{tmp}/link",
+          named="--out '{tmp}/link' is a symbolic link to 'nowhere', which does not exist; create that directory, "
+                "or remove the link", files={"link": A_DANGLING}),
+    train("out-under-a-dangling-link", "--out", "{tmp}/link/runs",
+          named="--out '{tmp}/link/runs' lies under '{tmp}/link', which is a symbolic link to 'nowhere'",
+          files={"link": A_DANGLING}),
 ]
 
 MODEL_AND_DEVICE = [
@@ -371,6 +378,8 @@ REPORTS = [
            {"c/compare.json": '{"budgets": [{"budget": "1MB", "budget_bytes": 1, "runs": [{"status": "oom", '
                               '"steps": 1}]}]}'}, "key budgets[0].runs[0].planner is missing", "c"),
     report("compare-is-a-directory", {"c/compare.json": A_DIRECTORY}, "c/compare.json is not a file", "c"),
+    report("plots-a-dangling-link", {**RUN, "run/plots": A_DANGLING},
+           "run/plots, where the plots go, is a symbolic link to 'nowhere', which does not exist"),
     report("report-on-a-file", {"run": "x"}, "run is not a run directory (a file)"),
     report("report-on-nothing", {}, "run is not a run directory (no such directory)"),
     report("report-on-an-empty-directory", {"run": A_DIRECTORY}, "run is not a run directory (no metrics.jsonl)"),
@@ -406,6 +415,8 @@ COMPARES = [
     compare("compare-out-holds-a-run", "--out", "{tmp}/r", named="'{tmp}/r' already exists",
             files={"r/metrics.jsonl": ""}),
     compare("compare-out-is-a-file", "--out", "{tmp}/f", named="'{tmp}/f' is a file", files={"f": "x"}),
+    compare("compare-out-a-dangling-link", "--out", "{tmp}/link", named="'{tmp}/link' is a symbolic link to 'nowhere'",
+            files={"link": A_DANGLING}),
     compare("compare-out-dir-key-is-a-file", "out_dir={tmp}/f", named="out_dir='{tmp}/f' is a file",
             files={"f": "x"}),
     Case("compare-without-a-budget", ["compare", "{quick}", "budget=null"],
@@ -437,9 +448,9 @@ def _write(root, files: dict) -> None:
         if content is A_DIRECTORY:
             path.mkdir(parents=True)
             continue
-        if content is A_FIFO or content is A_LOOP:
+        if content is A_FIFO or content is A_LOOP or content is A_DANGLING:
             path.parent.mkdir(parents=True, exist_ok=True)
-            os.mkfifo(path) if content is A_FIFO else os.symlink(path.name, path)
+            os.mkfifo(path) if content is A_FIFO else os.symlink("nowhere" if content is A_DANGLING else path.name, path)
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
