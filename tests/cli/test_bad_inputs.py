@@ -281,6 +281,9 @@ HF_DATA = [
        named="data.name='someone/no_such_data' cannot be loaded from the Hugging Face Hub", files={}),
     hf("hf-missing-text-column", "data.name={tmp}/d.csv", named="column 'text' not in the data set",
        files={"d.csv": "sentence,label\na dog,0\n"}),
+    hf("hf-tab-separated-csv", "data.name={tmp}/d.csv",
+       named="data.name='{tmp}/d.csv': the file looks tab-separated (its header is one column, 'text\\tlabel'); "
+             "name it .tsv, or separate its columns with commas", files={"d.csv": CSV.replace(",", "\t")}),
     hf("hf-missing-label-column", "data.name={tmp}/d.csv", named="column 'label' not in the data set",
        files={"d.csv": "text,gold\na dog,0\n"}),
     hf("hf-wrong-text-fields", "data.name={tmp}/d.csv", "data.text_fields=[q1]", named="column 'q1'",

@@ -1,4 +1,4 @@
-"""Real data: a Hugging Face data set (hub name, or local json/csv/parquet) tokenized for the task.
+"""Real data: a Hugging Face data set (hub name, or local json/csv/tsv/parquet) tokenized for the task.
 
 Column layouts: sequence_classification and causal_lm read ``data.text_fields`` (default
 ``text``) and ``data.label_field`` (default ``label``); multiple_choice reads SWAG's ``sent1``,
@@ -10,7 +10,8 @@ QA example, no document stride).
 import warnings
 from pathlib import Path
 
-LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
+BUILDER_OPTIONS = {".tsv": {"sep": "\t"}}  # as datasets reads a .tsv in a data directory
 
 
 def load_raw(data, validation: bool = False):
@@ -48,7 +49,7 @@ def _load_split(name: str, split: str, label: str, config_name):
             raise ValueError(f"{label}: expected a {', '.join(LOCAL_BUILDERS)} file")
         if path.stat().st_size == 0:
             raise ValueError(f"{label}: the file is empty")
-        args, kwargs = (builder,), {"data_files": {split: str(path)}}
+        args, kwargs = (builder,), {"data_files": {split: str(path)}, **BUILDER_OPTIONS.get(path.suffix.lower(), {})}
     elif path.is_dir():
         args, kwargs = (str(path),), {}
     elif local:
@@ -58,6 +59,9 @@ def _load_split(name: str, split: str, label: str, config_name):
     raw = _load(label, local, *args, split=split, **kwargs)
     if len(raw) == 0:
         raise ValueError(f"{label}: split {split!r} has no rows")
+    if path.suffix.lower() == ".csv" and len(raw.column_names) == 1 and "\t" in raw.column_names[0]:
+        raise ValueError(f"{label}: the file looks tab-separated (its header is one column, "
+                         f"{raw.column_names[0]!r}); name it .tsv, or separate its columns with commas")
     return raw
 
 

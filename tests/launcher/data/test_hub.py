@@ -96,6 +96,13 @@ def test_causal_lm_drops_empty_texts_and_says_how_many(tmp_path, tokenizer_dir):
     assert [len(e["input_ids"]) for e in examples] == [2 + len(SENTENCES[0].split()), 2 + len(SENTENCES[1].split())]
 
 
+def test_a_tsv_file_is_read_by_its_tabs(tmp_path, tokenizer_dir):
+    path = tmp_path / "t.tsv"
+    path.write_text("text\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(SENTENCES[:3])))
+    r = recipe("sequence_classification", path, tokenizer_dir)
+    assert [e["label"] for e in build_dataset(r, model_config(r))] == [0, 1, 0]
+
+
 def test_num_examples_trains_on_the_first_rows(tmp_path, tokenizer_dir):
     rows = [{"text": s, "label": i % 2} for i, s in enumerate(SENTENCES)]
     path = write_csv(tmp_path / "t.csv", rows)
