@@ -195,7 +195,7 @@ class DataConfig:
     """Image classification, synthetic: every image side is a multiple of this many pixels (a CNN's
     stride: Mimose trusts its probes at multiples of 32)."""
     name: Optional[str] = None
-    """hf: data set name on the hub, or a local json/csv/parquet file or directory."""
+    """hf: data set name on the hub, or a local json/csv/tsv/parquet file or directory."""
     config_name: Optional[str] = None
     """hf: data set configuration (e.g. 'regular' for swag)."""
     split: str = "train"
