@@ -9,7 +9,7 @@ the model is built; "model" cases may build the tiny quickstart model (a few of 
 import os
 from dataclasses import dataclass, field
 
-import datasets  # noqa: F401  (imported here, not inside CliRunner: its log handler keeps the stderr it sees)
+import datasets  # imported here, not inside CliRunner: its log handler keeps the stderr it sees
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
@@ -44,6 +44,8 @@ class Case:
     code: int = 2
     files: dict = field(default_factory=dict)
     stage: str = "check"
+    datasets_cache: str | None = None
+    """Where the ``datasets`` library caches (as HF_DATASETS_CACHE sets it); None: as it is."""
 
 
 def train(id, *overrides, named, files=None, code=2, stage="check"):
@@ -284,6 +286,10 @@ HF_DATA = [
     hf("hf-tab-separated-csv", "data.name={tmp}/d.csv",
        named="data.name='{tmp}/d.csv': the file looks tab-separated (its header is one column, 'text\\tlabel'); "
              "name it .tsv, or separate its columns with commas", files={"d.csv": CSV.replace(",", "\t")}),
+    Case("hf-datasets-cache-unwritable", ["train", "{quick}", *HF, "data.name={tmp}/d.csv"],
+         "the datasets cache '{tmp}/file/cache' is not writable ({tmp}/file/cache: Not a directory); "
+         "set HF_DATASETS_CACHE to a directory you can write to", code=1, files={"d.csv": CSV, "file": "x"},
+         stage="data", datasets_cache="{tmp}/file/cache"),
     hf("hf-missing-label-column", "data.name={tmp}/d.csv", named="column 'label' not in the data set",
        files={"d.csv": "text,gold\na dog,0\n"}),
     hf("hf-wrong-text-fields", "data.name={tmp}/d.csv", "data.text_fields=[q1]", named="column 'q1'",
@@ -490,6 +496,8 @@ def test_a_mistake_is_one_line_naming_it(case, tmp_path, monkeypatch, tokenizer_
             text = text.replace(placeholder, value)
         return text
 
+    if case.datasets_cache is not None:
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", fill(case.datasets_cache))
     result = runner.invoke(app, [fill(arg) for arg in case.args])
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in result.output

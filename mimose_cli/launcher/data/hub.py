@@ -75,12 +75,25 @@ def _load(label: str, local: bool, *args, **kwargs):
     try:
         return datasets.load_dataset(*args, **kwargs)
     except (DatasetsError, OSError, ValueError, StopIteration) as err:
+        cache, failed = Path(datasets.config.HF_DATASETS_CACHE), _file_error(err)
+        if failed is not None and (cache == Path(failed.filename) or cache in Path(failed.filename).parents):
+            raise OSError(f"the datasets cache {str(cache)!r} is not writable ({failed.filename}: {failed.strerror}); "
+                          "set HF_DATASETS_CACHE to a directory you can write to") from None
         cause = str(err.__cause__ or err).strip().splitlines()
         reason = cause[0] if cause else type(err).__name__
         if local:
             raise ValueError(f"{label} cannot be read ({reason}); check the file") from None
         raise ValueError(f"{label} cannot be loaded from the Hugging Face Hub ({reason}); "
                          "check the name, or give a local file's path") from None
+
+
+def _file_error(err: BaseException) -> OSError | None:
+    """The first OSError naming a file in ``err``'s chain of causes, if any."""
+    while err is not None:
+        if isinstance(err, OSError) and err.filename:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def load_tokenizer(recipe, config):
