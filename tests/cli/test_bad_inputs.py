@@ -459,7 +459,8 @@ def _write(root, files: dict) -> None:
             continue
         if content is A_FIFO or content is A_LOOP or content is A_DANGLING:
             path.parent.mkdir(parents=True, exist_ok=True)
-            os.mkfifo(path) if content is A_FIFO else os.symlink("nowhere" if content is A_DANGLING else path.name, path)
+            target = "nowhere" if content is A_DANGLING else path.name
+            os.mkfifo(path) if content is A_FIFO else os.symlink(target, path)
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
