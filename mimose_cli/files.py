@@ -25,6 +25,24 @@ def file_mode() -> int:
     return 0o666 & ~umask
 
 
+def dangling_link(path) -> Path | None:
+    """The first of ``path`` and its parents that is a symbolic link to nothing, else None:
+    ``mkdir`` says only "File exists" of one, which sends the user looking for a file."""
+    for part in (Path(path), *Path(path).parents):
+        if part.is_symlink() and not part.exists():
+            return part
+    return None
+
+
+def refuse_dangling_link(path, given: str) -> None:
+    """ValueError when ``path`` (``given``, as the user named it) is, or lies under, a dangling link."""
+    link = dangling_link(path)
+    if link is not None:
+        where = "" if link == Path(path) else f" lies under {str(link)!r}, which"
+        raise ValueError(f"{given}{where} is a symbolic link to {os.readlink(link)!r}, which does not exist; "
+                         "create that directory, or remove the link")
+
+
 def write_text(path, text: str) -> None:
     """Replace ``path`` by ``text`` atomically (see ``write_json``), readable as any file the user
     writes (others on a shared machine read the summary as they read the metrics)."""

@@ -144,7 +144,18 @@ def load_checkpoint(run_dir: Path) -> dict:
                          "start the run again") from None
     if state.get("format") != FORMAT:
         raise ValueError(f"{path} has format {state.get('format')!r}, this mimose reads {FORMAT}")
+    _check_finite(path, state.get("model"))
     return state
+
+
+def _check_finite(path: Path, weights) -> None:
+    """Weights that are NaN or infinite would make every loss NaN, which the run would then blame
+    on the learning rate; say it is the checkpoint instead."""
+    for name, tensor in (weights.items() if isinstance(weights, dict) else ()):
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            what = "NaN" if torch.isnan(tensor).any() else "infinite values"
+            raise ValueError(f"{path} holds non-finite weights ({name} has {what}): the run had diverged "
+                             "when it was saved; start the run again (with a lower training.lr if it diverged)")
 
 
 _ENTRIES = ("progress", "model", "optimizer", "scheduler", "scaler")

@@ -52,6 +52,8 @@ from mimose_cli.units import parse_size
 FORBID_UNKNOWN_KEYS = ConfigDict(extra="forbid")
 SIZE_EXPECTED = "a byte size such as '6GB', '6GiB', '512MB' or '0.5GiB'"
 UNKNOWN_KEY = ("unexpected_keyword_argument", "invalid_key")  # pydantic's names for a key not a field
+SYNTHETIC_EXAMPLES = 1024
+"""How many examples synthetic data generates when data.num_examples is unset."""
 
 
 class RecipeError(ValueError):
@@ -173,8 +175,9 @@ class DataConfig:
     preset: str = "swag"
     """Synthetic length distribution: swag, squad or qqp; for image_classification the image
     sides' (multiscale), where max_length, min_length and length_* are sides in pixels."""
-    num_examples: StrictInt = Field(1024, ge=1)
-    """Synthetic: how many examples to generate."""
+    num_examples: Optional[StrictInt] = Field(None, ge=1)
+    """Synthetic: how many examples to generate (null: 1024). hf: train on the first N rows of the
+    split (null: all of them)."""
     max_length: StrictInt = Field(512, ge=1)
     """Longest tokenized example; longer ones are truncated."""
     length_mean: Optional[Finite] = Field(None, gt=0)
@@ -192,7 +195,7 @@ class DataConfig:
     """Image classification, synthetic: every image side is a multiple of this many pixels (a CNN's
     stride: Mimose trusts its probes at multiples of 32)."""
     name: Optional[str] = None
-    """hf: data set name on the hub, or a local json/csv/parquet file or directory."""
+    """hf: data set name on the hub, or a local json/csv/tsv/parquet file or directory."""
     config_name: Optional[str] = None
     """hf: data set configuration (e.g. 'regular' for swag)."""
     split: str = "train"
@@ -222,6 +225,8 @@ class DataConfig:
             raise _Invalid("name", self.name, "a data set name or local file when data.source is hf")
         if self.source == "synthetic":
             self._check_lengths()
+            if self.num_examples is None:
+                self.num_examples = SYNTHETIC_EXAMPLES
         if self.source == "synthetic" and self.validation_split is not None:
             raise _Invalid("validation_split", self.validation_split,
                            "null when data.source is synthetic (set data.validation_examples)")

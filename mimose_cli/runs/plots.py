@@ -17,7 +17,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from mimose_cli.files import read_json
+from mimose_cli.files import read_json, refuse_dangling_link
 from mimose_cli.planners import blocks
 from mimose_cli.planners.mimose.estimator import Estimator
 from mimose_cli.planners.mimose.features import SEQ2SEQ, TOKENS
@@ -420,6 +420,7 @@ def write_plots(path, out_dir=None) -> Plots:
     out_dir = Path(out_dir) if out_dir is not None else path / PLOTS_DIR
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir} is a file, where the plots go; move it away (or leave plots out)")
+    refuse_dangling_link(out_dir, f"{out_dir}, where the plots go,")
     figures = compare_figures(path) if (path / "compare.json").exists() else run_figures(path)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = Plots()

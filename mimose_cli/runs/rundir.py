@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from mimose_cli.files import read_json, read_text, write_json, write_text
+from mimose_cli.files import read_json, read_text, refuse_dangling_link, write_json, write_text
 from mimose_cli.runs.records import StepRecord, plan_line, read_records
 from mimose_cli.runs.summary import SUMMARY_FILE, summarize
 from mimose_cli.runs.tblog import TensorBoardLog
@@ -53,6 +53,7 @@ def check_out_dir(out_dir, flag: str | None = None) -> Path:
     given = f"{flag} {str(path)!r}" if flag else f"out_dir={str(path)!r}"
     if path.exists() and not path.is_dir():
         raise ValueError(f"{given} is a file, not a directory; choose a directory")
+    refuse_dangling_link(path, given)
     if (path / "metrics.jsonl").exists() or (path / "compare.json").exists():
         raise ValueError(f"{given} is a run (or compare) directory; out_dir names where new run "
                          f"directories go (e.g. {str(path.parent)!r}), and --resume {str(path)} continues that run")

@@ -9,7 +9,7 @@ the model is built; "model" cases may build the tiny quickstart model (a few of 
 import os
 from dataclasses import dataclass, field
 
-import datasets  # noqa: F401  (imported here, not inside CliRunner: its log handler keeps the stderr it sees)
+import datasets  # imported here, not inside CliRunner: its log handler keeps the stderr it sees
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
@@ -29,6 +29,7 @@ HF = ["task=sequence_classification", "data.source=hf", "data.tokenizer={tok}", 
 A_DIRECTORY = object()  # a ``files`` value: make a directory there
 A_FIFO = object()  # a named pipe
 A_LOOP = object()  # a symbolic link to itself
+A_DANGLING = object()  # a symbolic link to 'nowhere', which does not exist
 CSV = "text,label\nthe cat sat,0\na dog ran,1\n"
 STEP = '{"step": 0, "loss": 1.0, "memory/peak_bytes": 5}\n'
 RUN = {"run/metrics.jsonl": STEP}
@@ -43,6 +44,8 @@ class Case:
     code: int = 2
     files: dict = field(default_factory=dict)
     stage: str = "check"
+    datasets_cache: str | None = None
+    """Where the ``datasets`` library caches (as HF_DATASETS_CACHE sets it); None: as it is."""
 
 
 def train(id, *overrides, named, files=None, code=2, stage="check"):
@@ -199,6 +202,12 @@ OUT_DIRS = [
     train("out-unwritable", "--out", "/sys/mimose-test", named="'/sys/mimose-test' is not writable"),
     Case("out-dir-key-is-a-file", ["train", "{quick}", "out_dir={tmp}/file"], "out_dir='{tmp}/file' is a file",
          files={"file": "x"}),
+    train("out-a-dangling-link", "--out", "{tmp}/link",
+          named="--out '{tmp}/link' is a symbolic link to 'nowhere', which does not exist; create that directory, "
+                "or remove the link", files={"link": A_DANGLING}),
+    train("out-under-a-dangling-link", "--out", "{tmp}/link/runs",
+          named="--out '{tmp}/link/runs' lies under '{tmp}/link', which is a symbolic link to 'nowhere'",
+          files={"link": A_DANGLING}),
 ]
 
 MODEL_AND_DEVICE = [
@@ -274,6 +283,13 @@ HF_DATA = [
        named="data.name='someone/no_such_data' cannot be loaded from the Hugging Face Hub", files={}),
     hf("hf-missing-text-column", "data.name={tmp}/d.csv", named="column 'text' not in the data set",
        files={"d.csv": "sentence,label\na dog,0\n"}),
+    hf("hf-tab-separated-csv", "data.name={tmp}/d.csv",
+       named="data.name='{tmp}/d.csv': the file looks tab-separated (its header is one column, 'text\\tlabel'); "
+             "name it .tsv, or separate its columns with commas", files={"d.csv": CSV.replace(",", "\t")}),
+    Case("hf-datasets-cache-unwritable", ["train", "{quick}", *HF, "data.name={tmp}/d.csv"],
+         "the datasets cache '{tmp}/file/cache' is not writable ({tmp}/file/cache: Not a directory); "
+         "set HF_DATASETS_CACHE to a directory you can write to", code=1, files={"d.csv": CSV, "file": "x"},
+         stage="data", datasets_cache="{tmp}/file/cache"),
     hf("hf-missing-label-column", "data.name={tmp}/d.csv", named="column 'label' not in the data set",
        files={"d.csv": "text,gold\na dog,0\n"}),
     hf("hf-wrong-text-fields", "data.name={tmp}/d.csv", "data.text_fields=[q1]", named="column 'q1'",
@@ -371,6 +387,8 @@ REPORTS = [
            {"c/compare.json": '{"budgets": [{"budget": "1MB", "budget_bytes": 1, "runs": [{"status": "oom", '
                               '"steps": 1}]}]}'}, "key budgets[0].runs[0].planner is missing", "c"),
     report("compare-is-a-directory", {"c/compare.json": A_DIRECTORY}, "c/compare.json is not a file", "c"),
+    report("plots-a-dangling-link", {**RUN, "run/plots": A_DANGLING},
+           "run/plots, where the plots go, is a symbolic link to 'nowhere', which does not exist"),
     report("report-on-a-file", {"run": "x"}, "run is not a run directory (a file)"),
     report("report-on-nothing", {}, "run is not a run directory (no such directory)"),
     report("report-on-an-empty-directory", {"run": A_DIRECTORY}, "run is not a run directory (no metrics.jsonl)"),
@@ -406,6 +424,8 @@ COMPARES = [
     compare("compare-out-holds-a-run", "--out", "{tmp}/r", named="'{tmp}/r' already exists",
             files={"r/metrics.jsonl": ""}),
     compare("compare-out-is-a-file", "--out", "{tmp}/f", named="'{tmp}/f' is a file", files={"f": "x"}),
+    compare("compare-out-a-dangling-link", "--out", "{tmp}/link", named="'{tmp}/link' is a symbolic link to 'nowhere'",
+            files={"link": A_DANGLING}),
     compare("compare-out-dir-key-is-a-file", "out_dir={tmp}/f", named="out_dir='{tmp}/f' is a file",
             files={"f": "x"}),
     Case("compare-without-a-budget", ["compare", "{quick}", "budget=null"],
@@ -437,9 +457,10 @@ def _write(root, files: dict) -> None:
         if content is A_DIRECTORY:
             path.mkdir(parents=True)
             continue
-        if content is A_FIFO or content is A_LOOP:
+        if content is A_FIFO or content is A_LOOP or content is A_DANGLING:
             path.parent.mkdir(parents=True, exist_ok=True)
-            os.mkfifo(path) if content is A_FIFO else os.symlink(path.name, path)
+            target = "nowhere" if content is A_DANGLING else path.name
+            os.mkfifo(path) if content is A_FIFO else os.symlink(target, path)
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -476,6 +497,8 @@ def test_a_mistake_is_one_line_naming_it(case, tmp_path, monkeypatch, tokenizer_
             text = text.replace(placeholder, value)
         return text
 
+    if case.datasets_cache is not None:
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", fill(case.datasets_cache))
     result = runner.invoke(app, [fill(arg) for arg in case.args])
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in result.output

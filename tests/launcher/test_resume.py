@@ -133,6 +133,8 @@ def test_a_run_whose_final_save_was_cut_finishes_it_on_resume(completed, tmp_pat
     (lambda state: state["model"].update({k: torch.zeros(3) for k in list(state["model"])[:1]}),
      r"has shape \(3,\) in the checkpoint and .* in this recipe's model: the checkpoint is of another model"),
     (lambda state: state["model"].pop(next(iter(state["model"]))), "is in this recipe's model only"),
+    (lambda state: next(iter(state["model"].values())).view(-1)[0].fill_(float("nan")),
+     r"checkpoint.pt holds non-finite weights \(\S+ has NaN\): the run had diverged"),
 ])
 def test_a_checkpoint_that_cannot_resume_is_refused_before_any_file_changes(completed, tmp_path, break_it, said):
     import shutil

@@ -1,4 +1,4 @@
-"""Real data: a Hugging Face data set (hub name, or local json/csv/parquet) tokenized for the task.
+"""Real data: a Hugging Face data set (hub name, or local json/csv/tsv/parquet) tokenized for the task.
 
 Column layouts: sequence_classification and causal_lm read ``data.text_fields`` (default
 ``text``) and ``data.label_field`` (default ``label``); multiple_choice reads SWAG's ``sent1``,
@@ -7,9 +7,11 @@ Column layouts: sequence_classification and causal_lm read ``data.text_fields`` 
 QA example, no document stride).
 """
 
+import warnings
 from pathlib import Path
 
-LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
+BUILDER_OPTIONS = {".tsv": {"sep": "\t"}}  # as datasets reads a .tsv in a data directory
 
 
 def load_raw(data, validation: bool = False):
@@ -47,7 +49,7 @@ def _load_split(name: str, split: str, label: str, config_name):
             raise ValueError(f"{label}: expected a {', '.join(LOCAL_BUILDERS)} file")
         if path.stat().st_size == 0:
             raise ValueError(f"{label}: the file is empty")
-        args, kwargs = (builder,), {"data_files": {split: str(path)}}
+        args, kwargs = (builder,), {"data_files": {split: str(path)}, **BUILDER_OPTIONS.get(path.suffix.lower(), {})}
     elif path.is_dir():
         args, kwargs = (str(path),), {}
     elif local:
@@ -57,6 +59,9 @@ def _load_split(name: str, split: str, label: str, config_name):
     raw = _load(label, local, *args, split=split, **kwargs)
     if len(raw) == 0:
         raise ValueError(f"{label}: split {split!r} has no rows")
+    if path.suffix.lower() == ".csv" and len(raw.column_names) == 1 and "\t" in raw.column_names[0]:
+        raise ValueError(f"{label}: the file looks tab-separated (its header is one column, "
+                         f"{raw.column_names[0]!r}); name it .tsv, or separate its columns with commas")
     return raw
 
 
@@ -70,12 +75,25 @@ def _load(label: str, local: bool, *args, **kwargs):
     try:
         return datasets.load_dataset(*args, **kwargs)
     except (DatasetsError, OSError, ValueError, StopIteration) as err:
+        cache, failed = Path(datasets.config.HF_DATASETS_CACHE), _file_error(err)
+        if failed is not None and (cache == Path(failed.filename) or cache in Path(failed.filename).parents):
+            raise OSError(f"the datasets cache {str(cache)!r} is not writable ({failed.filename}: {failed.strerror}); "
+                          "set HF_DATASETS_CACHE to a directory you can write to") from None
         cause = str(err.__cause__ or err).strip().splitlines()
         reason = cause[0] if cause else type(err).__name__
         if local:
             raise ValueError(f"{label} cannot be read ({reason}); check the file") from None
         raise ValueError(f"{label} cannot be loaded from the Hugging Face Hub ({reason}); "
                          "check the name, or give a local file's path") from None
+
+
+def _file_error(err: BaseException) -> OSError | None:
+    """The first OSError naming a file in ``err``'s chain of causes, if any."""
+    while err is not None:
+        if isinstance(err, OSError) and err.filename:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def load_tokenizer(recipe, config):
@@ -178,10 +196,18 @@ def _classification(raw, tokenizer, data, names=None) -> list:
 
 
 def _causal_lm(raw, tokenizer, data, names=None) -> list:
+    """One example per non-empty text; empty and whitespace-only texts (WikiText's blank lines)
+    are dropped with a warning saying how many, since they hold no token to predict."""
     fields = data.text_fields or ["text"]
     texts = _columns(raw, fields[:1], "data.text_fields", texts=1)[fields[0]]
-    enc = _encode(tokenizer, texts, None, data.max_length)
-    return [_rows(enc, i) for i in range(len(texts)) if enc["input_ids"][i]]
+    kept = [t for t in texts if t.strip()]
+    if not kept:
+        raise ValueError(f"data.text_fields: every text in column {fields[0]!r} is empty; give a data set with text")
+    if len(kept) < len(texts):
+        warnings.warn(f"dropped {len(texts) - len(kept)} of {len(texts)} rows whose column {fields[0]!r} "
+                      "is empty or only whitespace")
+    enc = _encode(tokenizer, kept, None, data.max_length)
+    return [_rows(enc, i) for i in range(len(kept))]
 
 
 def _multiple_choice(raw, tokenizer, data, names=None) -> list:
@@ -257,11 +283,23 @@ TASK_READERS = {
 }
 
 
+def _training_rows(data):
+    """The first ``data.num_examples`` rows of the training split (as run_glue's
+    ``max_train_samples``); all of them when None, and a warning when the split has fewer."""
+    raw, count = load_raw(data, False), data.num_examples
+    if count is None:
+        return raw
+    if count > len(raw):
+        warnings.warn(f"data.num_examples={count} but the split has {len(raw)} rows; training on all {len(raw)}")
+        return raw
+    return raw.select(range(count))
+
+
 def build_hf(recipe, config, validation: bool = False) -> list:
     """Examples of ``data.name`` (``validation``: of ``data.validation_split``) tokenized by
     ``data.tokenizer`` for ``recipe.task``, in file order."""
-    raw = load_raw(recipe.data, validation)
-    names = text_label_names(load_raw(recipe.data, False), recipe.task, recipe.data) if validation else None
+    raw = load_raw(recipe.data, True) if validation else _training_rows(recipe.data)
+    names = text_label_names(_training_rows(recipe.data), recipe.task, recipe.data) if validation else None
     tokenizer = load_tokenizer(recipe, config)
     pair = recipe.task in ("multiple_choice", "question_answering") or len(recipe.data.text_fields or ()) == 2
     special = tokenizer.num_special_tokens_to_add(pair=pair)

@@ -87,6 +87,31 @@ def test_causal_lm_from_json_lines(tmp_path, tokenizer_dir):
     assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
 
 
+def test_causal_lm_drops_empty_texts_and_says_how_many(tmp_path, tokenizer_dir):
+    path = tmp_path / "lm.jsonl"
+    path.write_text("".join(json.dumps({"text": s}) + "\n" for s in ["", SENTENCES[0], "  \n", SENTENCES[1]]))
+    r = recipe("causal_lm", path, tokenizer_dir)
+    with pytest.warns(UserWarning, match="dropped 2 of 4 rows whose column 'text' is empty"):
+        examples = build_dataset(r, model_config(r))
+    assert [len(e["input_ids"]) for e in examples] == [2 + len(SENTENCES[0].split()), 2 + len(SENTENCES[1].split())]
+
+
+def test_a_tsv_file_is_read_by_its_tabs(tmp_path, tokenizer_dir):
+    path = tmp_path / "t.tsv"
+    path.write_text("text\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(SENTENCES[:3])))
+    r = recipe("sequence_classification", path, tokenizer_dir)
+    assert [e["label"] for e in build_dataset(r, model_config(r))] == [0, 1, 0]
+
+
+def test_num_examples_trains_on_the_first_rows(tmp_path, tokenizer_dir):
+    rows = [{"text": s, "label": i % 2} for i, s in enumerate(SENTENCES)]
+    path = write_csv(tmp_path / "t.csv", rows)
+    first = recipe("sequence_classification", path, tokenizer_dir, num_examples=3)
+    assert [e["label"] for e in build_dataset(first, model_config(first))] == [0, 1, 0]
+    every = recipe("sequence_classification", path, tokenizer_dir)
+    assert every.data.num_examples is None and len(build_dataset(every, model_config(every))) == len(SENTENCES)
+
+
 def test_swag_layout_multiple_choice(tmp_path, tokenizer_dir):
     rows = [{"sent1": "she opened the door", "sent2": "then", "ending0": "it started to rain",
              "ending1": "he picked up the red ball", "label": 1}] * 3
