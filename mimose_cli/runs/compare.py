@@ -166,8 +166,9 @@ def render_compare(compare_dir, console=None) -> dict:
                   + "; blocks = mean blocks checkpointed (dtr: evicted) per step")
     for entry in data["budgets"]:
         console.print(compare_table(entry, repeats))
-    if unfinished(data):
-        console.print(unfinished(data), highlight=False)
+    stopped = unfinished(data)
+    if stopped:
+        console.print(stopped, highlight=False)
     if any(row.get("phase") == "sheltered" for entry in data["budgets"] for row in entry["runs"]):
         console.print("mimose spent every step of this comparison in its sheltered phase (measuring, every "
                       "block checkpointed): compare more steps than planner.mimose.sheltered_steps to see "

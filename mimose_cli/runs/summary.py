@@ -378,9 +378,7 @@ def raw_planner_table(summary: dict) -> Table:
 
 def summary_tables(summary: dict) -> list:
     """The run's summary and its planner's table in words, as rich tables."""
-    table = Table(title="summary", title_justify="left", show_header=False)
-    table.add_column("what")
-    table.add_column("value", justify="right")
+    table = _table("summary", ())
     for label, key, kind in SUMMARY_ROWS:
         if kind != "ranks" or summary.get("ranks"):  # per rank: multi-process runs only
             table.add_row(label, _summary_value(summary, key, kind))
