@@ -33,8 +33,22 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
+        expandable_segments()
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def expandable_segments() -> None:
+    """Let CUDA's caching allocator grow its segments in place (``expandable_segments:True``)
+    unless the user configured the allocator. Shapes that change at every step fragment its
+    fixed-size segments, and under the budget's cap it then frees its whole cache and synchronizes
+    to retry: on an H200, Mimose's RoBERTa steps at 3.3 of a 3.7 GiB budget took 420-520 ms
+    instead of 90-130 ms every other step. Read when CUDA starts, so it is set before that."""
+    if not any(os.environ.get(name) for name in ALLOCATOR_SETTINGS):
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def autocast(recipe: Recipe, device: torch.device):

@@ -56,7 +56,7 @@ from mimose_cli.launcher.preflight import (
 from mimose_cli.launcher.recipe import Recipe, recipe_yaml
 from mimose_cli.launcher.resume import cut_records
 from mimose_cli.launcher.signals import EXIT_CODES, StopRequest
-from mimose_cli.launcher.step import Trainer, autocast, build_trainer, micro_batch, resolve_device
+from mimose_cli.launcher.step import ALLOCATOR_SETTINGS, Trainer, autocast, build_trainer, micro_batch, resolve_device
 from mimose_cli.memory import SavedBytesCounter
 from mimose_cli.planners.inputs import with_padding
 from mimose_cli.runs.live import ProgressView, check_view, new_console
@@ -94,6 +94,7 @@ def environment(device) -> dict:
         "device": str(device),
     }
     if device.type == "cuda":
+        env["allocator"] = {name: os.environ[name] for name in ALLOCATOR_SETTINGS if name in os.environ}
         env["gpu"] = torch.cuda.get_device_name(device)
         env["gpu_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
     return env

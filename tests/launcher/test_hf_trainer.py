@@ -16,6 +16,7 @@ from mimose_cli.launcher.hf_trainer import fit_budget
 from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.planners.inputs import resized_batch
 from mimose_cli.planners.recovery import PlanOutOfMemoryError
+from mimose_cli.planners import trial
 
 from helpers import assert_tensors_close, tiny_bert
 
@@ -136,9 +137,9 @@ class OutOfMemoryOnce(Trainer):
     ballast_bytes = 0
 
     def compute_loss(self, model, inputs, **kwargs):
-        # Mimose's three probe steps (before the first micro-batch, at 8 and 12 tokens) run the
-        # Trainer's training step too: only the training micro-batches are counted.
-        self.calls += inputs["input_ids"].shape[-1] > 12
+        # Mimose's three probe steps (before the first micro-batch) run the Trainer's training
+        # step too: only the training micro-batches are counted.
+        self.calls += not trial._RUNNING
         self.ballast = torch.empty(self.ballast_bytes, dtype=torch.uint8) if self.calls == self.AT else None
         return super().compute_loss(model, inputs, **kwargs)
 
@@ -261,6 +262,6 @@ def test_compute_loss_sees_as_many_probe_calls_as_the_docs_say():
     trainer = _trainer(CountingCalls, steps=1)
     trainer.lengths = []
     _train(trainer, "1GB")
-    assert trainer.lengths[:3] == [8, 8, 12] and len(trainer.lengths) == 3 + ACCUMULATION
+    assert trainer.lengths[:3] == [16, 16, 24] and len(trainer.lengths) == 3 + ACCUMULATION
     said = " ".join((DOCS / "HF_TRAINER.md").read_text().split())
     assert "Mimose's probes call the Trainer's own `training_step` three times" in said

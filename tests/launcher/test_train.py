@@ -1,10 +1,12 @@
 import json
+import os
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from mimose_cli.cli import app
+from mimose_cli.launcher import step
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.launcher.train import run_training
 from mimose_cli.planners.blocks import checkpointed
@@ -308,3 +310,18 @@ def test_the_view_says_each_setup_phase_and_the_budget_as_written(tmp_path):
     assert "8MB (7.63 MiB)" in out.getvalue().split("summary")[1]  # the summary's budget row
     assert result.summary["budget"] == "8MB"
 
+
+
+def test_cuda_runs_get_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
+    """Varying shapes fragment the caching allocator's fixed segments under a budget cap (an H200
+    run spent 300-400 ms per step freeing its cache): the launcher sets expandable segments before
+    CUDA starts, and leaves a user's own allocator setting alone."""
+    for name in step.ALLOCATOR_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    step.expandable_segments()
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    step.expandable_segments()
+    assert "PYTORCH_ALLOC_CONF" not in os.environ
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"

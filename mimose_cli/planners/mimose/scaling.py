@@ -33,10 +33,13 @@ from mimose_cli.planners.mimose.collector import RawStep, Trace, backward_stretc
 from mimose_cli.planners.mimose.features import KEPT_SETS, kept_quantities
 
 _RTOL = 1e-9
-_LENGTH_PAIRS = ((8, 12), (4, 6))
-"""Shorter and longer length of the two probes, for a dimension that allows the first pair (else
-the second): a factor 1.5; an encoder-decoder's decoder length takes a factor 1.25 (``(8, 10)``,
-``(4, 5)``), so that no two features grow alike."""
+_LENGTH_PAIRS = ((16, 24), (8, 12), (4, 6))
+"""Shorter and longer length of the two probes, the first pair a dimension allows: a factor 1.5;
+an encoder-decoder's decoder length takes a factor 1.25 (``(8, 10)``, ``(4, 5)``), so that no two
+features grow alike. Where lengths allow, both are multiples of 8: CUDA's fused attention pads an
+attention mask whose rows are not (``pad_bias`` in torch's SDPA), which adds ops and storages, so
+probes at 8 and 12 ran different op sequences on an H200 and could not be scaled (16 and 24 run
+the aligned path at both sizes)."""
 _DECODER_PAIRS = ((8, 10), (4, 5))
 SIDE_PAIR = (64, 96)
 """An image's two probe sides (height and width alike), when the largest image allows them and the
