@@ -217,6 +217,8 @@ class PlannerFigures:
     untrusted_reasons: dict | None = None
     underpredictions: int | None = None
     max_underprediction_bytes: int | None = None
+    unseen_bytes: int | None = None
+    """Bytes the device held above the probes' timeline, added to every prediction."""
     retried_steps: int | None = None
     retries: int | None = None
     full_sizes: int | None = None
@@ -273,7 +275,8 @@ def _trust(stats: dict) -> dict:
     return {"measured_steps": stats["measuring_steps"], "untrusted_steps": stats.get("untrusted_steps"),
             "untrusted_reasons": stats.get("untrusted_reasons") or None,
             "underpredictions": stats.get("underpredictions"),
-            "max_underprediction_bytes": stats.get("max_underprediction_bytes")}
+            "max_underprediction_bytes": stats.get("max_underprediction_bytes"),
+            "unseen_bytes": stats.get("unseen_bytes")}
 
 
 def planner_figures(summary: dict) -> PlannerFigures:
@@ -348,6 +351,8 @@ def planner_rows(summary: dict) -> list[tuple[str, str]]:
     if f.underpredictions:
         rows.append(("steps over their prediction",
                      f"{f.underpredictions} (at most {format_bytes(f.max_underprediction_bytes)})"))
+    if f.unseen_bytes:
+        rows.append(("bytes the probes do not see, added to predictions", format_bytes(f.unseen_bytes)))
     rows += [("retried steps / retries", None if f.retries is None else f"{f.retried_steps} / {f.retries}"),
              ("sizes checkpointed in full after running out of memory",
               None if f.full_sizes is None else str(f.full_sizes))]

@@ -99,6 +99,10 @@ def test_the_planner_table_is_in_words_and_leaves_out_what_does_not_apply():
     assert "planner: mimose" in text and "sheltered" not in text and "recompute time" not in text
     assert not any(SNAKE_CASE.match(label) for label in rows)
     assert not any(key in text for key in ("probe_twins", "collector_ms", "fit_residual_bytes", "selective_in_use"))
+    seen = dict(planner_rows(_summary({**MIMOSE_STATS, "underpredictions": 2, "max_underprediction_bytes": 3 << 20,
+                                       "unseen_bytes": 5 << 20})))
+    assert seen["steps over their prediction"] == "2 (at most 3.00 MiB)"
+    assert seen["bytes the probes do not see, added to predictions"] == "5.00 MiB"
 
 
 def test_a_sheltered_estimate_says_its_cost_and_why_the_probes_were_not_used():
