@@ -10,6 +10,13 @@ TOKEN_KEYS = ("input_ids", "inputs_embeds", "pixel_values")
 DECODER_KEYS = ("decoder_input_ids", "labels")
 
 
+def size_key(batch) -> str | None:
+    """The key of a batch (a mapping) its input size is read from: the tokens when it has them, so
+    a two-tower batch (CLIP's ``input_ids`` and ``pixel_values``) is planned by its text, its
+    images staying the size the model takes; else the images; None when it has neither."""
+    return next((k for k in TOKEN_KEYS if batch.get(k) is not None), None)
+
+
 def infer_input_size(batch, encoder_decoder: bool = False) -> tuple:
     """The input size a batch is planned for: (B, L) for tokens, (B, H, W) for images, and
     (B, L, D) for an encoder-decoder, D the decoder's length (``decoder_input_ids``, else the
@@ -20,7 +27,7 @@ def infer_input_size(batch, encoder_decoder: bool = False) -> tuple:
     """
     key, tensor = "input_ids", batch if isinstance(batch, torch.Tensor) else None
     if isinstance(batch, dict):
-        key = next((k for k in TOKEN_KEYS if batch.get(k) is not None), None)
+        key = size_key(batch)
         tensor = batch.get(key)
     if tensor is None:
         raise ValueError(
@@ -85,7 +92,7 @@ def resized_batch(batch, size: tuple) -> dict:
     encoder-decoder's (B, L, D) (the decoder's tensors, ``labels`` and ``decoder_*``, take D) or
     an image batch's (B, H, W) (its pixels cut or tiled to H x W). A batch of another size for
     planners that measure ahead, with every key the model takes and valid values."""
-    images = batch.get("pixel_values") is not None
+    images = size_key(batch) == "pixel_values"
     ids = batch["pixel_values" if images else "input_ids"]
     per_row = 1 if images else max(1, ids[0, ..., 0].numel())  # (B, C, L) multiple choice: B*C = size[0]
     rows = size[0] // per_row
@@ -107,7 +114,7 @@ def resized_batch(batch, size: tuple) -> dict:
         value = _rows(value, rows)
         is_decoder = True in lengths and (key in DECODER_KEYS or key.startswith("decoder_"))
         length, target = lengths.get(is_decoder, (None, None))
-        if value.ndim >= 2 and value.shape[-1] == length:
+        if value.ndim >= 2 and value.shape[-1] == length and not key.startswith("pixel_"):
             value = value[..., torch.arange(target, device=value.device) % length]
         return value
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
-from mimose_cli.planners.inputs import with_padding
+from mimose_cli.planners.inputs import infer_input_size, resized_batch, with_padding
 
 
 @pytest.mark.parametrize("mask", [
@@ -29,3 +29,50 @@ def test_batches_without_a_mask_to_pad_come_back_as_they_are():
         assert with_padding(batch) is batch
     padded = with_padding(BatchEncoding({"input_ids": ids, "attention_mask": torch.ones(2, 5)}))
     assert padded["attention_mask"][-1, -1] == 0 and padded["attention_mask"].sum() == 9
+
+
+def _two_tower_batch(rows, length, side=32):
+    return {"input_ids": torch.randint(0, 100, (rows, length)), "attention_mask": torch.ones(rows, length),
+            "pixel_values": torch.randn(rows, 3, side, side)}
+
+
+def test_a_two_tower_batch_is_sized_and_cut_by_its_text():
+    """CLIP-like batches hold input_ids and pixel_values: the size is the text's, and cutting to
+    another size cuts the text's length and every tensor's rows, never the images' sides (here
+    as wide as the text is long)."""
+    batch = _two_tower_batch(4, 32)
+    assert infer_input_size(batch) == (4, 32)
+    cut = resized_batch(batch, (2, 12))
+    assert cut["input_ids"].shape == (2, 12) and cut["attention_mask"].shape == (2, 12)
+    assert cut["pixel_values"].shape == (2, 3, 32, 32) and infer_input_size(cut) == (2, 12)
+
+
+def test_mimose_trains_a_two_tower_model_inside_its_budget():
+    """A CLIP-like model from config, text and images in one batch: the previous release's probes
+    took it for an image batch and failed with an IndexError at the first step. It now trains
+    inside the budget with the losses of the unplanned model."""
+    import transformers
+
+    from mimose_cli.memory import build_meter
+    from mimose_cli.planners.mimose.policy import Mimose
+
+    text = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, max_position_embeddings=64)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=32, patch_size=8)
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    torch.manual_seed(0)
+    batches = [{**_two_tower_batch(4, length), "return_loss": True} for length in (20, 9, 33)]
+    plain_model, planned_model = transformers.CLIPModel(config), transformers.CLIPModel(config)
+    planned_model.load_state_dict(plain_model.state_dict())
+    plain = [float(plain_model(**batch).loss) for batch in batches]
+    budget = 30 * 2**20
+    meter = build_meter("simulated", budget)
+    with meter.activate(), Mimose(planned_model, budget, meter=meter) as planner:
+        meter.track(planned_model)
+        losses = []
+        for batch in batches:
+            meter.reset_peak()
+            losses.append(float(planner.run(lambda b: planned_model(**b).loss, batch)))
+            assert meter.peak_bytes() <= budget
+    assert losses == pytest.approx(plain, rel=1e-5)

@@ -14,7 +14,7 @@ checkpoint keeps), what it counted and what it would warn of. It writes nothing 
 import time
 from dataclasses import dataclass, field
 
-from mimose_cli.planners.inputs import infer_input_size, with_padding
+from mimose_cli.planners.inputs import infer_input_size, size_key, with_padding
 from mimose_cli.planners.mimose.choices import ChoiceTimes, copy_costs_ms, dispatch_costs_ms, probe_rates_ms
 from mimose_cli.planners.mimose.collector import InputReleases
 from mimose_cli.planners.mimose.features import Releases
@@ -194,7 +194,7 @@ class Probes:
         except Exception as error:  # a batch this planner cannot cut (only inputs_embeds, ...)
             raise ScalingError(f"no probe batch can be made from this batch ({type(error).__name__}: "
                                f"{str(error)[:120]})") from error
-        images = isinstance(first, dict) and first.get("pixel_values") is not None
+        images = isinstance(first, dict) and size_key(first) == "pixel_values"
         del first
         if not images:
             return self._probes_at(self._probe_sizes(max_size, True), max_size)
