@@ -37,7 +37,9 @@ def oom_message(size, retries: int, checkpointed: str, budget_bytes, predicted_b
     planner did already)."""
     predicted = "none" if predicted_bytes is None else format_bytes(predicted_bytes)
     budget = "unlimited" if budget_bytes is None else format_bytes(budget_bytes)
-    return (f"input size {tuple(size)} ran out of memory after {retries} "
+    # " out of memory." is what accelerate's find_executable_batch_size (the Trainer's
+    # auto_find_batch_size) looks for to halve the batch, as in CUDA's own message.
+    return (f"input size {tuple(size)} ran out of memory. After {retries} "
             f"retr{'y' if retries == 1 else 'ies'}, the last with {checkpointed} checkpointed: budget "
             f"{budget}, predicted {predicted}, reached {format_bytes(reached_bytes)}; {fix}")
 

@@ -265,3 +265,15 @@ def test_compute_loss_sees_as_many_probe_calls_as_the_docs_say():
     assert trainer.lengths[:3] == [16, 16, 24] and len(trainer.lengths) == 3 + ACCUMULATION
     said = " ".join((DOCS / "HF_TRAINER.md").read_text().split())
     assert "Mimose's probes call the Trainer's own `training_step` three times" in said
+
+
+def test_auto_find_batch_size_lowers_the_batch_on_mimoses_out_of_memory():
+    """A batch of 8 does not fit the budget even with every block checkpointed, one of 4 does:
+    the Trainer's auto_find_batch_size (accelerate's find_executable_batch_size, which looks for
+    " out of memory." in the error) lowers the batch instead of ending the run."""
+    full = {rows: _train(_trainer(steps=1, per_device_train_batch_size=rows), "1GB", "full")
+            .metrics["mimose/max_peak_bytes"] for rows in (4, 8)}
+    budget = (full[4] + full[8]) // 2
+    run = _train(_trainer(steps=2, per_device_train_batch_size=8, auto_find_batch_size=True), budget)
+    assert 4 <= run.trainer._train_batch_size < 8 and run.trainer.state.global_step == 2
+    assert all(0 < s["mimose/peak_bytes"] <= budget for s in run.steps)
