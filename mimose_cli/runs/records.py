@@ -274,9 +274,19 @@ def read_records(path) -> list:
         if where in seen:  # a run records each micro-batch once (a resume cuts what it trains again)
             raise ValueError(f"{path} record {number}: step {record.step} micro_step {record.micro_step} "
                              f"again (first as record {seen[where]}); the file is corrupt")
+        if records and not _follows(records[-1], record):
+            raise ValueError(f"{path} record {number}: step {record.step} micro_step {record.micro_step} after "
+                             f"step {records[-1].step} micro_step {records[-1].micro_step} (a run records its "
+                             "micro-batches in order, none left out); the file is corrupt")
         seen[where] = number
         records.append(record)
     return records
+
+
+def _follows(before: StepRecord, record: StepRecord) -> bool:
+    """Whether ``record`` is the micro-batch a run records next after ``before``."""
+    return ((record.step == before.step and record.micro_step == before.micro_step + 1)
+            or (record.step == before.step + 1 and record.micro_step == 0))
 
 
 def plan_line(record: StepRecord) -> dict:

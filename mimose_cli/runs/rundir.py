@@ -154,7 +154,19 @@ def load_run(run_dir) -> tuple:
     summary = read_json(run_dir / "summary.json", SUMMARY_FILE)
     if summary is None:
         summary = summarize(records, status="interrupted", budget_bytes=_recipe_budget(run_dir))
+    _check_summary(run_dir / "summary.json", summary, records)
     return summary, records
+
+
+def _check_summary(path: Path, summary: dict, records: list) -> None:
+    """ValueError naming ``path`` when its summary cannot be the one of ``records``: another
+    number of steps, or a budget below zero."""
+    done = sum(1 for record in records if not record.oom)
+    if summary.get("steps", done) != done:
+        raise ValueError(f"{path}: {summary['steps']} steps, but metrics.jsonl records {done}; the files "
+                         "are not of one run")
+    if (summary.get("budget_bytes") or 0) < 0:
+        raise ValueError(f"{path}: budget_bytes {summary['budget_bytes']} is below zero; the file is corrupt")
 
 
 def _recipe_budget(run_dir: Path):

@@ -131,6 +131,41 @@ def test_a_micro_batch_recorded_twice_is_refused(tmp_path):
         read_records(path)
 
 
+@pytest.mark.parametrize("steps, said", [
+    ([(0, 0), (1, 0), (3, 0)], "record 3: step 3 micro_step 0 after step 1 micro_step 0"),
+    ([(0, 0), (2, 0), (1, 0)], "record 2: step 2 micro_step 0 after step 0 micro_step 0"),
+    ([(0, 0), (0, 2)], "record 2: step 0 micro_step 2 after step 0 micro_step 0"),
+    ([(0, 0), (1, 1)], "record 2: step 1 micro_step 1 after step 0 micro_step 0"),
+])
+def test_micro_batches_out_of_order_or_left_out_are_refused(tmp_path, steps, said):
+    """A run records each micro-batch in order: a gap or a step out of order is no run's file."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step, "micro_step": micro, "loss": 1.5, "iter_ms": 90.0,
+                                        "memory/peak_bytes": 7}) + "\n" for step, micro in steps))
+    with pytest.raises(ValueError, match=re.escape(said)):
+        read_records(path)
+    path.write_text("".join(json.dumps({"step": step, "micro_step": micro, "loss": 1.5, "iter_ms": 90.0,
+                                        "memory/peak_bytes": 7}) + "\n" for step, micro in [(0, 0), (0, 1), (1, 0)]))
+    assert [(r.step, r.micro_step) for r in read_records(path)] == [(0, 0), (0, 1), (1, 0)]
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"steps": 5}, "5 steps, but metrics.jsonl records 2; the files are not of one run"),
+    ({"budget_bytes": -1}, "budget_bytes -1 is below zero"),
+])
+def test_a_summary_that_cannot_be_of_its_records_is_refused(tmp_path, change, said):
+    from mimose_cli.runs.rundir import load_run
+
+    line = {"step": 0, "loss": 1.5, "iter_ms": 90.0, "memory/peak_bytes": 7}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(line) + "\n" + json.dumps({**line, "step": 1}) + "\n")
+    summary = {"status": "completed", "steps": 2, "budget_bytes": 100}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert load_run(tmp_path)[0]["steps"] == 2
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, **change}))
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_run(tmp_path)
+
+
 def test_the_previous_releases_four_plan_fields_read_as_one_choice_per_block(tmp_path):
     """A ``metrics.jsonl`` and ``plans.jsonl`` written before a plan was one choice per block
     (``plan`` the indices checkpointed, ``selective``, ``partial`` and ``offload`` beside it) read
