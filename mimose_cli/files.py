@@ -4,8 +4,11 @@ A leaf: no other module of the package is imported here, so the library (a plann
 estimator), the recipe and the run directory all write and read through the same few functions.
 """
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -16,6 +19,36 @@ def write_json(path, data) -> None:
     """Write ``data`` as JSON atomically: a temporary file in the same directory, then
     ``os.replace``, so a kill or a full disk leaves the old file or the new one, never half."""
     write_text(path, json.dumps(data, indent=2, default=str))
+
+
+_WRITER_FAILURES = ("inline_container.cc", "PytorchStreamWriter", "I/O error", "os error")
+"""What torch's serializer and safetensors say when a write failed underneath them: they raise
+their own errors (RuntimeError, SafetensorError), not the OSError the file system gave."""
+
+
+@contextlib.contextmanager
+def disk_errors(path):
+    """Inside, a serializer's failed write to ``path`` (a real full disk: torch's
+    "unexpected pos 2534656 vs 2534548", safetensors' "No space left on device (os error 28)")
+    is raised as the OSError every writer's caller handles: ENOSPC when the disk is full, else EIO."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as error:  # noqa: BLE001 - only the serializers' write failures are turned
+        message = str(error)
+        if not any(mark in message for mark in _WRITER_FAILURES):
+            raise
+        full = "No space left" in message or _free_bytes(Path(path).parent) < 1 << 16
+        code = errno.ENOSPC if full else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from error
+
+
+def _free_bytes(directory: Path) -> int:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return 1 << 62
 
 
 def file_mode() -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mimose_cli.files import file_mode
+from mimose_cli.files import disk_errors, file_mode
 from mimose_cli.launcher.recipe import recipe_to_dict
 from mimose_cli.launcher.resume import RESUMABLE_KEYS, changed_key
 from mimose_cli.runs.rundir import CHECKPOINT
@@ -106,7 +106,7 @@ def save_checkpoint(run_dir: Path, trainer, progress: Progress, other_ranks: lis
     path = Path(run_dir) / CHECKPOINT
     tmp = path.with_name(f".{CHECKPOINT}.tmp")
     try:
-        with open(tmp, "wb") as file:
+        with open(tmp, "wb") as file, disk_errors(tmp):
             torch.save(state, file)
             file.flush()
             os.fsync(file.fileno())
@@ -229,7 +229,8 @@ def save_model(model, run_dir: Path) -> Path:
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar for the one shard a run writes says nothing
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with disk_errors(tmp):
+            model.save_pretrained(tmp, safe_serialization=True)
     finally:
         if bar:
             hf_logging.enable_progress_bar()
