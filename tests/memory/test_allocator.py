@@ -269,3 +269,12 @@ def test_without_ninja_it_says_what_is_missing(unbuilt, monkeypatch):
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
     with pytest.raises(AllocatorUnavailable, match="^no ninja to build the allocator meter$"):
         load_allocator()
+
+
+def test_a_build_killed_half_way_does_not_stall_the_next(native):
+    """torch leaves its lock file in the build directory when a build is killed (Ctrl-C during
+    the first run), and every later build would wait on it forever: it is removed under our lock."""
+    (allocator.build_directory() / "lock").touch()
+    script = "from mimose_cli.memory.allocator import load_allocator; load_allocator(); print('ok')"
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and child.stdout.strip() == "ok", child.stderr
