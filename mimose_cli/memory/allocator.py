@@ -24,7 +24,9 @@ What differs from the dispatch meter, by design (docs: "Memory on a GPU and on t
     for the GIL could deadlock), elsewhere the allocation fails at once;
   - ``torch.get_rng_state()`` (what checkpoint saves per block) is host memory, as on a GPU;
   - allocations of every thread of this process count while the meter is active (as a GPU's
-    allocator sees every stream); a forked child (a DataLoader worker) is never charged.
+    allocator sees every stream); a forked child (a DataLoader worker) is never charged;
+  - pinned memory comes from the accelerator's host allocator, not c10's CPU allocator, and is
+    never counted (host memory, as on a GPU; a CPU-only torch has none).
 Storages made before the allocator was installed, or by another allocator (``torch.from_numpy``,
 memory-mapped checkpoints), are counted when passed to ``track()``, as the dispatch meter does;
 so are storages the allocator made while no meter was active.
