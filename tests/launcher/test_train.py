@@ -266,6 +266,13 @@ def test_the_recipes_meter_counts_the_run_and_mimose_plans_within_it(tmp_path, m
     assert summary["planner"]["underpredictions"] == 0
 
 
+def test_a_cpu_meter_asked_for_on_cuda_is_ignored_with_a_warning(quick_recipe):
+    recipe = quick_recipe("meter=allocator")
+    assert step.run_meter(recipe, torch.device("cpu")) == "allocator"
+    with pytest.warns(UserWarning, match="^meter: allocator is ignored on cuda: .*; set meter: auto$"):
+        assert step.run_meter(recipe, torch.device("cuda")) == "auto"
+
+
 def test_dtr_evicts_blocks_to_stay_within_the_budget(tmp_path):
     lines, summary, run_dir = _train_tight(tmp_path, "dtr")
     evicting = [line for line in lines if checkpointed(line["plan"])]  # dtr's plan: the blocks it evicted
