@@ -98,6 +98,32 @@ def load_allocator():
 
 
 def _build_and_install():
+    with _ninja_on_path():
+        return _build_and_install_with_ninja_on_path()
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """PATH with the ninja package's folder added while building: pip puts its ``ninja`` beside
+    the interpreter, which PATH may not reach (a virtual environment run without activating it),
+    and torch looks ninja up on PATH."""
+    try:
+        import ninja  # the PyPI package the project depends on; absent, the system's is looked for
+    except ImportError:
+        yield
+        return
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(p for p in (path, ninja.BIN_DIR) if p)
+    try:
+        yield
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
+
+
+def _build_and_install_with_ninja_on_path():
     missing = missing_tools()
     if missing:
         raise AllocatorUnavailable(f"no {missing} to build the allocator meter")

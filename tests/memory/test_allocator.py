@@ -1,6 +1,8 @@
 """The allocator meter counts what the dispatch meter counts, to the byte, plus compiled code;
 it enforces its budget at allocation and falls back to the dispatch meter where it cannot build."""
 
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -278,3 +280,15 @@ def test_a_build_killed_half_way_does_not_stall_the_next(native):
     script = "from mimose_cli.memory.allocator import load_allocator; load_allocator(); print('ok')"
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0 and child.stdout.strip() == "ok", child.stderr
+
+
+def test_the_ninja_package_is_found_when_path_does_not_reach_it(monkeypatch):
+    """pip puts the ninja package's binary beside the interpreter, which PATH may not reach (a
+    virtual environment run without activating it): the build looks there too, and only then."""
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert not cpp_extension.is_ninja_available()
+    with allocator._ninja_on_path():
+        assert cpp_extension.is_ninja_available()
+        assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
+    assert os.environ["PATH"] == "/nonexistent"
