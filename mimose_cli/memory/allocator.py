@@ -44,6 +44,11 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
+try:
+    import ninja  # the PyPI package the project depends on; without it the system's is looked for
+except ImportError:
+    ninja = None
+
 from mimose_cli.memory.ledger import StorageLedger
 from mimose_cli.memory.meter import Meter
 from mimose_cli.memory.simulated import SimulatedMeter, _out_of_memory
@@ -107,9 +112,7 @@ def _ninja_on_path():
     """PATH with the ninja package's folder added while building: pip puts its ``ninja`` beside
     the interpreter, which PATH may not reach (a virtual environment run without activating it),
     and torch looks ninja up on PATH."""
-    try:
-        import ninja  # the PyPI package the project depends on; absent, the system's is looked for
-    except ImportError:
+    if ninja is None:
         yield
         return
     path = os.environ.get("PATH")
@@ -128,8 +131,8 @@ def _build_and_install_with_ninja_on_path():
     if missing:
         raise AllocatorUnavailable(f"no {missing} to build the allocator meter")
     directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         with _exclusive(directory.parent / f"{directory.name}.lock"):
             (directory / "lock").unlink(missing_ok=True)  # torch's, left by a killed build: stale under ours
             module = cpp_extension.load(_NAME, [str(_SOURCE)], build_directory=str(directory),
