@@ -292,3 +292,12 @@ def test_the_ninja_package_is_found_when_path_does_not_reach_it(monkeypatch):
         assert cpp_extension.is_ninja_available()
         assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
     assert os.environ["PATH"] == "/nonexistent"
+
+
+def test_an_unwritable_cache_falls_back_in_one_line(unbuilt, monkeypatch, tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(not_a_folder))
+    with pytest.warns(UserWarning, match=f"^the allocator meter did not build in {not_a_folder}/.*: "
+                                         "using the dispatch-mode meter"):
+        assert build_meter("allocator").kind == "simulated"
