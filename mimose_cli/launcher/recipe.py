@@ -340,6 +340,11 @@ class Recipe:
     """Device memory the training step may use, e.g. '6GB'; unlimited when unset."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto, cpu or cuda."""
+    meter: Literal["auto", "simulated", "allocator"] = "auto"
+    """How the CPU's simulated device counts: simulated (a dispatch mode, op by op; compiled code
+    runs eagerly under it), allocator (a counting C++ allocator built at first use: every
+    allocation, compiled code included; simulated where no compiler is found) or auto (simulated).
+    On CUDA the caching allocator's own figures are used whatever this says."""
     seed: StrictInt = Field(0, ge=-(2**63), le=2**64 - 1)
     """Seed for model init, data generation and data order."""
     out_dir: str = "runs"

@@ -11,6 +11,7 @@ global batch (``distributed.py`` says how the ranks agree). ``train.py`` runs th
 import contextlib
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -120,6 +121,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def run_meter(recipe: Recipe, device: torch.device) -> str:
+    """The meter kind for ``build_meter``: the recipe's ``meter`` on the CPU; on CUDA the caching
+    allocator's (saying so when the recipe asked for a CPU meter)."""
+    if device.type != "cuda":
+        return recipe.meter
+    if recipe.meter != "auto":
+        warnings.warn(f"meter: {recipe.meter} is ignored on {device}: a GPU's memory figures come from "
+                      "its caching allocator; set meter: auto", stacklevel=2)
+    return "auto"
+
+
 def describe_device(device: torch.device, recipe: Recipe) -> str:
     """The device a run picked, for its first setup line."""
     budget = format_budget(recipe.budget, recipe.budget_bytes)
@@ -168,7 +180,7 @@ def build_trainer(recipe: Recipe, config, total_steps: int, world: World = World
         [{"params": decay, "weight_decay": recipe.training.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}], lr=recipe.training.lr)
     scheduler = get_linear_schedule_with_warmup(optimizer, recipe.training.warmup_steps, total_steps)
-    meter = build_meter("auto", recipe.budget_bytes, device)
+    meter = build_meter(run_meter(recipe, device), recipe.budget_bytes, device)
     planner = build_planner(
         recipe.planner.name, model, recipe.budget_bytes, blocks=recipe.model.blocks,
         safety_margin=recipe.planner.safety_margin_bytes, meter=meter, **recipe.planner.keywords)

@@ -79,6 +79,11 @@ class Meter:
         """Highest ``host_bytes`` since the last ``reset_peak()``."""
         return self.host.peak
 
+    def reached_bytes(self, error: BaseException) -> int:
+        """How much a step that raised ``error`` (out of memory) tried to hold: the simulated
+        device says so in its error; the peak otherwise (a GPU's peak stops at what was granted)."""
+        return max(self.peak_bytes(), getattr(error, "reached_bytes", 0))
+
     supports_pressure_handler: bool = False
     """Whether ``set_pressure_handler`` works: the meter can ask for memory to be freed before
     it reports out-of-memory (what DTR's on-demand eviction needs)."""

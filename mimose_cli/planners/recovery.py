@@ -45,10 +45,8 @@ def oom_message(size, retries: int, checkpointed: str, budget_bytes, predicted_b
 
 
 def reached_bytes(error: BaseException, meter) -> int:
-    """How much the failed step tried to hold: the simulated device says so in its error; the
-    meter's peak otherwise (a GPU's peak stops at what was granted)."""
-    peak = meter.peak_bytes() if meter is not None else 0
-    return max(peak, getattr(error, "reached_bytes", 0))
+    """How much the failed step tried to hold (``Meter.reached_bytes``)."""
+    return meter.reached_bytes(error) if meter is not None else getattr(error, "reached_bytes", 0)
 
 
 class StepGuard:

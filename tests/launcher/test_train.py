@@ -9,6 +9,8 @@ from mimose_cli.cli import app
 from mimose_cli.launcher import step
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.launcher.train import run_training
+from mimose_cli.memory import build_meter
+from mimose_cli.memory.allocator import AllocatorUnavailable, load_allocator
 from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.runs.rundir import load_run
 
@@ -246,6 +248,30 @@ def test_mimose_measures_then_plans_each_input_size_within_the_budget(tmp_path):
     assert summary["planner"]["phase"] == "responsive" and summary["planner"]["underpredictions"] == 0
     state = json.loads((run_dir / "estimator.json").read_text())
     assert state["counters"]["sheltered_iterations"] == 3 and state["estimator"]["fitted"] is not None
+
+
+@pytest.mark.parametrize("meter", ["simulated", "allocator"])
+def test_the_recipes_meter_counts_the_run_and_mimose_plans_within_it(tmp_path, meter, monkeypatch):
+    """``meter: allocator`` counts the run at the allocator; the same plans and peaks as the
+    dispatch meter's but for kernels' scratch, which Mimose's prediction margin absorbs."""
+    if meter == "allocator":
+        try:
+            load_allocator()
+        except AllocatorUnavailable as error:
+            pytest.skip(f"the allocator meter cannot be built here: {error}")
+    built = []
+    monkeypatch.setattr(step, "build_meter", lambda *args: built.append(build_meter(*args)) or built[-1])
+    lines, summary, _ = _train_tight(tmp_path, "mimose", f"meter={meter}")
+    assert [m.kind for m in built] == [meter]
+    assert all(line["memory/peak_bytes"] <= line["predicted_peak_bytes"] for line in lines)
+    assert summary["planner"]["underpredictions"] == 0
+
+
+def test_a_cpu_meter_asked_for_on_cuda_is_ignored_with_a_warning(quick_recipe):
+    recipe = quick_recipe("meter=allocator")
+    assert step.run_meter(recipe, torch.device("cpu")) == "allocator"
+    with pytest.warns(UserWarning, match="^meter: allocator is ignored on cuda: .*; set meter: auto$"):
+        assert step.run_meter(recipe, torch.device("cuda")) == "auto"
 
 
 def test_dtr_evicts_blocks_to_stay_within_the_budget(tmp_path):
