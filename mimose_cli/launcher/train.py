@@ -12,7 +12,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from mimose_cli.launcher.distributed import (
     quiet_unless_main,
 )
 from mimose_cli.launcher.evaluate import eval_line, evaluate
+from mimose_cli.launcher.failures import RankOutOfMemory, stopped_by
 from mimose_cli.launcher.models import model_config
 from mimose_cli.launcher.preflight import (
     BudgetRange,
@@ -56,6 +57,7 @@ from mimose_cli.launcher.preflight import (
 from mimose_cli.launcher.recipe import Recipe, recipe_yaml
 from mimose_cli.launcher.resume import cut_records
 from mimose_cli.launcher.signals import EXIT_CODES, StopRequest
+from mimose_cli.launcher.spawn import stop_with_agent
 from mimose_cli.launcher.step import Trainer, autocast, build_trainer, micro_batch, resolve_device
 from mimose_cli.memory import SavedBytesCounter
 from mimose_cli.planners.inputs import with_padding
@@ -161,6 +163,8 @@ class LoopEnd:
     after a second Ctrl-C, which may land anywhere, nor after a failed write (a trained step may
     lack its record)."""
     error: str | None = None
+    failed_rank: int | None = None
+    """The rank whose failure ended every rank (``failures.py``), when known."""
 
 
 def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop: StopRequest,
@@ -211,6 +215,11 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop
                 end.at_boundary = True
                 if every and trainer.step % every == 0:
                     checkpoint()
+    except (RankOutOfMemory, RuntimeError) as error:  # no collective, and no checkpoint, after these
+        stopped = stopped_by(error, writer.path, world.rank, trainer.step)
+        if stopped is None:
+            raise
+        end.status, end.error, end.failed_rank, end.at_boundary = *astuple(stopped), False
     except KeyboardInterrupt:
         end.status = "interrupted"
         # Under torchrun a rank stopped at once may have left the others inside a collective: no
@@ -392,6 +401,7 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
         out_dir = check_out_dir(out_dir or recipe.out_dir)  # before anything slow is built
     with (StopRequest(announce=world.is_main) as stop, process_group(world, resolve_device(recipe.device)),
           quiet_unless_main(world), contextlib.ExitStack() as locks):
+        stop_with_agent()  # a SIGKILLed launcher or agent stops the ranks as SIGTERM does
         live = ProgressView(f"mimose train {Path(resume).name if resume else recipe_name} [{recipe.planner.name}]",
                             format_budget(recipe.budget, recipe.budget_bytes), recipe.budget_bytes,
                             recipe.training.log_every, view, console,
@@ -465,6 +475,8 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
         summary["preflight"] = asdict(run.preflight)
     if end.error is not None:
         summary["error"] = end.error
+    if end.failed_rank is not None:
+        summary["failed_rank"] = end.failed_rank
     if end.status == "oom" and end.error is not None:
         summary["oom_steps"] = max(summary["oom_steps"], 1)  # also when no step started
     if end.status == "diverged":

@@ -23,6 +23,8 @@ from mimose_cli.units import parse_size
 
 CHECKPOINT = "checkpoint.pt"
 """The launcher's checkpoint in a run directory (``mimose train --resume`` reads it)."""
+SHARDED_CHECKPOINT = "checkpoint"
+"""The folder of a ``training.parallel: fsdp`` run's sharded checkpoints (``launcher/sharded.py``)."""
 
 
 def unique_dir(base: Path) -> Path:
