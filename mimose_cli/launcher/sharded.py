@@ -54,8 +54,8 @@ from mimose_cli.launcher.checkpoint import (
     write_durably,
 )
 from mimose_cli.runs.rundir import SHARDED_CHECKPOINT
+from mimose_cli.runs.rundir import SHARDED_CURRENT as CURRENT
 
-CURRENT = "current"
 TRAINER_FILE = "trainer.pt"
 
 
@@ -129,10 +129,6 @@ def current_folder(run_dir) -> Path | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     return root / name
-
-
-def has_sharded_checkpoint(run_dir) -> bool:
-    return current_folder(run_dir) is not None
 
 
 def load_sharded_checkpoint(run_dir) -> dict:

@@ -56,6 +56,14 @@ from mimose_cli.launcher.preflight import (
 )
 from mimose_cli.launcher.recipe import Recipe, recipe_yaml
 from mimose_cli.launcher.resume import cut_records
+from mimose_cli.launcher.sharded import (
+    is_sharded,
+    load_sharded_checkpoint,
+    restore_sharded_step_state,
+    restore_sharded_trainer,
+    save_sharded_checkpoint,
+    save_sharded_model,
+)
 from mimose_cli.launcher.signals import EXIT_CODES, StopRequest
 from mimose_cli.launcher.spawn import stop_with_agent
 from mimose_cli.launcher.step import Trainer, autocast, build_trainer, micro_batch, resolve_device
@@ -273,9 +281,12 @@ class Run:
             self.first_loader.batches_per_epoch, wall_s=self.start.wall_s + segment_s,
             resumed_from_steps=self.resumed_from_steps)
         world = self.trainer.world
-        others = all_ranks(rank_state(self.trainer), world)[1:] if world.distributed else []
-        if world.is_main:
-            save_checkpoint(self.run_dir, self.trainer, progress, others)
+        if is_sharded(self.trainer.model):  # training.parallel=fsdp: every rank writes its shard
+            save_sharded_checkpoint(self.run_dir, self.trainer, progress)
+        else:
+            others = all_ranks(rank_state(self.trainer), world)[1:] if world.distributed else []
+            if world.is_main:
+                save_checkpoint(self.run_dir, self.trainer, progress, others)
         self.checkpoint_step = self.trainer.step
 
 
@@ -299,8 +310,12 @@ def _setup(recipe: Recipe, out_dir, recipe_name: str, resume, view: ProgressView
         return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, Progress(),
                    validation=validation)
     run_dir = Path(resume)
-    checkpoint = load_checkpoint(run_dir)
-    start = restore_trainer(trainer, checkpoint, world.rank, world.size)
+    if is_sharded(trainer.model):
+        checkpoint = load_sharded_checkpoint(run_dir)
+        start = restore_sharded_trainer(trainer, checkpoint)
+    else:
+        checkpoint = load_checkpoint(run_dir)
+        start = restore_trainer(trainer, checkpoint, world.rank, world.size)
     finish_only = start.step >= total and not _saved_whole(run_dir)
     if start.step >= total and not finish_only:
         raise ValueError(f"{run_dir} has trained {start.step} of training.max_steps={total} steps already; "
@@ -347,7 +362,9 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         note = trainer.planner.prepared_note()
         if note:
             view.setup(note)
-        if run.checkpoint is not None:
+        if run.checkpoint is not None and is_sharded(trainer.model):
+            restore_sharded_step_state(trainer, run.checkpoint)
+        elif run.checkpoint is not None:
             restore_step_state(trainer, run.checkpoint, trainer.world.rank)
         accumulation = recipe.training.gradient_accumulation_steps
         micro_batches = (run.total_steps - run.start.step) * accumulation
@@ -466,7 +483,10 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
     if main:
         written(lambda: _save_planner_state(trainer.planner, writer))
     trainer.planner.close()  # puts back the model's own forwards and config before saving it
-    keep = keep and main and written(lambda: save_model(trainer.model, run.run_dir))
+    if is_sharded(trainer.model):  # every rank gathers, rank 0 writes
+        keep = keep and written(lambda: save_sharded_model(trainer.model, run.run_dir, trainer.world)) and main
+    else:
+        keep = keep and main and written(lambda: save_model(trainer.model, run.run_dir))
     summary = summarize(run.records + end.records, status=end.status, budget_bytes=run.recipe.budget_bytes,
                         wall_s=run.start.wall_s + segment_s, planner_stats=stats)
     summary.update(budget=run.recipe.budget, world_size=trainer.world.size, signal=stop.signal_name,
