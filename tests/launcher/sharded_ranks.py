@@ -93,7 +93,6 @@ def _out_of_memory(grad):
 def train_step(trainer, step: int, oom_at: int | None) -> float:
     rank = trainer.world.rank
     batch = bert_batch(2, 8 + 4 * (step % 3), seed=10 * step + rank)
-    torch.manual_seed(1000 * step + rank)  # dropout: each rank its own masks, the same on a resume
     try:
         hidden = []
         if step == oom_at and rank == 1:  # mid-backward: after the last block's reduce-scatter began
@@ -124,6 +123,7 @@ def logits(model) -> list:
 def run(args, world: World) -> int:
     run_dir = Path(args.run_dir)
     trainer = build(world)
+    torch.manual_seed(world.rank)  # dropout: each rank its own masks (a resume restores the RNG)
     if args.reshard:
         folder = sharded.load_sharded_checkpoint(run_dir)["folder"]
         sharded.load_sharded_model(trainer.model, folder)
