@@ -9,13 +9,24 @@ import socket
 import subprocess
 import time
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.distributed as dist
 from faults import driver
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
-from mimose_cli.launcher import train
+from mimose_cli.launcher import step, train
 from mimose_cli.launcher.distributed import World
-from mimose_cli.launcher.failures import OUT_OF_MEMORY_FILE, out_of_memory, sizes_out_of_memory
+from mimose_cli.launcher.failures import (
+    OUT_OF_MEMORY_FILE,
+    OutOfMemoryRecord,
+    RankOutOfMemory,
+    out_of_memory,
+    sizes_out_of_memory,
+)
 from mimose_cli.launcher.recipe import load_recipe
 
 from helpers import QUICKSTART
@@ -66,6 +77,29 @@ def test_a_rank_out_of_memory_ends_every_rank_through_the_loop_and_keeps_the_che
     assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["progress"]["step"] == 2
     assert sizes_out_of_memory(run_dir) == [(2, 32)]
     assert json.loads((run_dir / OUT_OF_MEMORY_FILE).read_text())["rank"] == 1
+
+
+def test_out_of_memory_in_a_sharded_step_raises_before_any_collective(tmp_path, monkeypatch):
+    """Under FSDP a micro-batch out of memory is not recorded for the ranks to agree on (an
+    all-reduce the peers, waiting inside the step's collectives, would never join): it raises
+    RankOutOfMemory with the rank, the optimizer step and the planner's input size."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+
+        def out_of_memory_step(*args):
+            raise torch.OutOfMemoryError("injected: out of memory in backward")
+
+        monkeypatch.setattr(step, "train_step", out_of_memory_step)
+        trainer = SimpleNamespace(model=model, world=World(1, 2), step=3,
+                                  planner=SimpleNamespace(last=SimpleNamespace(input_size=(2, 8))),
+                                  recipe=SimpleNamespace(training=SimpleNamespace(gradient_accumulation_steps=2)))
+        with pytest.raises(RankOutOfMemory) as raised:
+            step.micro_batch(trainer, {"input_ids": torch.zeros(4, 8, dtype=torch.long)}, None, micro_step=1)
+        assert raised.value.record == OutOfMemoryRecord(1, 3, 1, [2, 8], "injected: out of memory in backward")
+    finally:
+        dist.destroy_process_group()
 
 
 def _cmdline(pid: int) -> bytes:
