@@ -25,6 +25,7 @@ cpu_offload=True)``: one full tensor at a time on the device, the whole on the h
 ``checkpoint.save_model`` writes an unsharded one (Hugging Face safetensors).
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -87,7 +89,8 @@ def save_sharded_checkpoint(run_dir, trainer, progress: Progress) -> Path:
         tmp.mkdir()
     _barrier(world)  # the folder exists, and no stale copy is being removed under a writer
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # fsyncs its files
+    with _checkpoint_errors(tmp):
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # fsyncs its files
     write_durably(tmp / _rank_file(world.rank), rank_state(trainer))
     if world.is_main:
         write_durably(tmp / TRAINER_FILE, trainer_state(trainer, progress, world.size))
@@ -148,11 +151,26 @@ def load_sharded_checkpoint(run_dir) -> dict:
     return {**state, "folder": str(folder)}
 
 
+@contextlib.contextmanager
+def _checkpoint_errors(folder: Path):
+    """DCP's ``CheckpointException`` (a BaseException holding every rank's traceback) as what the
+    launcher handles: a failed write (a full disk) as its OSError, anything else as it was."""
+    try:
+        yield
+    except CheckpointException as error:
+        failures = [exception for exception, _ in error.failures.values()]
+        written = next((e for e in failures if isinstance(e, OSError)), None)
+        if written is not None:
+            raise OSError(written.errno, written.strerror or str(written), str(folder)) from None
+        raise failures[0] if failures else error
+
+
 def _dcp_load(state: dict, folder: Path) -> None:
     try:
-        dcp.load(state, checkpoint_id=folder)
-    except Exception as error:  # DCP's CheckpointException lists every rank's traceback
-        first = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        with _checkpoint_errors(folder):
+            dcp.load(state, checkpoint_id=folder)
+    except (RuntimeError, ValueError, KeyError) as error:  # names or shapes that are not this model's
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"{folder} does not hold this recipe's model and optimizer ({first[:300]}): the checkpoint "
                          "is of another model (was recipe.yaml edited?); resume with the recipe it was trained with") from None
 

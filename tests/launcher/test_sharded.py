@@ -11,15 +11,26 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from faults import driver
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from transformers import BertForSequenceClassification
 
 from mimose_cli.launcher.failures import OUT_OF_MEMORY_FILE, sizes_out_of_memory
 from mimose_cli.launcher.distributed import World
-from mimose_cli.launcher.sharded import current_folder, load_sharded_checkpoint, restore_sharded_trainer
+from mimose_cli.launcher.checkpoint import Progress
+from mimose_cli.launcher.recipe import load_recipe
+from mimose_cli.launcher.sharded import (
+    current_folder,
+    load_sharded_checkpoint,
+    load_sharded_model,
+    restore_sharded_trainer,
+    save_sharded_checkpoint,
+)
 from mimose_cli.launcher.spawn import EXIT_FILE_ENV
 
-from helpers import tiny_bert
+from helpers import QUICKSTART, tiny_bert
 
 RANKS = Path(__file__).with_name("sharded_ranks.py")
 STEPS = 6
@@ -130,3 +141,34 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole(interrupted, 
         losses = _losses(run_dir, tag)
         assert sorted(losses) == list(steps)
         assert [losses[s] for s in steps] == pytest.approx([expected[s] for s in steps], rel=1e-5)
+
+
+def _linear_trainer(mesh, features: int, layers: int = 1) -> SimpleNamespace:
+    model = torch.nn.Sequential(*[torch.nn.Linear(features, features) for _ in range(layers)])
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    return SimpleNamespace(model=model, optimizer=optimizer, scaler=None, recipe=load_recipe(QUICKSTART),
+                           scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                           planner=SimpleNamespace(state_dict=lambda: {"name": "none"}), device=torch.device("cpu"),
+                           world=World(0, 1))
+
+
+def test_a_checkpoint_of_another_model_or_with_non_finite_weights_is_refused_in_one_line(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        trainer = _linear_trainer(mesh, 2)
+        save_sharded_checkpoint(tmp_path, trainer, Progress(step=1))
+        folder = current_folder(tmp_path)
+        with pytest.raises(ValueError, match=r"does not hold this recipe's model and optimizer \(Size mismatch .* "
+                                             r"for model.0.weight\): the checkpoint is of another model"):
+            load_sharded_model(_linear_trainer(mesh, 3).model, folder)
+        with pytest.raises(ValueError, match=r"\(Missing key in checkpoint state_dict: model.1.weight.\)"):
+            load_sharded_model(_linear_trainer(mesh, 2, layers=2).model, folder)
+        with torch.no_grad():
+            trainer.model[0].weight.fill_(float("nan"))
+        save_sharded_checkpoint(tmp_path, trainer, Progress(step=2))
+        with pytest.raises(ValueError, match=r"step-00000002 holds non-finite weights \(0.weight\): the run had diverged"):
+            load_sharded_model(_linear_trainer(mesh, 2).model, current_folder(tmp_path))
+    finally:
+        dist.destroy_process_group()
