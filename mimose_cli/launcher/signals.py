@@ -6,7 +6,9 @@ model, optimizer, data position and planner agree, so the checkpoint written the
 exactly. A second Ctrl-C while waiting for that boundary raises ``KeyboardInterrupt`` at once,
 as Python does by default; that run keeps its previous checkpoint. After SIGHUP the terminal is
 gone: what would have been written to it (the live view) goes to /dev/null, so that a write to the
-dead terminal does not end the run before its checkpoint.
+dead terminal does not end the run before its checkpoint. A process whose parent may die by
+SIGKILL (a rank of ``--nproc-per-node``, torchrun's agent) asks for SIGTERM when it does
+(``stop_with_parent``), so it stops in the same way instead of running on alone.
 """
 
 import ctypes
