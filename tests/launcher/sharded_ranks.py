@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import get_linear_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers, when run as a script
-from helpers import QUICKSTART, bert_batch, tiny_bert  # noqa: E402
+from helpers import QUICKSTART, bert_batch, sharded_probe_batch, tiny_bert  # noqa: E402
 
 from mimose_cli.launcher import sharded  # noqa: E402
 from mimose_cli.launcher.checkpoint import Progress  # noqa: E402
@@ -35,8 +35,6 @@ from mimose_cli.launcher.recipe import load_recipe  # noqa: E402
 from mimose_cli.launcher.signals import StopRequest  # noqa: E402
 from mimose_cli.launcher.spawn import leave_exit_status  # noqa: E402
 
-PROBE = bert_batch(2, 12, seed=99)
-"""The batch whose eval-mode logits the tests compare (the model after training, resharded, saved)."""
 
 
 class StepCounter:
@@ -115,7 +113,7 @@ def train_step(trainer, step: int, oom_at: int | None) -> float:
 def logits(model) -> list:
     model.eval()
     with torch.no_grad():
-        out = model(**PROBE).logits.tolist()
+        out = model(**sharded_probe_batch()).logits.tolist()
     model.train()
     return out
 

@@ -30,7 +30,7 @@ from mimose_cli.launcher.sharded import (
 )
 from mimose_cli.launcher.spawn import EXIT_FILE_ENV
 
-from helpers import QUICKSTART, tiny_bert
+from helpers import QUICKSTART, sharded_probe_batch, tiny_bert
 
 RANKS = Path(__file__).with_name("sharded_ranks.py")
 STEPS = 6
@@ -92,11 +92,8 @@ def test_the_final_model_is_gathered_into_hugging_face_safetensors(reference):
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "config.json").is_file()
     loaded = BertForSequenceClassification.from_pretrained(model_dir).eval()
     assert set(loaded.state_dict()) == set(tiny_bert().state_dict())
-    sys.path.insert(0, str(RANKS.parent))
-    from sharded_ranks import PROBE
-
     with torch.no_grad():
-        logits = loaded(**PROBE).logits
+        logits = loaded(**sharded_probe_batch()).logits
     torch.testing.assert_close(logits, torch.tensor(json.loads((reference / "logits-run.json").read_text())))
 
 
