@@ -54,6 +54,12 @@ def bert_batch(batch_size, length, seed=1):
             "labels": torch.randint(0, 2, (batch_size,), generator=gen)}
 
 
+def sharded_probe_batch():
+    """The batch whose eval-mode logits tests/launcher/sharded_ranks.py writes after training (and
+    after loading a checkpoint into another number of ranks), for its tests to recompute."""
+    return bert_batch(2, 12, seed=99)
+
+
 def run_step(planner, meter, data, seed=7):
     """One planned forward+backward; returns (loss, measured peak bytes, StepInfo)."""
     for p in planner.model.parameters():

@@ -2,6 +2,7 @@
              [--nproc-per-node N] [key=value ...]
 mimose train --resume RUN_DIR [--max-steps N] [--nproc-per-node N]"""
 
+import os
 import warnings
 from pathlib import Path
 from typing import List, Optional
@@ -96,8 +97,9 @@ def train(
         typer.echo(f"run directory: {result.run_dir}")  # silent, but not lost
     if other_rank():
         # The ranks agreed how the run ended and rank 0 says it: torchrun stops every rank once one
-        # exits with an error, which could cut rank 0's summary short.
-        raise typer.Exit(0)
+        # exits with an error, which could cut rank 0's summary short; but the rank whose failure
+        # ended the run exits 1, so that torchrun ends any rank still waiting on it (failures.py).
+        raise typer.Exit(1 if result.summary.get("failed_rank") == int(os.environ["RANK"]) else 0)
     if result.summary["status"] not in ("completed", "interrupted"):  # oom, diverged, failed
         fail(f"{result.summary.get('error') or result.summary['status']} (run directory {result.run_dir})",
              result.exit_code)

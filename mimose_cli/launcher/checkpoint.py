@@ -92,33 +92,40 @@ def save_checkpoint(run_dir: Path, trainer, progress: Progress, other_ranks: lis
     """Write the trainer's state at ``progress`` (an optimizer-step boundary) atomically, with
     the ``rank_state`` of every other rank of a multi-process run."""
     state = {
-        "format": FORMAT,
-        "progress": asdict(progress),
+        **trainer_state(trainer, progress, world_size=1 + len(other_ranks)),
         "model": trainer.model.state_dict(),
         "optimizer": trainer.optimizer.state_dict(),
-        "scheduler": trainer.scheduler.state_dict(),
-        "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
-        "recipe": json.dumps(recipe_to_dict(trainer.recipe)),
         **rank_state(trainer),
-        "world_size": 1 + len(other_ranks),
         "other_ranks": list(other_ranks),
     }
     path = Path(run_dir) / CHECKPOINT
     tmp = path.with_name(f".{CHECKPOINT}.tmp")
     try:
-        with open(tmp, "wb") as file, disk_errors(tmp):
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
+        write_durably(tmp, state)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
-def _fsync_dir(path: Path) -> None:
+def trainer_state(trainer, progress: Progress, world_size: int) -> dict:
+    """What every rank shares in a checkpoint besides the weights and the optimizer's state."""
+    return {"format": FORMAT, "progress": asdict(progress), "scheduler": trainer.scheduler.state_dict(),
+            "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
+            "recipe": json.dumps(recipe_to_dict(trainer.recipe)), "world_size": world_size}
+
+
+def write_durably(path: Path, state) -> None:
+    """``torch.save(state)`` to ``path``, on disk when this returns (fsync)."""
+    with open(path, "wb") as file, disk_errors(path):
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def fsync_dir(path: Path) -> None:
     """Make a rename in ``path`` durable (a power cut after ``os.replace`` could lose it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -185,6 +192,12 @@ def check_checkpoint(trainer, checkpoint: dict, rank: int = 0) -> None:
     if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in trainer.optimizer.param_groups]:
         raise ValueError("the checkpoint's optimizer holds other parameter groups than this recipe's; "
                          "the checkpoint is of another model or optimizer")
+    check_trainer_state(trainer, checkpoint)
+
+
+def check_trainer_state(trainer, checkpoint: dict) -> None:
+    """The checkpoint's progress is one mimose writes and its recipe the trainer's (but
+    ``RESUMABLE_KEYS``); ValueError naming what differs."""
     if set(checkpoint["progress"]) != {f.name for f in fields(Progress)}:
         raise ValueError("the checkpoint's progress entry is not one mimose writes; start the run again")
     # The recipe it resumes with is the one it was trained with (an edited recipe.yaml would claim
@@ -218,9 +231,10 @@ def restore_trainer(trainer, checkpoint: dict, rank: int = 0, world_size: int = 
     return progress
 
 
-def save_model(model, run_dir: Path) -> Path:
+def save_model(model, run_dir: Path, state_dict: dict | None = None) -> Path:
     """The trained model in Hugging Face format (``save_pretrained``, safetensors) in
-    ``run_dir/model``, replacing what an earlier segment of the run left there."""
+    ``run_dir/model``, replacing what an earlier segment of the run left there; ``state_dict``:
+    the weights to write when the model's own are shards (``sharded.save_sharded_model``)."""
     from transformers.utils import logging as hf_logging
 
     final = Path(run_dir) / MODEL_DIR
@@ -230,7 +244,7 @@ def save_model(model, run_dir: Path) -> Path:
     hf_logging.disable_progress_bar()  # a bar for the one shard a run writes says nothing
     try:
         with disk_errors(tmp):
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     finally:
         if bar:
             hf_logging.enable_progress_bar()

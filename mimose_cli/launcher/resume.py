@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mimose_cli.launcher.recipe import RecipeError, load_recipe, recipe_to_dict
 from mimose_cli.runs.records import read_records
-from mimose_cli.runs.rundir import CHECKPOINT
+from mimose_cli.runs.rundir import CHECKPOINT, has_checkpoint
 
 RESUMABLE_KEYS = ("training.max_steps",)
 RECORD_FILES = ("metrics.jsonl", "plans.jsonl")
@@ -48,7 +48,7 @@ def resume_recipe(run_dir, overrides=(), flags=None, flags_from: str | dict = "t
     if (run_dir / CHECKPOINT).is_dir():
         raise RecipeError(f"cannot resume {run_dir}: {CHECKPOINT} is a directory, not a checkpoint file; "
                           "move it away and start the run again")
-    if not (run_dir / CHECKPOINT).is_file():
+    if not has_checkpoint(run_dir):
         raise RecipeError(f"cannot resume {run_dir}: no {CHECKPOINT}, the run stopped before its first "
                           "checkpoint (training.checkpoint_every); start it again instead")
     recipe = load_recipe(saved, overrides, flags, flags_from)

@@ -6,11 +6,15 @@ model, optimizer, data position and planner agree, so the checkpoint written the
 exactly. A second Ctrl-C while waiting for that boundary raises ``KeyboardInterrupt`` at once,
 as Python does by default; that run keeps its previous checkpoint. After SIGHUP the terminal is
 gone: what would have been written to it (the live view) goes to /dev/null, so that a write to the
-dead terminal does not end the run before its checkpoint.
+dead terminal does not end the run before its checkpoint. A process whose parent may die by
+SIGKILL (a rank of ``--nproc-per-node``, torchrun's agent) asks for SIGTERM when it does
+(``stop_with_parent``), so it stops in the same way instead of running on alone.
 """
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
@@ -79,3 +83,24 @@ def _to_devnull(fds) -> None:
             os.dup2(devnull, fd)
     finally:
         os.close(devnull)
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal this process gets when the thread that started it ends."""
+
+
+def stop_with_parent(parent_pid: int) -> bool:
+    """Get SIGTERM when the process that started this one (``parent_pid``) dies, even by SIGKILL,
+    which it cannot forward: the ranks of a ``--nproc-per-node`` run, whose launcher or torchrun
+    agent is killed, stop after their step with a checkpoint instead of training on their own.
+    Linux only (``prctl(PR_SET_PDEATHSIG)``); returns whether the watch is set. A parent already
+    gone when it is set (it died during this process's start) is told at once."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(error)}")
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True

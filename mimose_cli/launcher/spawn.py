@@ -8,6 +8,11 @@ forwards a signal it gets (Ctrl-C, SIGTERM) to torchrun once, which forwards it 
 ranks stop together after the step (see ``distributed.py``). torchrun reports any failed rank as
 exit status 1, so rank 0 leaves its own status in the file ``MIMOSE_EXIT_FILE`` names and that is
 passed on: 0, 1, 2, 130 and 143 mean what they mean for one process.
+
+A launcher killed by SIGKILL cannot forward anything: torchrun's agent gets SIGTERM when the
+launcher dies (``signals.stop_with_parent``, told the launcher's pid in ``LAUNCHER_PID_ENV``) and
+forwards it to the ranks, and each rank gets SIGTERM when the agent dies (``stop_with_agent``), so
+the ranks stop after their step with a checkpoint instead of training on their own.
 """
 
 import os
@@ -17,9 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mimose_cli.launcher.signals import STOP_SIGNALS
+from mimose_cli.launcher.signals import STOP_SIGNALS, stop_with_parent
 
 EXIT_FILE_ENV = "MIMOSE_EXIT_FILE"
+LAUNCHER_PID_ENV = "MIMOSE_LAUNCHER_PID"
+"""The pid of ``mimose train --nproc-per-node``, for torchrun's agent to watch."""
+AGENT_PID_ENV = "MIMOSE_AGENT_PID"
+"""The pid of torchrun's agent as ``mimose_cli.launcher.torchrun`` started it, for the ranks to watch."""
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 """Variables torchrun sets in every process it starts."""
 
@@ -47,7 +56,8 @@ def relaunch(nproc_per_node: int, args: list) -> int:
         exit_file = Path(tmp) / "exit_status"
         # torchrun sets one OpenMP thread per process when none is set, with a four-line warning;
         # we set that default ourselves (training.cpu_threads still sets torch's threads).
-        env = {"OMP_NUM_THREADS": "1", **os.environ, EXIT_FILE_ENV: str(exit_file)}
+        env = {"OMP_NUM_THREADS": "1", **os.environ, EXIT_FILE_ENV: str(exit_file),
+               LAUNCHER_PID_ENV: str(os.getpid())}
         child = subprocess.Popen(torchrun_command(nproc_per_node, args), env=env, start_new_session=True)
 
         def forward(signum, frame):
@@ -61,6 +71,14 @@ def relaunch(nproc_per_node: int, args: list) -> int:
                 signal.signal(signum, handler)
         text = exit_file.read_text().strip() if exit_file.exists() else ""
         return int(text) if text else code
+
+
+def stop_with_agent() -> bool:
+    """Under torchrun: SIGTERM to this rank when torchrun's agent (its parent) dies, whatever
+    killed it; returns whether the watch is set (not outside torchrun, nor off Linux)."""
+    if not under_torchrun():
+        return False
+    return stop_with_parent(int(os.environ.get(AGENT_PID_ENV, os.getppid())))
 
 
 def leave_exit_status(code: int) -> None:

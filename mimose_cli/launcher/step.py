@@ -19,8 +19,10 @@ from transformers import get_linear_schedule_with_warmup
 
 from mimose_cli.launcher.data.loader import model_input
 from mimose_cli.launcher.distributed import World, data_parallel_step
+from mimose_cli.launcher.failures import out_of_memory
 from mimose_cli.launcher.models import build_model
 from mimose_cli.launcher.recipe import Recipe
+from mimose_cli.launcher.sharded import is_sharded
 from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.planners.base import Planner, build_planner
 from mimose_cli.runs.records import StepRecord, completed_step, oom_step
@@ -232,6 +234,12 @@ def micro_batch(trainer: Trainer, batch: dict, counter: SavedBytesCounter, micro
         try:
             return train_step(trainer, part, counter, micro_step, loss_weight)
         except torch.OutOfMemoryError as error:
+            if trainer.world.distributed and is_sharded(trainer.model):
+                # The peers wait inside this step's collectives: no retry, no further collective;
+                # every rank stops (failures.py).
+                info = trainer.planner.last
+                size = info.input_size if info is not None else model_input(part).shape
+                raise out_of_memory(trainer.world.rank, trainer.step, micro_step, size, error) from None
             return _oom_record(trainer, part, error, micro_step)
 
     if not trainer.world.distributed:

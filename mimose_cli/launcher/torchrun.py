@@ -1,7 +1,8 @@
 """torchrun (``torch.distributed.run``) as ``mimose train --nproc-per-node`` runs it: the same,
 except that it ends without torchrun's traceback when a signal stopped it or a rank failed; the
 ranks have said what happened (rank 0's status is passed on, ``spawn.relaunch``), and a rank that
-ended without saying it is named in one line."""
+ended without saying it is named in one line. It gets SIGTERM when ``mimose train`` dies
+(``spawn.py``)."""
 
 import os
 import sys
@@ -10,9 +11,14 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
 
-from mimose_cli.launcher.spawn import EXIT_FILE_ENV
+from mimose_cli.launcher.signals import stop_with_parent
+from mimose_cli.launcher.spawn import AGENT_PID_ENV, EXIT_FILE_ENV, LAUNCHER_PID_ENV
 
 if __name__ == "__main__":
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if launcher is not None:  # SIGTERM when mimose's launcher dies, forwarded to the ranks as any
+        stop_with_parent(int(launcher))
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the ranks inherit it: they watch this process
     try:
         main()
     except SignalException as error:  # forwarded to the ranks, which stopped after their step

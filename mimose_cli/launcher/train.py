@@ -12,7 +12,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from mimose_cli.launcher.distributed import (
     quiet_unless_main,
 )
 from mimose_cli.launcher.evaluate import eval_line, evaluate
+from mimose_cli.launcher.failures import RankOutOfMemory, stopped_by
 from mimose_cli.launcher.models import model_config
 from mimose_cli.launcher.preflight import (
     BudgetRange,
@@ -55,7 +56,16 @@ from mimose_cli.launcher.preflight import (
 )
 from mimose_cli.launcher.recipe import Recipe, recipe_yaml
 from mimose_cli.launcher.resume import cut_records
+from mimose_cli.launcher.sharded import (
+    is_sharded,
+    load_sharded_checkpoint,
+    restore_sharded_step_state,
+    restore_sharded_trainer,
+    save_sharded_checkpoint,
+    save_sharded_model,
+)
 from mimose_cli.launcher.signals import EXIT_CODES, StopRequest
+from mimose_cli.launcher.spawn import stop_with_agent
 from mimose_cli.launcher.step import ALLOCATOR_SETTINGS, Trainer, autocast, build_trainer, micro_batch, resolve_device
 from mimose_cli.memory import SavedBytesCounter
 from mimose_cli.planners.inputs import with_padding
@@ -162,6 +172,8 @@ class LoopEnd:
     after a second Ctrl-C, which may land anywhere, nor after a failed write (a trained step may
     lack its record)."""
     error: str | None = None
+    failed_rank: int | None = None
+    """The rank whose failure ended every rank (``failures.py``), when known."""
 
 
 def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop: StopRequest,
@@ -212,6 +224,11 @@ def _loop(trainer: Trainer, batches, writer: RunWriter, view: ProgressView, stop
                 end.at_boundary = True
                 if every and trainer.step % every == 0:
                     checkpoint()
+    except (RankOutOfMemory, RuntimeError) as error:  # no collective, and no checkpoint, after these
+        stopped = stopped_by(error, writer.path, world.rank, trainer.step)
+        if stopped is None:
+            raise
+        end.status, end.error, end.failed_rank, end.at_boundary = *astuple(stopped), False
     except KeyboardInterrupt:
         end.status = "interrupted"
         # Under torchrun a rank stopped at once may have left the others inside a collective: no
@@ -265,9 +282,12 @@ class Run:
             self.first_loader.batches_per_epoch, wall_s=self.start.wall_s + segment_s,
             resumed_from_steps=self.resumed_from_steps)
         world = self.trainer.world
-        others = all_ranks(rank_state(self.trainer), world)[1:] if world.distributed else []
-        if world.is_main:
-            save_checkpoint(self.run_dir, self.trainer, progress, others)
+        if is_sharded(self.trainer.model):  # training.parallel=fsdp: every rank writes its shard
+            save_sharded_checkpoint(self.run_dir, self.trainer, progress)
+        else:
+            others = all_ranks(rank_state(self.trainer), world)[1:] if world.distributed else []
+            if world.is_main:
+                save_checkpoint(self.run_dir, self.trainer, progress, others)
         self.checkpoint_step = self.trainer.step
 
 
@@ -291,8 +311,12 @@ def _setup(recipe: Recipe, out_dir, recipe_name: str, resume, view: ProgressView
         return Run(recipe, config, dataset, first_loader, total, trainer, run_dir, Progress(),
                    validation=validation)
     run_dir = Path(resume)
-    checkpoint = load_checkpoint(run_dir)
-    start = restore_trainer(trainer, checkpoint, world.rank, world.size)
+    if is_sharded(trainer.model):
+        checkpoint = load_sharded_checkpoint(run_dir)
+        start = restore_sharded_trainer(trainer, checkpoint)
+    else:
+        checkpoint = load_checkpoint(run_dir)
+        start = restore_trainer(trainer, checkpoint, world.rank, world.size)
     finish_only = start.step >= total and not _saved_whole(run_dir)
     if start.step >= total and not finish_only:
         raise ValueError(f"{run_dir} has trained {start.step} of training.max_steps={total} steps already; "
@@ -339,7 +363,9 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
         note = trainer.planner.prepared_note()
         if note:
             view.setup(note)
-        if run.checkpoint is not None:
+        if run.checkpoint is not None and is_sharded(trainer.model):
+            restore_sharded_step_state(trainer, run.checkpoint)
+        elif run.checkpoint is not None:
             restore_step_state(trainer, run.checkpoint, trainer.world.rank)
         accumulation = recipe.training.gradient_accumulation_steps
         micro_batches = (run.total_steps - run.start.step) * accumulation
@@ -393,6 +419,7 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
         out_dir = check_out_dir(out_dir or recipe.out_dir)  # before anything slow is built
     with (StopRequest(announce=world.is_main) as stop, process_group(world, resolve_device(recipe.device)),
           quiet_unless_main(world), contextlib.ExitStack() as locks):
+        stop_with_agent()  # a SIGKILLed launcher or agent stops the ranks as SIGTERM does
         live = ProgressView(f"mimose train {Path(resume).name if resume else recipe_name} [{recipe.planner.name}]",
                             format_budget(recipe.budget, recipe.budget_bytes), recipe.budget_bytes,
                             recipe.training.log_every, view, console,
@@ -457,7 +484,10 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
     if main:
         written(lambda: _save_planner_state(trainer.planner, writer))
     trainer.planner.close()  # puts back the model's own forwards and config before saving it
-    keep = keep and main and written(lambda: save_model(trainer.model, run.run_dir))
+    if is_sharded(trainer.model):  # every rank gathers, rank 0 writes
+        keep = keep and written(lambda: save_sharded_model(trainer.model, run.run_dir, trainer.world)) and main
+    else:
+        keep = keep and main and written(lambda: save_model(trainer.model, run.run_dir))
     summary = summarize(run.records + end.records, status=end.status, budget_bytes=run.recipe.budget_bytes,
                         wall_s=run.start.wall_s + segment_s, planner_stats=stats)
     summary.update(budget=run.recipe.budget, world_size=trainer.world.size, signal=stop.signal_name,
@@ -466,6 +496,8 @@ def _finish(run: Run, end: LoopEnd, writer: RunWriter, stop: StopRequest, segmen
         summary["preflight"] = asdict(run.preflight)
     if end.error is not None:
         summary["error"] = end.error
+    if end.failed_rank is not None:
+        summary["failed_rank"] = end.failed_rank
     if end.status == "oom" and end.error is not None:
         summary["oom_steps"] = max(summary["oom_steps"], 1)  # also when no step started
     if end.status == "diverged":

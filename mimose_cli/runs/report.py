@@ -8,7 +8,7 @@ from rich.table import Table
 
 from mimose_cli.runs.compare import render_compare, timing_noise
 from mimose_cli.runs.live import new_console, step_table
-from mimose_cli.runs.rundir import CHECKPOINT, load_run
+from mimose_cli.runs.rundir import CHECKPOINT, SHARDED_CHECKPOINT, has_checkpoint, load_run
 from mimose_cli.runs.summary import raw_planner_table, summary_tables
 from mimose_cli.units import format_bytes
 
@@ -82,13 +82,14 @@ def _outputs(run_dir: Path, summary: dict) -> list:
     model_dir = summary.get("model_dir")
     if model_dir and (run_dir / model_dir).is_dir():
         lines.append(f"model: {run_dir / model_dir} (Hugging Face format: from_pretrained)")
-    if (run_dir / CHECKPOINT).is_file():
+    if has_checkpoint(run_dir):
         step = summary.get("checkpoint_step")
         at = f" at step {step}" if step is not None else ""
         how = "--max-steps N to train further" if summary.get("status") == "completed" else "to continue"
         processes = summary.get("world_size") or 1
         launch = f" --nproc-per-node {processes}" if processes > 1 else ""
-        lines.append(f"checkpoint{at}: {run_dir / CHECKPOINT} (mimose train --resume {run_dir}{launch} {how})")
+        where = run_dir / (CHECKPOINT if (run_dir / CHECKPOINT).is_file() else SHARDED_CHECKPOINT)
+        lines.append(f"checkpoint{at}: {where} (mimose train --resume {run_dir}{launch} {how})")
     return lines
 
 

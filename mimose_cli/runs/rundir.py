@@ -23,6 +23,16 @@ from mimose_cli.units import parse_size
 
 CHECKPOINT = "checkpoint.pt"
 """The launcher's checkpoint in a run directory (``mimose train --resume`` reads it)."""
+SHARDED_CHECKPOINT = "checkpoint"
+"""The folder of a ``training.parallel: fsdp`` run's sharded checkpoints (``launcher/sharded.py``)."""
+SHARDED_CURRENT = "current"
+"""The file in ``SHARDED_CHECKPOINT`` naming its current checkpoint's folder."""
+
+
+def has_checkpoint(run_dir) -> bool:
+    """Whether a run directory holds a checkpoint to resume from (one file, or sharded)."""
+    run_dir = Path(run_dir)
+    return (run_dir / CHECKPOINT).is_file() or (run_dir / SHARDED_CHECKPOINT / SHARDED_CURRENT).is_file()
 
 
 def unique_dir(base: Path) -> Path:

@@ -4,10 +4,12 @@ import signal
 
 import pytest
 import torch
+from rich.console import Console
 
 from mimose_cli.launcher.recipe import RecipeError, load_recipe
 from mimose_cli.launcher.resume import cut_records, resume_recipe
 from mimose_cli.launcher.train import run_training
+from mimose_cli.runs.report import render
 from mimose_cli.runs.rundir import RunWriter
 
 from helpers import QUICK_OVERRIDES, QUICKSTART
@@ -40,6 +42,16 @@ def test_resume_needs_a_run_directory_with_a_checkpoint(tmp_path, completed):
     (tmp_path / "recipe.yaml").write_text((completed.run_dir / "recipe.yaml").read_text())
     with pytest.raises(RecipeError, match="no checkpoint.pt"):
         resume_recipe(tmp_path)
+    (tmp_path / "checkpoint" / ".step-00000004.tmp").mkdir(parents=True)  # a sharded save cut short: nothing
+    with pytest.raises(RecipeError, match="no checkpoint.pt"):
+        resume_recipe(tmp_path)
+    (tmp_path / "checkpoint" / "current").write_text("step-00000004\n")  # a sharded one (training.parallel=fsdp)
+    assert resume_recipe(tmp_path).training.max_steps == completed.summary["optimizer_steps"]
+    (tmp_path / "summary.json").write_text(json.dumps({**completed.summary, "checkpoint_step": 4}))
+    (tmp_path / "metrics.jsonl").write_text((completed.run_dir / "metrics.jsonl").read_text())
+    console = Console(record=True, width=400)
+    render(tmp_path, console, plots=False)
+    assert f"checkpoint at step 4: {tmp_path / 'checkpoint'} (mimose train --resume {tmp_path}" in console.export_text()
 
 
 def test_resuming_a_completed_run_trains_the_added_steps_only(completed, tmp_path):
