@@ -170,9 +170,10 @@ def load_run(run_dir) -> tuple:
 
 def _check_summary(path: Path, summary: dict, records: list) -> None:
     """ValueError naming ``path`` when its summary cannot be the one of ``records``: another
-    number of steps, or a budget below zero."""
+    number of steps (one more is a torn last line), or a budget below zero."""
     done = sum(1 for record in records if not record.oom)
-    if summary.get("steps", done) != done:
+    # One more than recorded: the last record's line torn by the write that stopped the run.
+    if summary.get("steps", done) not in (done, done + 1):
         raise ValueError(f"{path}: {summary['steps']} steps, but metrics.jsonl records {done}; the files "
                          "are not of one run")
     if (summary.get("budget_bytes") or 0) < 0:

@@ -161,6 +161,8 @@ def test_a_summary_that_cannot_be_of_its_records_is_refused(tmp_path, change, sa
     summary = {"status": "completed", "steps": 2, "budget_bytes": 100}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert load_run(tmp_path)[0]["steps"] == 2
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "steps": 3}))  # a torn last line
+    assert load_run(tmp_path)[0]["steps"] == 3
     (tmp_path / "summary.json").write_text(json.dumps({**summary, **change}))
     with pytest.raises(ValueError, match=re.escape(said)):
         load_run(tmp_path)
