@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mimose_cli.launcher.sharding import is_sharded
 from mimose_cli.memory import synchronize
 from mimose_cli.runs.records import StepRecord, merge_ranks
 
@@ -230,7 +231,8 @@ def _step_optimizer(trainer, record: StepRecord) -> None:
     start = time.perf_counter()
     try:
         with trainer.meter.step() as mem:
-            average_gradients(trainer.model, trainer.world)
+            if not is_sharded(trainer.model):  # FSDP reduce-scattered them in backward already
+                average_gradients(trainer.model, trainer.world)
             trainer.optimizer_step()
     except torch.OutOfMemoryError as error:
         trainer.optimizer.zero_grad(set_to_none=True)

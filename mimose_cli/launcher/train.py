@@ -404,8 +404,14 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
         run = _setup(recipe, out_dir, recipe_name, resume, live, world)
         if resume is None and world.is_main:
             locks.enter_context(RunLock(run.run_dir))
-        broadcast_model(run.trainer.model, world)
-        run.saves = save
+        if recipe.training.parallel == "ddp":  # fsdp: broadcast before sharding (``build_trainer``)
+            broadcast_model(run.trainer.model, world)
+        # Sharded checkpoints (torch.distributed.checkpoint) and the gathered model are not written
+        # yet: an fsdp run writes neither, and says so.
+        run.saves = save and recipe.training.parallel == "ddp"
+        if save and not run.saves:
+            live.setup("fsdp: this run writes no checkpoint and no trained model (sharded checkpoints are not "
+                       "supported yet); it cannot be resumed")
         tensorboard = recipe.training.gradient_accumulation_steps if recipe.training.tensorboard else None
         writer = (RunWriter(run.run_dir, recipe_yaml(recipe), environment(run.trainer.device), tensorboard)
                   if world.is_main else SilentWriter(run.run_dir))
