@@ -68,28 +68,38 @@ def least_ranks(ranks: list, budget_bytes: int) -> int | None:
     return None
 
 
+def unsharded_state_bytes(ranks: list) -> int:
+    """The state one device would hold unsharded: every rank's shards of the weights, gradients
+    and optimizer state, and the optimizer step's scratch (about the weights again, as
+    ``preflight.model_state_error`` counts it); no plan changes it."""
+    weights = sum(r.weights_bytes for r in ranks)
+    optimizer = sum(r.optimizer_bytes for r in ranks)
+    return 2 * weights + optimizer + (weights if optimizer else 0)
+
+
 def verdict(ranks: list, budget_bytes: int | None, written: str | None = None) -> tuple[bool, str | None]:
     """Whether the budget fits every rank, and the line that says what it means: sharded over this
-    many ranks or not, on one device or not, and the fewest ranks that fit."""
+    many ranks or not, whether one device could hold the state at all, and the fewest ranks that
+    fit."""
     if budget_bytes is None:
         return True, None
     budget = format_budget(written, budget_bytes)
     world = ranks[0].world_size
-    errors = [(r.rank, budget_error(budget_bytes, r.needs, written)) for r in ranks]
-    one = max((r.estimate(1) or 0) for r in ranks)
     least = least_ranks(ranks, budget_bytes)
     fewest = ("no number of ranks fits it (activations and gathered blocks alone are over it): lower "
               "training.batch_size or data.max_length" if least is None
               else f"the fewest ranks that fit it: {least} (estimated: the state divides by the ranks, the rest does not)")
-    failing = [(rank, error) for rank, error in errors if error is not None]
+    failing = [r for r in ranks if budget_error(budget_bytes, r.needs, written) is not None]
     if failing:
-        rank, _ = failing[0]
-        need = ranks[rank].needs.full_bytes
-        return False, (f"budget {budget} is too small sharded over {world} ranks: rank {rank} needs "
+        worst = max(failing, key=lambda r: float("inf") if r.needs.full_bytes is None else r.needs.full_bytes)
+        need = worst.needs.full_bytes
+        return False, (f"budget {budget} is too small sharded over {world} ranks: rank {worst.rank} needs "
                        f"{'more than the device holds' if need is None else format_bytes(need)} "
-                       f"{ranks[rank].needs.least}; {fewest}")
-    alone = (f"it cannot hold the run on one device (about {format_bytes(one)} unsharded, estimated)"
-             if one > budget_bytes else "one device could hold the run unsharded too (training.parallel=ddp)")
+                       f"{worst.needs.least}; {fewest}")
+    state = unsharded_state_bytes(ranks)
+    alone = (f"one device cannot hold it unsharded (weights, gradients, optimizer state and its step's scratch: "
+             f"{format_bytes(state)} before any activation)" if state > budget_bytes else
+             "one device may hold it unsharded too (its state fits; the dry run of training.parallel=ddp says)")
     return True, f"budget {budget}: fits sharded over {world} ranks; {alone}; {fewest}"
 
 
@@ -115,7 +125,12 @@ def sharded_dry_run(recipe, console=None, world: World | None = None) -> bool:
     console = console or new_console()
     config = model_config(recipe)
     with process_group(world, resolve_device(recipe.device)), quiet_unless_main(world):
-        ranks = all_ranks(measure_rank(recipe, config, world), world)
+        return report_ranks(recipe, config, console, world)
+
+
+def report_ranks(recipe, config, console, world: World) -> bool:
+    """``sharded_dry_run`` among ranks that have joined already: each measures, rank 0 prints."""
+    ranks = all_ranks(measure_rank(recipe, config, world), world)
     fits, line = verdict(ranks, recipe.budget_bytes, recipe.budget)
     if world.is_main:
         console.print(f"{recipe.model.type} ({recipe.model.size}), fsdp over {world.size} ranks:", highlight=False)
