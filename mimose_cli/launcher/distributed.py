@@ -21,6 +21,12 @@ the global batch size sees exactly the same batches. A rank's loss is weighted b
 global batch, so the averaged gradient (and the recorded loss, the weighted mean of the ranks')
 equals the one-process run's for losses that are a mean over examples.
 
+Under ``training.parallel=fsdp`` (``sharding.py``) the same loop runs, with the data sliced and the
+losses weighted the same way, but FSDP reduce-scatters each block's gradient in backward, averaged
+over the ranks (its default divide factor, the world size), so ``average_gradients`` is not
+called. There no rank may run a backward alone: a retry would gather and reduce-scatter while the
+others wait elsewhere.
+
 Every function here is the identity (or nothing) for one process.
 """
 

@@ -26,6 +26,7 @@ batch (``distributed.local_batch``), the average is the global batch's mean, as 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from mimose_cli.planners.blocks import discover_blocks
 
@@ -42,6 +43,13 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     if dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def grad_scaler(device: torch.device, sharded: bool):
+    """fp16's loss scaler. Sharded, each rank sees only its shard of the gradients, so whether one
+    is not finite is agreed over the ranks (``ShardedGradScaler`` all-reduces it) and every rank
+    skips the same steps; else torch's ``GradScaler``."""
+    return ShardedGradScaler(device.type) if sharded else torch.amp.GradScaler(device.type)
 
 
 def device_mesh(device: torch.device, world_size: int):

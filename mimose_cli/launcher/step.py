@@ -20,7 +20,7 @@ from mimose_cli.launcher.data.loader import model_input
 from mimose_cli.launcher.distributed import World, broadcast_model, data_parallel_step
 from mimose_cli.launcher.models import build_model
 from mimose_cli.launcher.recipe import Recipe
-from mimose_cli.launcher.sharding import check_world, shard
+from mimose_cli.launcher.sharding import check_world, grad_scaler, shard
 from mimose_cli.launcher.sharding import describe as describe_sharding
 from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.planners.base import Planner, build_planner
@@ -166,7 +166,8 @@ def build_trainer(recipe: Recipe, config, total_steps: int, world: World = World
     planner = build_planner(
         recipe.planner.name, model, recipe.budget_bytes, blocks=blocks,
         safety_margin=recipe.planner.safety_margin_bytes, meter=meter, **recipe.planner.keywords)
-    scaler = torch.amp.GradScaler(device.type) if recipe.training.precision == "fp16" else None
+    scaler = grad_scaler(device, sharded=recipe.training.parallel == "fsdp") if (
+        recipe.training.precision == "fp16") else None
     return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler, world=world)
 
 
