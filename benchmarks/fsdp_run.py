@@ -36,7 +36,7 @@ PLANNERS = ("mimose", "full", "hf-every-n")
 # gradients, AdamW's moments, its step's scratch); qqp-like lengths up to 96, 4 examples per rank.
 # No dropout: each rank would draw its own masks, and the losses are compared with one process's.
 RECIPE = ["task=sequence_classification", "data.preset=qqp", "data.num_examples=400", "data.max_length=96",
-          "training.batch_size=4", "training.checkpoint_every=null", "planner.mimose.sheltered_steps=3",
+          "training.checkpoint_every=null",
           "model.config_overrides={hidden_size: 256, intermediate_size: 1024, num_hidden_layers: 6, "
           "num_attention_heads: 4, hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"]
 
@@ -51,9 +51,9 @@ def mimose(*args) -> subprocess.CompletedProcess:
 
 def dry_runs(budget: str) -> dict:
     """The per-rank dry run of fsdp at ``budget`` and the one-process dry run at the same budget."""
-    sharded = mimose("training.parallel=fsdp", "--planner", "full", "--budget", budget, "--nproc-per-node", 2,
-                     "--dry-run")
-    one = mimose("--planner", "full", "--budget", budget, "--dry-run")
+    sharded = mimose("training.batch_size=4", "training.parallel=fsdp", "--planner", "full", "--budget", budget,
+                     "--nproc-per-node", 2, "--dry-run")
+    one = mimose("training.batch_size=4", "--planner", "full", "--budget", budget, "--dry-run")
     print(sharded.stdout.strip())
     print(f"one process at {budget}: exit {one.returncode}: {one.stdout.strip().splitlines()[-1]}")
     verdict = sharded.stdout.strip().splitlines()[-1]
@@ -68,8 +68,8 @@ def lines(run_dir: Path) -> list:
 def train(out: Path, planner: str, budget: str, steps: int) -> dict:
     """One sharded run; its figures (``status`` "refused" with the error when it did not start)."""
     start = time.perf_counter()
-    done = mimose("training.parallel=fsdp", "--planner", planner, "--budget", budget, "--nproc-per-node", 2,
-                  f"training.max_steps={steps}", "--out", out, "--view", "none")
+    done = mimose("training.batch_size=4", "training.parallel=fsdp", "--planner", planner, "--budget", budget,
+                  "--nproc-per-node", 2, f"training.max_steps={steps}", "--out", out, "--view", "none")
     wall_s = time.perf_counter() - start
     runs = [p for p in out.iterdir() if p.is_dir()] if out.exists() else []
     if not runs:
@@ -98,8 +98,8 @@ def prediction_error(records: list, rank: int) -> float | None:
 
 def one_process_losses(out: Path, steps: int) -> list:
     """The losses of one process with the global batch (8) and no budget: the reference."""
-    done = mimose("training.batch_size=8", "--planner", "none", f"training.max_steps={steps}", "--out", out,
-                  "--view", "none")
+    done = mimose("training.batch_size=8", "budget=null", "--planner", "none", f"training.max_steps={steps}",
+                  "--out", out, "--view", "none")
     assert done.returncode == 0, done.stderr[-2000:]
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     return [line["loss"] for line in lines(run_dir)]
