@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from typer.testing import CliRunner
 
 from mimose_cli.cli import app
-from mimose_cli.launcher.distributed import World, local_batch
+from mimose_cli.launcher.distributed import World, local_batch, own_padding
 from mimose_cli.launcher.recipe import RecipeError, load_recipe
 from mimose_cli.launcher.models import model_config
 from mimose_cli.launcher.sharded_preflight import RankNeeds, least_ranks, report_ranks, verdict
@@ -62,7 +62,8 @@ def test_two_sharded_ranks_train_as_one_process_with_the_global_batch(sharded_ru
     recipe = load_recipe(QUICKSTART, SHARDED + ["training.batch_size=8", "planner.name=none", f"out_dir={tmp_path}"])
     one = run_training(recipe, view="none", save=False)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r.input_shape for r in one.records] == [[8, line["input_shape"][1]] for line in lines]
+    assert [r.input_shape for r in one.records] == [[8, max(r["input_shape"][1] for r in line["ranks"])]
+                                                    for line in lines]
     assert [line["loss"] for line in lines] == pytest.approx([r.loss for r in one.records], rel=1e-5)
     assert len({line["loss"] for line in lines}) > 1  # it trained: the weights the ranks share changed alike
     assert "fsdp: 4 blocks and the root sharded over 2 ranks" in output
@@ -70,12 +71,16 @@ def test_two_sharded_ranks_train_as_one_process_with_the_global_batch(sharded_ru
 
 def test_every_rank_records_its_own_rows_plan_and_peak_within_the_budget(sharded_run):
     run_dir, _ = sharded_run
-    for line in (json.loads(text) for text in (run_dir / "metrics.jsonl").read_text().splitlines()):
+    lines = [json.loads(text) for text in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
         ranks = line["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1] and not line["oom"]
-        assert all(r["input_shape"] == [4, line["input_shape"][1]] for r in ranks)
+        assert all(r["input_shape"][0] == 4 for r in ranks)
+        assert line["input_size"] == ranks[line["rank"]]["input_shape"]  # a rank planned its own size
         assert all(r["plan"] == ["recompute"] * 4 for r in ranks)
         assert all(0 < r["peak_bytes"] <= BUDGET_BYTES for r in ranks)
+    # Each rank padded its rows to their own longest: the ranks' lengths differ on some steps.
+    assert any(len({r["input_shape"][1] for r in line["ranks"]}) == 2 for line in lines)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert [(r["rank"], r["oom_steps"], r["over_budget_steps"]) for r in summary["ranks"]] == [(0, 0, 0), (1, 0, 0)]
@@ -129,6 +134,25 @@ def test_one_process_is_refused_in_one_line_before_anything_is_built():
         assert "training.parallel=fsdp shards the model over several processes: add --nproc-per-node" in result.output
     with pytest.raises(ValueError, match="run it with --nproc-per-node 2 or more"):
         run_training(load_recipe(QUICKSTART, ["training.parallel=fsdp"]), view="none", world=World())
+
+
+def test_a_rank_pads_its_rows_only_to_their_own_longest():
+    right = {"input_ids": torch.tensor([[5, 6, 0, 0, 0], [7, 0, 0, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]]),
+             "labels": torch.tensor([[5, 6, -100, -100, -100], [7, -100, -100, -100, -100]])}
+    own = own_padding(right)
+    assert own["input_ids"].tolist() == [[5, 6], [7, 0]] and own["labels"].tolist() == [[5, 6], [7, -100]]
+    choices = {"input_ids": torch.ones(2, 3, 6, dtype=torch.long), "attention_mask": torch.zeros(2, 3, 6),
+               "labels": torch.tensor([1, 2])}
+    choices["attention_mask"][1, 2, :4] = 1
+    assert own_padding(choices)["input_ids"].shape == (2, 3, 4) and own_padding(choices)["labels"].tolist() == [1, 2]
+    left = {"input_ids": torch.tensor([[0, 0, 5, 6], [0, 0, 0, 7]]), "attention_mask": torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]]),
+            "start_positions": torch.tensor([2, 3]), "end_positions": torch.tensor([3, 3])}
+    own = own_padding(left)  # XLNet pads on the left: the answer's positions move with its tokens
+    assert own["input_ids"].tolist() == [[5, 6], [0, 7]]
+    assert (own["start_positions"].tolist(), own["end_positions"].tolist()) == ([0, 1], [1, 1])
+    images = {"pixel_values": torch.zeros(2, 3, 8, 8), "labels": torch.tensor([0, 1])}
+    assert own_padding(images) is images
 
 
 def test_the_recipe_keys_are_strict(tmp_path):
