@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from mimose_cli.planners.blocks import discover_blocks
+from mimose_cli.units import format_bytes
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The dtype FSDP gathers the parameters in, per ``training.precision`` (None: as stored, fp32)."""
@@ -116,7 +117,7 @@ def describe(model: torch.nn.Module, blocks: list, world_size: int) -> str:
     """The sharding a run built, for its setup lines."""
     held = sum(local_bytes(p) for p in model.parameters())
     return (f"fsdp: {len(blocks)} blocks and the root sharded over {world_size} ranks "
-            f"({blocks[0][0]}, ...); this rank holds {held / 2**20:.2f} MiB of the weights")
+            f"({blocks[0][0]}, ...); this rank holds {format_bytes(held)} of the weights")
 
 
 def held_param_bytes(model: torch.nn.Module) -> int:

@@ -194,14 +194,15 @@ def test_the_fewest_ranks_scale_the_state_alone():
 
 def _rank_checks(rank: int, port: int) -> None:
     """In each of two spawned ranks: the gradients of a sharded step equal one process's on the
-    global batch, checkpointing adds no all-gather, and the dry run's figures per rank (one spawn
-    for the three: starting processes is what costs)."""
+    global batch, checkpointing adds no all-gather, bf16 gathers in bf16, and the dry run's figures
+    per rank (one spawn for them all: starting processes is what costs)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         _gradients_are_the_global_batchs(World(rank, 2))
         _checkpointing_gathers_nothing_more()
+        _bf16_gathers_in_bf16_and_keeps_fp32_shards()
         _dry_run_says_what_each_rank_holds(World(rank, 2))
     finally:
         dist.destroy_process_group()
@@ -264,6 +265,22 @@ def _checkpointing_gathers_nothing_more() -> None:
         fsdp_param_group.foreach_all_gather = real
     units = 3 + 1
     assert gathers[1::2] == [2 * units, 2 * units, units, units], gathers
+
+
+def _bf16_gathers_in_bf16_and_keeps_fp32_shards() -> None:
+    """training.precision=bf16: a block computes with its weights gathered in bf16; the shards and
+    their gradients (reduce-scattered in fp32) stay fp32."""
+    model = _bert_without_dropout()
+    blocks = discover_blocks(model)
+    shard_model(model, blocks, device_mesh(torch.device("cpu"), 2), precision="bf16")
+    seen = []
+    dense = blocks[0][1].intermediate.dense
+    dense.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**bert_batch(2, 8)).loss
+    loss.backward()
+    assert seen == [torch.bfloat16]
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 def test_gradients_gathers_and_the_dry_run_across_two_sharded_processes():
