@@ -134,6 +134,9 @@ def test_one_process_is_refused_in_one_line_before_anything_is_built():
         assert "training.parallel=fsdp shards the model over several processes: add --nproc-per-node" in result.output
     with pytest.raises(ValueError, match="run it with --nproc-per-node 2 or more"):
         run_training(load_recipe(QUICKSTART, ["training.parallel=fsdp"]), view="none", world=World())
+    compare = CliRunner().invoke(app, ["compare", str(QUICKSTART), "training.parallel=fsdp", "--budgets", "40MB"])
+    assert compare.exit_code != 0 and "training.parallel=fsdp shards over several; set training.parallel=ddp" \
+        in " ".join(compare.output.split())
 
 
 def test_a_rank_pads_its_rows_only_to_their_own_longest():
