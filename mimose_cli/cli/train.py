@@ -40,8 +40,9 @@ def train(
     nproc_per_node: Optional[int] = typer.Option(
         None, "--nproc-per-node", min=1,
         help="Train with N processes on this machine (one per GPU; data parallel, training.batch_size "
-             "examples each): runs this command under torchrun. For several machines run torchrun "
-             "yourself (README)."),
+             "examples each; training.parallel=fsdp shards the model over them, and --dry-run then measures "
+             "every rank): runs this command under torchrun. For several machines run torchrun "
+             "yourself (docs/DISTRIBUTED.md)."),
 ):
     """Train a recipe under a memory budget; writes runs/<id>/."""
     from mimose_cli.launcher.recipe import RecipeError, idle_planner_overrides, load_recipe
@@ -73,18 +74,29 @@ def train(
                           f"which reads planner.{resolved.planner.name.replace('-', '_')} only", stacklevel=1)
     if resume is not None and not under_torchrun():
         _check_processes(resume, nproc_per_node or 1)
+    sharded = resolved.training.parallel == "fsdp"
     if nproc_per_node is not None:  # the recipe is checked above, before any process starts
-        if dry_run or under_torchrun():
+        if (dry_run and not sharded) or under_torchrun():
             raise RecipeError("--nproc-per-node starts torchrun itself; leave it out "
-                              + ("with --dry-run, which measures one device" if dry_run else "under torchrun"))
+                              + ("with --dry-run, which measures one device (each rank's under "
+                                 "training.parallel=ddp)" if dry_run else "under torchrun"))
         options = {"budget": budget, "planner": planner, "device": device, "max-steps": max_steps, "out": out,
                    "view": view, "resume": resume}
         args = ["--debug"] * cli_options["debug"] + ["train", *([str(recipe)] if recipe else []), *(overrides or [])]
         args += [f"--{name}={value}" for name, value in options.items() if value is not None]
+        args += ["--dry-run"] * dry_run
         raise typer.Exit(relaunch(nproc_per_node, args))
+    if sharded and not under_torchrun():
+        raise RecipeError("training.parallel=fsdp shards the model over several processes: add --nproc-per-node N "
+                          "(2 or more), run it under torchrun, or set training.parallel=ddp")
     from mimose_cli.launcher.train import dry_run as measure_only  # after the recipe: its mistakes need no transformers
     from mimose_cli.launcher.train import run_training
 
+    if dry_run and sharded:
+        from mimose_cli.launcher.sharded_preflight import sharded_dry_run
+
+        fits = sharded_dry_run(resolved)
+        raise typer.Exit(0 if fits or other_rank() else 1)  # rank 0 says it (torchrun would end the others)
     if dry_run:
         from mimose_cli.launcher.preflight import budget_problem
 

@@ -21,6 +21,14 @@ the global batch size sees exactly the same batches. A rank's loss is weighted b
 global batch, so the averaged gradient (and the recorded loss, the weighted mean of the ranks')
 equals the one-process run's for losses that are a mean over examples.
 
+Under ``training.parallel=fsdp`` (``sharding.py``) the same loop runs, with the data sliced and the
+losses weighted the same way, each rank's rows padded only to their own longest (``own_padding``:
+the collectives are over parameters, not activations, so the ranks' shapes may differ, and each
+rank plans its own input size), but FSDP reduce-scatters each block's gradient in backward, averaged
+over the ranks (its default divide factor, the world size), so ``average_gradients`` is not
+called. There no rank may run a backward alone: a retry would gather and reduce-scatter while the
+others wait elsewhere.
+
 Every function here is the identity (or nothing) for one process.
 """
 
@@ -34,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mimose_cli.launcher.sharding import is_sharded
 from mimose_cli.memory import synchronize
 from mimose_cli.runs.records import StepRecord, merge_ranks
 
@@ -105,6 +114,26 @@ def local_batch(batch: dict, world: World) -> tuple[dict, float]:
     part = {key: value.tensor_split(world.size)[world.rank].clone() for key, value in batch.items()}
     mine = len(next(iter(part.values())))
     return part, mine * world.size / rows
+
+
+def own_padding(part: dict) -> dict:
+    """A rank's rows (``local_batch``) padded only to their own longest: the columns no row of
+    theirs uses (``attention_mask`` 0 throughout, on the padded side) cut off every tensor of the
+    mask's shape (ids, token types, a causal LM's labels); with left padding, the answer positions
+    move with the tokens. The model computes the same for each row: a padded position is masked.
+    Images, without a mask, stay as the global batch padded them."""
+    mask = part.get("attention_mask")
+    if mask is None:
+        return part
+    used = mask.reshape(-1, mask.shape[-1]).any(0).nonzero().flatten().tolist()
+    if not used:
+        return part
+    first, last = used[0], used[-1] + 1
+    trimmed = {key: value[..., first:last] if value.shape == mask.shape else value for key, value in part.items()}
+    for key in ("start_positions", "end_positions"):  # question answering's token indices
+        if key in trimmed and first:
+            trimmed[key] = trimmed[key] - first
+    return trimmed
 
 
 def _tensor(values, device: torch.device) -> torch.Tensor:
@@ -216,6 +245,8 @@ def data_parallel_step(trainer, batch: dict, last_micro: bool, run_local) -> Ste
     record. Returns the ranks' records merged (``records.merge_ranks``), the same on every rank."""
     world = trainer.world
     part, weight = local_batch(batch, world)
+    if is_sharded(trainer.model):  # FSDP's collectives are over parameters: the ranks' shapes may differ
+        part = own_padding(part)
     record = run_local(part, weight)
     if last_micro and worst(_status(record), world, trainer.device) == OK:
         _step_optimizer(trainer, record)
@@ -230,7 +261,8 @@ def _step_optimizer(trainer, record: StepRecord) -> None:
     start = time.perf_counter()
     try:
         with trainer.meter.step() as mem:
-            average_gradients(trainer.model, trainer.world)
+            if not is_sharded(trainer.model):  # FSDP reduce-scattered them in backward already
+                average_gradients(trainer.model, trainer.world)
             trainer.optimizer_step()
     except torch.OutOfMemoryError as error:
         trainer.optimizer.zero_grad(set_to_none=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mimose_cli.launcher.data.loader import make_batch, max_input_size
-from mimose_cli.memory import param_bytes
+from mimose_cli.launcher.sharding import held_param_bytes, is_sharded, largest_block_bytes, local_bytes
 from mimose_cli.planners.base import Planner
 from mimose_cli.planners.blocks import KEEP, OFFLOAD, SELECTIVE, checkpointed
 from mimose_cli.planners.contract import Decision
@@ -117,7 +117,7 @@ def optimizer_state_bytes(optimizer) -> int:
                       "(sublinear) will not leave room for it", stacklevel=2)
         return 0
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    return per_param * sum(p.numel() * p.element_size() for p in params)
+    return per_param * sum(local_bytes(p) for p in params)  # a sharded parameter's state is its shard's
 
 
 def model_state_error(trainer, state_bytes: int) -> str | None:
@@ -126,22 +126,30 @@ def model_state_error(trainer, state_bytes: int) -> str | None:
     can. Checkpointing only shrinks activations, so no planner could help."""
     budget = trainer.recipe.budget_bytes
     weights = trainer.meter.current_bytes()
-    params = param_bytes(trainer.model)
+    params = held_param_bytes(trainer.model)
     # With accumulation a micro-batch holds the gradients set aside (``StepGuard``) and its own.
     grads = params * (2 if trainer.recipe.training.gradient_accumulation_steps > 1 else 1)
     # The optimizer step runs after the activations are freed, on top of weights, gradients and
     # state; its scratch (AdamW: about one copy of the parameters, measured on the simulated
     # device) is what the loop must leave room for, since no plan changes it.
     scratch = params if state_bytes else 0
-    total = weights + grads + state_bytes + scratch
+    # Sharded, a block's weights are gathered whole while it runs, and its gradients are whole
+    # until they are reduce-scattered: whatever the plan, one block's of each.
+    gathered = 2 * largest_block_bytes(trainer.planner.blocks, trainer.recipe.training.precision) if (
+        is_sharded(trainer.model)) else 0
+    total = weights + grads + state_bytes + scratch + gathered
     if budget is None or total <= budget:
         return None
-    return (f"budget {format_budget(trainer.recipe.budget, budget)} cannot hold the model's state before any "
-            "activation: "
+    shards = f" (this rank's shards of {trainer.world.size})" if gathered else ""
+    return (f"budget {format_budget(trainer.recipe.budget, budget)} cannot hold the model's state{shards} before "
+            "any activation: "
             f"weights {format_bytes(weights)} + gradients {format_bytes(grads)} + "
             f"{type(trainer.optimizer).__name__} state {format_bytes(state_bytes)} + its step's scratch "
-            f"{format_bytes(scratch)} = {format_bytes(total)}; no checkpointing plan reduces these. Raise "
-            "the budget well above that (activations come on top) or use a smaller model")
+            f"{format_bytes(scratch)}"
+            + (f" + the largest block gathered with its gradients {format_bytes(gathered)}" if gathered else "")
+            + f" = {format_bytes(total)}; no checkpointing plan reduces these. Raise "
+            "the budget well above that (activations come on top)"
+            + (", shard over more processes" if gathered else "") + " or use a smaller model")
 
 
 def check_model_state(trainer) -> tuple[int, str | None]:
@@ -152,7 +160,7 @@ def check_model_state(trainer) -> tuple[int, str | None]:
     except torch.OutOfMemoryError:
         return 0, (f"budget {format_budget(trainer.recipe.budget, trainer.recipe.budget_bytes)} cannot hold the "
                    "model's weights "
-                   f"({format_bytes(param_bytes(trainer.model))}); raise the budget well above that "
+                   f"({format_bytes(held_param_bytes(trainer.model))}); raise the budget well above that "
                    "or use a smaller model")
     state_bytes = optimizer_state_bytes(trainer.optimizer)
     return state_bytes, model_state_error(trainer, state_bytes)
@@ -174,7 +182,7 @@ def preflight(trainer, config, state_bytes: int) -> BudgetRange:
         raise HostMemoryError(f"a batch of the largest input the recipe allows ({' x '.join(map(str, size))} "
                               "tokens) does not fit in this machine's memory; lower training.batch_size or "
                               "data.max_length") from None
-    later = state_bytes + (param_bytes(trainer.model) if recipe.training.gradient_accumulation_steps > 1 else 0)
+    later = state_bytes + (held_param_bytes(trainer.model) if recipe.training.gradient_accumulation_steps > 1 else 0)
     return measure_range(trainer.planner, batch, size, later)
 
 

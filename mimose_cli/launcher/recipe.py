@@ -282,6 +282,15 @@ class TrainingConfig:
     """Torch intra-op threads when the run is on the CPU; null: torch's default (one per core).
     Tiny models gain nothing from more than one, and on cores shared with other jobs the threads
     of one op wait on each other (the quickstart: 13 s idle either way, 73 s vs 16 s under load)."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Under --nproc-per-node or torchrun: ddp (every rank holds the whole model, gradients
+    averaged after backward) or fsdp (FSDP2: weights, gradients and optimizer state sharded over
+    the ranks, each block gathered while it runs; docs/DISTRIBUTED.md). fsdp needs 2 processes
+    or more."""
+    reshard_after_forward: StrictBool = True
+    """fsdp: free each block's gathered weights after its forward and gather them again for its
+    backward (true), or keep them until its backward (false: one all-gather less per block, the
+    memory of every block's weights held at the end of the forward)."""
     tensorboard: StrictBool = False
     """Also log each step's loss, lr, peak and predicted memory, iteration time, blocks
     checkpointed and retries to runs/<id>/tensorboard/ (needs ``pip install tensorboard``)."""
@@ -532,6 +541,9 @@ def _warn_of(recipe: Recipe) -> None:
     """What is valid but likely a slip, said of a recipe once it validates (an invalid one gets its
     one-line error alone)."""
     training = recipe.training
+    if training.parallel == "ddp" and not training.reshard_after_forward:
+        warnings.warn("training.reshard_after_forward=false has no effect with training.parallel=ddp "
+                      "(nothing is sharded); it applies to training.parallel=fsdp", stacklevel=3)
     if training.max_steps is not None and training.warmup_steps > training.max_steps:  # a smoke test, or a slip
         warnings.warn(f"training.warmup_steps={training.warmup_steps} is longer than the run "
                       f"(training.max_steps={training.max_steps}): the learning rate never reaches "

@@ -55,15 +55,11 @@ from mimose_cli.launcher.checkpoint import (
     trainer_state,
     write_durably,
 )
+from mimose_cli.launcher.sharding import is_sharded
 from mimose_cli.runs.rundir import SHARDED_CHECKPOINT
 from mimose_cli.runs.rundir import SHARDED_CURRENT as CURRENT
 
 TRAINER_FILE = "trainer.pt"
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (or a module in it) is ``fully_shard``ed: its state is saved in shards."""
-    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def _barrier(world) -> None:

@@ -18,11 +18,12 @@ import torch
 from transformers import get_linear_schedule_with_warmup
 
 from mimose_cli.launcher.data.loader import model_input
-from mimose_cli.launcher.distributed import World, data_parallel_step
+from mimose_cli.launcher.distributed import World, broadcast_model, data_parallel_step
 from mimose_cli.launcher.failures import out_of_memory
 from mimose_cli.launcher.models import build_model
 from mimose_cli.launcher.recipe import Recipe
-from mimose_cli.launcher.sharded import is_sharded
+from mimose_cli.launcher.sharding import check_world, grad_scaler, is_sharded, shard
+from mimose_cli.launcher.sharding import describe as describe_sharding
 from mimose_cli.memory import Meter, SavedBytesCounter, build_meter, param_bytes, synchronize
 from mimose_cli.planners.base import Planner, build_planner
 from mimose_cli.runs.records import StepRecord, completed_step, oom_step
@@ -176,6 +177,12 @@ def build_trainer(recipe: Recipe, config, total_steps: int, world: World = World
     model = build_model(recipe, config).to(device)
     model.train()
     say(describe_model(model, recipe))
+    blocks = recipe.model.blocks
+    if recipe.training.parallel == "fsdp":  # before the optimizer and the planner: they take the shards
+        check_world(world.size)
+        broadcast_model(model, world)
+        blocks = shard(model, recipe, device, world.size)
+        say(describe_sharding(model, blocks, world.size))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -184,9 +191,10 @@ def build_trainer(recipe: Recipe, config, total_steps: int, world: World = World
     scheduler = get_linear_schedule_with_warmup(optimizer, recipe.training.warmup_steps, total_steps)
     meter = build_meter(run_meter(recipe, device), recipe.budget_bytes, device)
     planner = build_planner(
-        recipe.planner.name, model, recipe.budget_bytes, blocks=recipe.model.blocks,
+        recipe.planner.name, model, recipe.budget_bytes, blocks=blocks,
         safety_margin=recipe.planner.safety_margin_bytes, meter=meter, **recipe.planner.keywords)
-    scaler = torch.amp.GradScaler(device.type) if recipe.training.precision == "fp16" else None
+    scaler = grad_scaler(device, sharded=recipe.training.parallel == "fsdp") if (
+        recipe.training.precision == "fp16") else None
     return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler, world=world)
 
 

@@ -256,6 +256,10 @@ def run_compare(recipe: Recipe, *, baselines=("sublinear", "dtr", "hf-every-n"),
     """
     if under_torchrun():  # N copies would race for one compare directory and one machine's timings
         raise ValueError("compare runs its planners one after another in one process; start it without torchrun")
+    if recipe.training.parallel == "fsdp":  # before any run: fsdp needs several processes
+        raise ValueError("compare runs its planners in one process, and training.parallel=fsdp shards over several; "
+                         "set training.parallel=ddp, or run mimose train --nproc-per-node N per planner "
+                         "(benchmarks/fsdp_run.py does)")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} is invalid; expected an integer >= 1")
     if steps is not None and (not isinstance(steps, int) or steps < 1):

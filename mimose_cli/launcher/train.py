@@ -432,7 +432,8 @@ def run_training(recipe: Recipe, *, out_dir=None, view: str = "auto", console=No
         run = _setup(recipe, out_dir, recipe_name, resume, live, world)
         if resume is None and world.is_main:
             locks.enter_context(RunLock(run.run_dir))
-        broadcast_model(run.trainer.model, world)
+        if recipe.training.parallel == "ddp":  # fsdp: broadcast before sharding (``build_trainer``)
+            broadcast_model(run.trainer.model, world)
         run.saves = save
         tensorboard = recipe.training.gradient_accumulation_steps if recipe.training.tensorboard else None
         writer = (RunWriter(run.run_dir, recipe_yaml(recipe), environment(run.trainer.device), tensorboard)

@@ -64,7 +64,7 @@ class Planner:
         self.total_planning_ms = 0.0
         self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
         self.retries_total = 0
-        check_supported(model)
+        check_supported(model, policy.name)
         resolved = resolve_blocks(model, blocks)
         claim(model, self)
         try:
