@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule
 
 from mimose_cli.launcher.checkpoint import (
     FORMAT,
@@ -55,7 +54,6 @@ from mimose_cli.launcher.checkpoint import (
     trainer_state,
     write_durably,
 )
-from mimose_cli.launcher.sharding import is_sharded
 from mimose_cli.runs.rundir import SHARDED_CHECKPOINT
 from mimose_cli.runs.rundir import SHARDED_CURRENT as CURRENT
 

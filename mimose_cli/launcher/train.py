@@ -57,13 +57,13 @@ from mimose_cli.launcher.preflight import (
 from mimose_cli.launcher.recipe import Recipe, recipe_yaml
 from mimose_cli.launcher.resume import cut_records
 from mimose_cli.launcher.sharded import (
-    is_sharded,
     load_sharded_checkpoint,
     restore_sharded_step_state,
     restore_sharded_trainer,
     save_sharded_checkpoint,
     save_sharded_model,
 )
+from mimose_cli.launcher.sharding import is_sharded
 from mimose_cli.launcher.signals import EXIT_CODES, StopRequest
 from mimose_cli.launcher.spawn import stop_with_agent
 from mimose_cli.launcher.step import ALLOCATOR_SETTINGS, Trainer, autocast, build_trainer, micro_batch, resolve_device
