@@ -1,8 +1,7 @@
 """Mistakes in using a planner from code, each said in one line instead of an internal error or
 nothing: a second planner on a model that has one, a step inside a step, a planner used after
 ``close``, ``step`` called without ``with``, ``track`` given something it cannot count, a model
-that is no model instance (its class, the function that builds it), sharded by FSDP or wrapped by
-DeepSpeed; and a compiled model on the simulated device, which runs
+that is no model instance (its class, the function that builds it), wrapped by DeepSpeed; and a compiled model on the simulated device, which runs
 eagerly."""
 
 import contextlib
@@ -72,13 +71,10 @@ def check_model(model) -> None:
 
 
 def check_supported(model) -> None:
-    """ValueError for a model mimose cannot plan: one sharded by FSDP (``FullyShardedDataParallel``
-    or ``fully_shard``) or wrapped by DeepSpeed, which gather, shard and offload its parameters
-    block by block themselves, in memory neither the meter nor the plans model."""
+    """ValueError for a model mimose cannot plan: one wrapped by DeepSpeed, which shards and
+    offloads its parameters block by block itself, in memory neither the meter nor the plans
+    model. FSDP is ``planners.sharding``'s to check (FSDP2 is planned, FSDP1 refused)."""
     names = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
-    if names & {"FullyShardedDataParallel", "FSDPModule"}:
-        raise ValueError("mimose does not plan FSDP-sharded models (FSDP gathers and frees each block's "
-                         "parameters itself); plan the unsharded model, under torchrun for data parallelism")
     if "DeepSpeedEngine" in names:
         raise ValueError("mimose does not plan DeepSpeed engines (ZeRO shards and offloads the model itself); "
                          "plan the model before deepspeed.initialize, or drop mimose")

@@ -395,7 +395,7 @@ class ShuttlingCollector(BlockRunner):
                            np.array(ledger.nbytes, dtype=float), np.array(ledger.born, dtype=np.int64),
                            np.array(died, dtype=np.int64), probe.points, list(ledger.shapes),
                            dict(self.twin_of), np.array(ledger.heavy, dtype=bool), dict(self.op_ms),
-                           dict(self.op_works))
+                           dict(self.op_works), np.isin(np.arange(len(died)), sorted(ledger.comm)))
         return build_sample(self.marks, trace, len(self.blocks), per_block, self.dropped, self.twin_of)
 
     def abort(self) -> None:
@@ -466,6 +466,9 @@ class RawStep:
     op_works: dict = field(default_factory=dict)
     """``{block: [(heavy, dims, factor, gemm)]}``: the work of each op of its measuring run
     (``LiveProbe.works``; with ``lifetimes``)."""
+    comm: np.ndarray | None = None
+    """Whether each storage was a collective's buffer (``memory.probe._LifetimeLedger.comm``):
+    FSDP's, whose death point varies from run to run (``scaling.settled``)."""
 
 
 @dataclass
