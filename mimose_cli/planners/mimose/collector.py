@@ -31,7 +31,7 @@ from mimose_cli.planners.mimose.features import BLOCK_QUANTITIES, KEPT_SETS, STE
 from mimose_cli.planners.ops import COMPUTE_HEAVY_OPS, heavy_op_work, light_op_class
 from mimose_cli.planners.runners import BlockRunner, inside_checkpoint, recomputing, run_checkpointed
 from mimose_cli.planners.snapshots import RngState, restored_buffers
-from mimose_cli.torch_private import autocast_enabled, tree_leaves, tree_map
+from mimose_cli.torch_private import autocast_enabled, fsdp_unsharded_params, tree_leaves, tree_map
 
 OP_QUANTITIES = ("heavy_ms", "light_ms", "ops", "heavy_ops")
 """What a block's measuring run says of its ops (``RawStep.op_ms``)."""
@@ -246,7 +246,9 @@ class ShuttlingCollector(BlockRunner):
         # Which modules checkpoint themselves, and the weights' storages the saved-bytes
         # counter leaves out, are read once a step (every block's call asks).
         self.checkpointed = {n for n, m in self.modules.items() if getattr(m, "gradient_checkpointing", False) is True}
-        self.counter = SavedBytesCounter(exclude=self.model.parameters(), pin=True)
+        # Under FSDP2 the weights a graph saves are the unsharded parameters the units gathered.
+        self.counter = SavedBytesCounter(exclude=[*self.model.parameters(), *fsdp_unsharded_params(self.model)],
+                                         pin=True)
         self.marks: list = []
         self.mark_points: list = []
         self.calls = [0] * len(self.blocks)
