@@ -100,14 +100,15 @@ class Lockstep:
         that every rank is at an exchange of the same ``kind``: else (or once a rank saw the ranks
         disagree) ``ProbesDiverged`` on every rank of it."""
         kind = _POISON if self._diverged else kind
-        with without_dispatch_modes():  # the planner's own bytes: no meter or probe counts them
+        with without_dispatch_modes():  # the planner's own bytes and ops: no meter or probe sees them
             both = torch.tensor([kind, -kind, value, -value], dtype=torch.int64, device=_group_device())
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        if int(both[0]) != -int(both[1]) or kind == _POISON:
+            both = both.tolist()
+        if both[0] != -both[1] or kind == _POISON:
             self._diverged = True
             raise ProbesDiverged(f"rank {self.rank}'s planner asked for {what} that another rank did not: the "
                                  "ranks' probe steps would no longer match")
-        return -int(both[3]), int(both[2])
+        return -both[3], both[2]
 
     @contextlib.contextmanager
     def session(self):

@@ -19,7 +19,7 @@ from mimose_cli.planners.sharding import Lockstep, ProbesDiverged
 
 from helpers import bert_batch, tiny_bert
 
-BUDGET = 24 * 2**20
+BUDGET = 12 * 2**20
 LENGTHS = ([48, 64, 40], [160, 144, 176])  # rank r's batches: rank 1's need blocks checkpointed at BUDGET
 BATCH = 8
 OTHERS = ("full", "sublinear", "hf-every-n", "oracle")
@@ -74,17 +74,22 @@ def _train(rank: int, model, meter) -> list:
 
 
 def _others(rank: int, model, meter) -> dict:
-    """One step of each other planner (each prepared for this rank's longest batch first)."""
+    """Two steps of each other planner (each prepared for this rank's longest batch first): rank 0
+    repeats its size, rank 1 does not, so the oracle has measured rank 0's size already when rank
+    1's is new (it measures on both ranks then)."""
     ran = {}
     for name in OTHERS:
         with mimose_cli.build_planner(name, model, BUDGET, meter=meter) as planner:
-            batch = bert_batch(BATCH, LENGTHS[rank][0])
             planner.prepare(lambda size: bert_batch(*size), (BATCH, max(LENGTHS[rank])))
-            meter.track(batch)
-            with meter.step() as mem, planner.step(batch) as info:
-                model(**batch).loss.backward()
-            model.zero_grad(set_to_none=True)
-            ran[name] = {"plan": list(info.plan), "peak": mem.peak_bytes}
+            peaks = []
+            for length in (LENGTHS[rank][0], LENGTHS[rank][rank]):
+                batch = bert_batch(BATCH, length)
+                meter.track(batch)
+                with meter.step() as mem, planner.step(batch) as info:
+                    model(**batch).loss.backward()
+                model.zero_grad(set_to_none=True)
+                peaks.append(mem.peak_bytes)
+            ran[name] = {"plan": list(info.plan), "peak": max(peaks)}
     return ran
 
 
@@ -151,7 +156,7 @@ def test_each_rank_plans_its_own_batch_and_trains_as_the_unsharded_model(ranks):
             assert step["peak"] <= BUDGET
             assert step["peak"] <= step["predicted"] <= 1.02 * step["peak"], (rank, step)
     assert all(choice == "keep" for step in ranks[0]["steps"] for choice in step["plan"])
-    assert all("recompute" in step["plan"] or "selective" in step["plan"] for step in ranks[1]["steps"])
+    assert all(any(choice != "keep" for choice in step["plan"]) for step in ranks[1]["steps"]), ranks[1]["steps"]
     expected = _unsharded_losses()
     for rank, result in enumerate(ranks):
         assert [s["loss"] for s in result["steps"]] == pytest.approx(expected[rank], rel=1e-5, abs=1e-6)
@@ -184,7 +189,7 @@ def one_rank():
 
 def test_fsdp1_and_dtr_under_fsdp_are_refused_in_one_line(one_rank):
     with pytest.raises(ValueError, match="not FullyShardedDataParallel \\(FSDP1\\): shard with .*fully_shard"):
-        mimose_cli.Mimose(FullyShardedDataParallel(_model()), "1GB")
+        mimose_cli.Mimose(FullyShardedDataParallel(_model(), device_id=torch.device("cpu")), "1GB")
     model = _sharded(_model(), 1)
     with pytest.raises(ValueError, match="planner 'dtr' cannot plan an FSDP-sharded model"):
         mimose_cli.build_planner("dtr", model, "1GB")

@@ -6,8 +6,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 import mimose_cli
 
@@ -60,21 +58,6 @@ def test_track_refuses_what_it_cannot_count():
         with pytest.raises(ValueError, match=r"track\('optimizer'\): expected a module, an optimizer, a tensor"):
             planner.track("optimizer", 42)
         planner.track({"kept": [bert_batch(2, 8)["input_ids"]]})  # nested tensors are fine
-
-
-def test_an_fsdp_sharded_model_is_refused_in_one_line():
-    """FSDP2's ``fully_shard`` on a one-process gloo group (the CPU): the planner refuses the model
-    before it attaches anything."""
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-        for layer in model:
-            fully_shard(layer)
-        with pytest.raises(ValueError, match="does not plan FSDP-sharded models"):
-            mimose_cli.Mimose(model, "1GB")
-    finally:
-        dist.destroy_process_group()
-    mimose_cli.Mimose(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), "1GB").close()
 
 
 def test_a_compiled_model_on_the_simulated_device_is_said_to_run_eagerly():
