@@ -16,6 +16,7 @@ import mimose_cli
 from mimose_cli.memory import build_meter
 from mimose_cli.planners.recovery import RankOutOfMemoryError
 from mimose_cli.planners.sharding import Lockstep, ProbesDiverged
+from mimose_cli.torch_private import TorchDispatchMode
 
 from helpers import bert_batch, tiny_bert
 
@@ -93,6 +94,31 @@ def _others(rank: int, model, meter) -> dict:
     return ran
 
 
+class _Gathers(TorchDispatchMode):
+    """Counts the all-gathers a step runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.namespace == "c10d" and "allgather" in func.name()
+        return func(*args, **(kwargs or {}))
+
+
+def _gathers(rank: int, model) -> dict:
+    """All-gathers in one step with no block and with every block checkpointed."""
+    counts = {}
+    for name in ("none", "full"):
+        with mimose_cli.build_planner(name, model) as planner, _Gathers() as gathers:
+            batch = bert_batch(BATCH, LENGTHS[rank][0])
+            with planner.step(batch):
+                model(**batch).loss.backward()
+            model.zero_grad(set_to_none=True)
+        counts[name] = gathers.count
+    return counts
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
@@ -104,8 +130,9 @@ def _rank(rank: int, port: int, out: str) -> None:
             meter.track(model)
             steps, stats = _train(rank, model, meter)
             others = _others(rank, model, meter)
+        gathers = _gathers(rank, model)
         with open(f"{out}/rank{rank}.json", "w") as f:
-            json.dump({"said": said, "steps": steps, "stats": stats, "others": others}, f)
+            json.dump({"said": said, "steps": steps, "stats": stats, "others": others, "gathers": gathers}, f)
     finally:
         dist.destroy_process_group()
 
@@ -168,6 +195,13 @@ def test_the_other_planners_plan_a_sharded_model(ranks):
         for name, ran in result["others"].items():
             assert ran["peak"] <= BUDGET, name
     assert all(c == "recompute" for c in ranks[1]["others"]["full"]["plan"])
+
+
+def test_a_checkpointed_block_is_not_gathered_again_in_its_recompute(ranks):
+    """The router checkpoints a block's ``forward``, inside its FSDP unit's hooks: recomputing it
+    in backward reuses the parameters FSDP's pre-backward gathered."""
+    for result in ranks:
+        assert result["gathers"]["full"] == result["gathers"]["none"] > 0, result["gathers"]
 
 
 def test_ranks_that_disagree_on_a_probe_step_both_say_so(ranks):
