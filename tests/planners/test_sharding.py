@@ -20,9 +20,9 @@ from mimose_cli.torch_private import TorchDispatchMode
 
 from helpers import bert_batch, tiny_bert
 
-BUDGET = 12 * 2**20
-LENGTHS = ([48, 64, 40], [160, 144, 176])  # rank r's batches: rank 1's need blocks checkpointed at BUDGET
-BATCH = 8
+BUDGET = 6 * 2**20
+LENGTHS = ([48, 64, 40], [144, 128, 160])  # rank r's batches: rank 1's need blocks checkpointed at BUDGET
+BATCH = 4
 OTHERS = ("full", "sublinear", "hf-every-n", "oracle")
 TIMEOUT_S = 120
 
@@ -245,6 +245,6 @@ def test_out_of_memory_under_fsdp_is_not_retried_and_names_the_rank(one_rank):
     with meter.activate(), mimose_cli.build_planner("none", model, meter=meter) as planner:
         meter.track(model)
         batch = bert_batch(BATCH, 128)
-        with pytest.raises(RankOutOfMemoryError, match="rank 0 ran out of memory at step 0, input size \\(8, 128\\)"):
+        with pytest.raises(RankOutOfMemoryError, match=f"rank 0 ran out of memory at step 0, input size \\({BATCH}, 128\\)"):
             planner.run(lambda b: model(**b).loss.backward(), batch)
         assert planner.retries_total == 0
