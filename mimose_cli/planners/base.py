@@ -162,15 +162,11 @@ class Planner:
         """The policy's decision as this step's ``StepInfo``; a size that ran out of memory twice
         checkpoints every block (``recover``)."""
         start = time.perf_counter()
-        if self.policy.size_key(size) in self.full_sizes:  # the policy is not asked: its counts stay its own
-            plan = (RECOMPUTE,) * self.num_blocks
-            decision = Decision(plan, "recovery", predicted_peak_bytes=self.policy.predict_peak(size, plan))
-        else:
-            with self.parts.probing():  # under FSDP every rank enters here at every step
-                if self.policy.needs_prepare:  # the loop did not call prepare (a loop of the user's own)
-                    self.policy.prepare_from(_batch_maker(context.batch), size, context.step_fn)
-                decision = self.policy.decide(size, context)
-        planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
+        # Under FSDP every rank enters here at every step, whatever it decides; the wait for the
+        # others on leaving is not planning.
+        with self.parts.probing():
+            decision = self._policy_decision(size, context)
+            planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
         try:
             plan = self.parts.plan_runner.checked(decision.plan, self.num_blocks)
         except ValueError as err:
@@ -180,6 +176,14 @@ class Planner:
                         predicted_peak_bytes=decision.predicted_peak_bytes,
                         measured=decision.measure and self.policy.measurer is not None,
                         excluded_ms=decision.excluded_ms, retries=context.attempt)
+
+    def _policy_decision(self, size: tuple, context: StepContext) -> Decision:
+        if self.policy.size_key(size) in self.full_sizes:  # the policy is not asked: its counts stay its own
+            plan = (RECOMPUTE,) * self.num_blocks
+            return Decision(plan, "recovery", predicted_peak_bytes=self.policy.predict_peak(size, plan))
+        if self.policy.needs_prepare:  # the loop did not call prepare (a loop of the user's own)
+            self.policy.prepare_from(_batch_maker(context.batch), size, context.step_fn)
+        return self.policy.decide(size, context)
 
     def step(self, batch=None, input_size=None, *, attempt: int = 0, step_fn=None):
         """Decide and apply the plan for this batch, as a ``with`` block around its forward and
