@@ -238,9 +238,9 @@ def _patched_storage_resize(ledger: _Ledger):
     original = torch.UntypedStorage.resize_
 
     def resize_(storage, size):
-        if id(storage) not in ledger.refs and storage.nbytes() > 0:  # holding bytes from before it was seen
+        if id(storage) not in ledger.refs:
             return original(storage, size)
-        old_nbytes = storage.nbytes()  # an empty storage grown (FSDP's gathered parameters) is counted
+        old_nbytes = storage.nbytes()
         result = original(storage, size)
         added = ledger.add(storage)
         if added:
