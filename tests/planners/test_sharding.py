@@ -4,8 +4,10 @@ under FSDP is refused in one line."""
 
 import json
 import socket
+import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +16,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
 import mimose_cli
 from mimose_cli.memory import build_meter
+from mimose_cli.memory.probe import LiveProbe
+from mimose_cli.planners.mimose.collector import RawStep, Trace
+from mimose_cli.planners.mimose.scaling import settled, structure_difference
 from mimose_cli.planners.recovery import RankOutOfMemoryError
 from mimose_cli.planners.sharding import Lockstep, ProbesDiverged
 from mimose_cli.torch_private import TorchDispatchMode
@@ -248,3 +253,40 @@ def test_out_of_memory_under_fsdp_is_not_retried_and_names_the_rank(one_rank):
         with pytest.raises(RankOutOfMemoryError, match=f"rank 0 ran out of memory at step 0, input size \\({BATCH}, 128\\)"):
             planner.run(lambda b: model(**b).loss.backward(), batch)
         assert planner.retries_total == 0
+
+
+def _raw(live: list, died: list, comm: list) -> RawStep:
+    """A probe step of four ops and two storages, an activation (100 B, live throughout) and a
+    collective's buffer (50 B, from the second op)."""
+    points = len(live)
+    return RawStep(marks=[], mark_points=np.array([], dtype=np.int64),
+                   trace=Trace(np.array(live, dtype=float), np.zeros(points, dtype=bool), np.zeros(points, dtype=bool)),
+                   op_points=np.arange(points), per_block={}, dropped={}, nbytes=np.array([100.0, 50.0]),
+                   born=np.array([0, 1]), died=np.array(died), points=points, shapes=[None, None], twins={},
+                   comm=np.array(comm))
+
+
+def test_a_collectives_buffer_dies_where_its_worker_thread_let_go_at_the_latest():
+    """The process group's worker thread frees a buffer it held a moment after the step's last
+    reference, at an op that varies from run to run: two probes that differ only there are alike,
+    and each is taken with the buffer held until the later of the two (an upper bound)."""
+    early = _raw([100, 150, 100, 100], died=[4, 2], comm=[False, True])  # freed by the worker: marked
+    late = _raw([100, 150, 150, 100], died=[4, 3], comm=[False, False])  # freed by the step itself
+    assert structure_difference(early, late) is None
+    for raw in settled([early, late]):
+        assert raw.died.tolist() == [4, 3] and raw.trace.live.tolist() == [100, 150, 150, 100]
+    unmarked = _raw([100, 150, 100, 100], died=[4, 2], comm=[False, False])
+    assert structure_difference(unmarked, late) == "tensors lived at other ops at the other input size"
+
+
+def test_a_storage_another_thread_frees_is_taken_for_a_collectives_buffer():
+    """What frees it there is the process group's worker thread letting go of a collective's
+    tensors; a storage the step itself frees is not."""
+    probe = LiveProbe(lifetimes=True)
+    with probe:
+        held = [torch.ones(4) * 2, torch.ones(8) * 3]  # two ops' outputs: counted
+        thread = threading.Thread(target=held.pop)  # drops the second's last reference
+        thread.start()
+        thread.join()
+        del held[0]
+    assert [probe.ledger.nbytes[i] for i in probe.ledger.comm] == [8 * 4]  # the second product's alone
