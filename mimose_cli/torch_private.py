@@ -96,3 +96,19 @@ def without_dispatch_modes():
     exit): Mimose's probe steps measure themselves, so the simulated device need not count them
     op by op as well. Public replacement: none (the mode stack is private)."""
     return torch.utils._python_dispatch._disable_current_modes()
+
+
+def fsdp_unsharded_params(model) -> list:
+    """The unsharded parameters ``fully_shard`` (FSDP2) gathers each unit's shards into, where
+    the unit has gathered once (their storages stay the same objects, resized to nothing between
+    gathers): what a block's graph saves of its weights, which are parameters too. Public
+    replacement: none (``FSDPParam`` and a unit's state are private)."""
+    found = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+        for param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                found.append(unsharded)
+    return found

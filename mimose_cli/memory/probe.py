@@ -1,6 +1,7 @@
 """The collector's per-op probe: live storage bytes after every op, on any device."""
 
 import contextlib
+import threading
 import time
 
 import torch
@@ -25,6 +26,12 @@ class _LifetimeLedger(StorageLedger):
         self.heavy: list = []
         """Whether each storage was first seen as the output of one of the probe's
         ``heavy_ops`` (what a selective checkpoint keeps)."""
+        self.comm: set = set()
+        """The lifetimes of storages a collective (``c10d``) read or wrote, or that another
+        thread freed: FSDP's all-gather and reduce-scatter buffers and the process group's own,
+        which its worker thread may hold a moment past the step's last reference, so that the
+        point they die at varies from run to run."""
+        self._thread = threading.get_ident()
 
     def _start(self, ref, tensor) -> None:
         ref.index = len(self.nbytes)
@@ -51,9 +58,19 @@ class _LifetimeLedger(StorageLedger):
             self._start(ref, tensor)
         return added
 
+    def mark_comm(self, tensors) -> None:
+        """Note the storages of ``tensors`` (a collective's) as ``comm``."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and not tensor.is_meta:
+                ref = self.refs.get(id(tensor.untyped_storage()))
+                if ref is not None and getattr(ref, "index", None) is not None:
+                    self.comm.add(ref.index)
+
     def _free(self, ref) -> None:
         if self.refs.get(ref.key) is ref and getattr(ref, "index", None) is not None:
             self.died[ref.index] = self.probe.points
+            if threading.get_ident() != self._thread:
+                self.comm.add(ref.index)
         super()._free(ref)
 
 
@@ -126,6 +143,31 @@ class LiveProbe(UncompiledDispatchMode):
         self.points += 1
         return self.points - 1
 
+    def __enter__(self):
+        # FSDP allocates and frees the gathered parameters by resizing their storages, which
+        # does not go through the dispatcher: followed here (as the simulated device does).
+        original = torch.UntypedStorage.resize_
+        ledger, probe = self.ledger, self
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            ledger.add(storage, probe._counting)
+            return result
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_
+        try:
+            return super().__enter__()
+        except BaseException:
+            torch.UntypedStorage.resize_ = original
+            raise
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            torch.UntypedStorage.resize_ = self._resize
+
     def ignore(self, tensors) -> None:
         for tensor in tensors:
             if tensor is not None and tensor.layout is torch.strided:
@@ -170,6 +212,8 @@ class LiveProbe(UncompiledDispatchMode):
                     self.ledger.add(leaf.untyped_storage(), self._counting, leaf)
                 else:
                     self.ledger.add(leaf.untyped_storage(), self._counting)
+        if self.lifetimes and func.namespace == "c10d":
+            self.ledger.mark_comm([*leaves, *tree_leaves((args, kwargs))])
         if not self._counting:
             return out
         self.trace.append(self.ledger.live)

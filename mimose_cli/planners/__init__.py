@@ -21,6 +21,7 @@ _EXPORTS = {
     "FullOffloadPolicy": "baselines.full_offload", "Oracle": "baselines.oracle", "OraclePolicy": "baselines.oracle",
     "Sublinear": "baselines.sublinear", "SublinearPolicy": "baselines.sublinear",
     "Mimose": "mimose.policy", "MimosePolicy": "mimose.policy",
+    "RankOutOfMemoryError": "recovery", "ProbesDiverged": "sharding",
 }
 
 

@@ -17,14 +17,17 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from mimose_cli.files import write_text
 from mimose_cli.planners.blocks import RECOMPUTE
 from mimose_cli.planners.contract import NO_CONTEXT, Decision, Policy, StepContext, StepInfo  # noqa: F401 (re-exported)
 from mimose_cli.planners.inputs import checked_input_size, infer_input_size, resized_batch
 from mimose_cli.planners.options import parse_options
 from mimose_cli.planners.parts import PlannerParts, resolve_blocks
-from mimose_cli.planners.recovery import run_recovering
+from mimose_cli.planners.recovery import RankOutOfMemoryError, rank_out_of_memory, run_recovering
 from mimose_cli.planners.registry import PLANNERS
+from mimose_cli.planners.sharding import lockstep_for
 from mimose_cli.planners.trial import refuse_inside_probe
 from mimose_cli.planners.usage import EnteredOnce, check_model, check_supported, claim, release
 
@@ -64,12 +67,14 @@ class Planner:
         self.total_planning_ms = 0.0
         self.full_sizes: set = set()  # sizes that ran out of memory twice: every block from then on
         self.retries_total = 0
-        check_supported(model, policy.name)
+        check_supported(model)
         resolved = resolve_blocks(model, blocks)
+        lockstep = lockstep_for(model, resolved, policy.name)  # FSDP2: the ranks' probe steps agree
         claim(model, self)
         try:
             self.parts = PlannerParts(model, resolved, budget, safety_margin=safety_margin, meter=meter,
-                                      builds_meter=policy.builds_meter, owner=self, options=planner_options)
+                                      builds_meter=policy.builds_meter, owner=self, options=planner_options,
+                                      lockstep=lockstep)
         except BaseException:
             release(model, self)
             raise
@@ -140,7 +145,8 @@ class Planner:
     def prepare(self, make_batch, max_input_size: tuple, reserve_bytes: int = 0, step_fn=None) -> None:
         """Before training (``Policy.prepare``): static plans, Mimose's probe steps."""
         self._check_open("prepare")
-        self.policy.prepare(make_batch, checked_input_size(max_input_size), reserve_bytes, step_fn)
+        with self.parts.probing():
+            self.policy.prepare(make_batch, checked_input_size(max_input_size), reserve_bytes, step_fn)
 
     def prepared_note(self) -> str | None:
         return self.policy.prepared_note()
@@ -156,14 +162,11 @@ class Planner:
         """The policy's decision as this step's ``StepInfo``; a size that ran out of memory twice
         checkpoints every block (``recover``)."""
         start = time.perf_counter()
-        if self.policy.size_key(size) in self.full_sizes:  # the policy is not asked: its counts stay its own
-            plan = (RECOMPUTE,) * self.num_blocks
-            decision = Decision(plan, "recovery", predicted_peak_bytes=self.policy.predict_peak(size, plan))
-        else:
-            if self.policy.needs_prepare:  # the loop did not call prepare (a loop of the user's own)
-                self.policy.prepare_from(_batch_maker(context.batch), size, context.step_fn)
-            decision = self.policy.decide(size, context)
-        planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
+        # Under FSDP every rank enters here at every step, whatever it decides; the wait for the
+        # others on leaving is not planning.
+        with self.parts.probing():
+            decision = self._policy_decision(size, context)
+            planning_ms = (time.perf_counter() - start) * 1e3 - decision.excluded_ms
         try:
             plan = self.parts.plan_runner.checked(decision.plan, self.num_blocks)
         except ValueError as err:
@@ -173,6 +176,14 @@ class Planner:
                         predicted_peak_bytes=decision.predicted_peak_bytes,
                         measured=decision.measure and self.policy.measurer is not None,
                         excluded_ms=decision.excluded_ms, retries=context.attempt)
+
+    def _policy_decision(self, size: tuple, context: StepContext) -> Decision:
+        if self.policy.size_key(size) in self.full_sizes:  # the policy is not asked: its counts stay its own
+            plan = (RECOMPUTE,) * self.num_blocks
+            return Decision(plan, "recovery", predicted_peak_bytes=self.policy.predict_peak(size, plan))
+        if self.policy.needs_prepare:  # the loop did not call prepare (a loop of the user's own)
+            self.policy.prepare_from(_batch_maker(context.batch), size, context.step_fn)
+        return self.policy.decide(size, context)
 
     def step(self, batch=None, input_size=None, *, attempt: int = 0, step_fn=None):
         """Decide and apply the plan for this batch, as a ``with`` block around its forward and
@@ -213,6 +224,11 @@ class Planner:
                 runner.begin(info, batch)  # inside: what a begin that raised had entered is left by abort
                 with parts.router.using(runner):
                     yield info
+            except torch.OutOfMemoryError as error:
+                runner.abort()
+                if parts.lockstep is None or isinstance(error, RankOutOfMemoryError):
+                    raise
+                raise rank_out_of_memory(parts, info, error) from error  # never retried on one rank
             except BaseException:
                 runner.abort()
                 raise

@@ -44,8 +44,10 @@ class PlannerParts:
     router's hooks keep alive (``blocks.StepRouter``)."""
 
     def __init__(self, model, blocks: list, budget=None, *, safety_margin="auto", meter=None,
-                 builds_meter: bool = False, owner=None, options=None):
+                 builds_meter: bool = False, owner=None, options=None, lockstep=None):
         self.model = model
+        self.lockstep = lockstep
+        """``sharding.Lockstep`` for an FSDP2-sharded model (every rank's probe steps agree), else None."""
         self.options = NoOptions() if options is None else options
         """The planner's options (``planners.options``: ``MimoseOptions``, ...), checked already."""
         self.blocks = blocks
@@ -99,6 +101,11 @@ class PlannerParts:
         if self.budget_bytes is None:
             return None
         return self.budget_bytes - self.safety_margin_bytes
+
+    def probing(self):
+        """Around what may run probe steps (a policy's ``prepare``, ``decide``): under FSDP a
+        ``Lockstep.session`` every rank enters at the same point; else nothing."""
+        return self.lockstep.session() if self.lockstep is not None else contextlib.nullcontext()
 
     def set_plan(self, plan) -> None:
         """Put ``plan`` (one of ``blocks.CHOICES`` per block) in force until the next step decides

@@ -31,6 +31,35 @@ class PlanOutOfMemoryError(torch.OutOfMemoryError):
         self.retries = retries
 
 
+class RankOutOfMemoryError(torch.OutOfMemoryError):
+    """A step of an FSDP-sharded model that ran out of memory on this rank: never retried (a
+    retry would run one more forward and backward here than on the other ranks, whose
+    collectives would then wait on this one forever). The launcher catches it and stops every
+    rank; its attributes name what failed: ``rank``, ``step`` (the planner's step count),
+    ``input_size``, and the bytes ``budget_bytes``, ``predicted_bytes`` (None: no prediction)
+    and ``reached_bytes``."""
+
+    def __init__(self, message: str, rank: int, step: int, input_size: tuple, budget_bytes, predicted_bytes,
+                 reached_bytes: int):
+        super().__init__(message)
+        self.rank, self.step, self.input_size = rank, step, tuple(input_size)
+        self.budget_bytes, self.predicted_bytes, self.reached_bytes = budget_bytes, predicted_bytes, reached_bytes
+
+
+def rank_out_of_memory(parts, info, error: BaseException) -> RankOutOfMemoryError:
+    """The ``RankOutOfMemoryError`` of a sharded step (``info``, a ``StepInfo``) that raised
+    ``error``, in one line with the figures and the fix."""
+    rank = parts.lockstep.rank
+    budget = getattr(parts.meter, "budget_bytes", None) or parts.budget_bytes
+    reached = reached_bytes(error, parts.meter)
+    predicted = "none" if info.predicted_peak_bytes is None else format_bytes(info.predicted_peak_bytes)
+    message = (f"rank {rank} ran out of memory at step {info.step}, input size {tuple(info.input_size)}: budget "
+               f"{'unlimited' if budget is None else format_bytes(budget)}, predicted {predicted}, reached "
+               f"{format_bytes(reached)}; under FSDP a step is not retried on one rank: stop every rank, then "
+               "raise the budget or lower the batch size or sequence length")
+    return RankOutOfMemoryError(message, rank, info.step, info.input_size, budget, info.predicted_peak_bytes, reached)
+
+
 def oom_message(size, retries: int, checkpointed: str, budget_bytes, predicted_bytes, reached_bytes,
                 fix: str = "raise the budget or lower the batch size or sequence length") -> str:
     """The one line that ends a run: what failed, the three figures, and the fix (never what the
@@ -103,9 +132,11 @@ def run_recovering(planner, step_fn, batch, size: tuple):
     gradients accumulated before it kept) and the batch run again: first with the planner's own
     remedy (``recover``), then with every block checkpointed; if that fails too,
     ``PlanOutOfMemoryError`` says why with the budget, the prediction and what was reached. Each
-    attempt's number reaches the policy in its ``StepContext``. The optimizer is never touched."""
+    attempt's number reaches the policy in its ``StepContext``. The optimizer is never touched.
+    Under FSDP the first failure raises (``RankOutOfMemoryError``), its attempt undone."""
     guard = StepGuard(planner.model, batch)
-    last_try = planner.policy.max_retries if planner.policy.adapts else 0
+    # Under FSDP no retry: ``planner.step`` raises ``RankOutOfMemoryError`` for the launcher.
+    last_try = planner.policy.max_retries if planner.policy.adapts and planner.parts.lockstep is None else 0
     try:
         for attempt in range(last_try + 1):
             result, failure = _attempt(planner, step_fn, batch, size, attempt, guard)
@@ -137,7 +168,7 @@ def _attempt(planner, step_fn, batch, size: tuple, attempt: int, guard: StepGuar
         with planner.step(batch, size, attempt=attempt, step_fn=step_fn):
             return step_fn(batch), None
     except torch.OutOfMemoryError as error:
-        if isinstance(error, PlanOutOfMemoryError):
+        if isinstance(error, (PlanOutOfMemoryError, RankOutOfMemoryError)):
             raise
         reached = reached_bytes(error, planner.meter)
     # Outside the except block: the error's traceback, which pins the failed step's activations,

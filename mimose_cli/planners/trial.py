@@ -96,7 +96,19 @@ def probe_step(parts, batch, step_fn=None):
     its loss scaling); without it, the model's loss (``loss_of``) is backpropagated. What the probe
     could not undo, ``step_fn`` stepping an optimizer or another planner, raises ``ProbeRefused``
     before it happens. Returns the probe's peak (0 without a meter), or None when it ran out of
-    memory."""
+    memory. Under FSDP (``parts.lockstep``) every rank runs it or none does (``Lockstep.ticket``:
+    which blocks run is the ticket), and each returns the same: the largest rank's peak, None when
+    any ran out of memory, so that what a planner decides from it is every rank's decision."""
+    lockstep = getattr(parts, "lockstep", None)
+    if lockstep is None:
+        return _probe_step(parts, batch, step_fn)
+    lockstep.ticket(f"probe step over {sum(1 for _ in parts.model.modules())} modules")
+    peak = _probe_step(parts, batch, step_fn)
+    low, high = lockstep.spread(-1 if peak is None else peak)
+    return None if low < 0 else high
+
+
+def _probe_step(parts, batch, step_fn=None):
     meter = parts.meter
     params = list(parts.model.parameters())
     grads = [p.grad for p in params]

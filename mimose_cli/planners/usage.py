@@ -1,8 +1,7 @@
 """Mistakes in using a planner from code, each said in one line instead of an internal error or
 nothing: a second planner on a model that has one, a step inside a step, a planner used after
 ``close``, ``step`` called without ``with``, ``track`` given something it cannot count, a model
-that is no model instance (its class, the function that builds it), sharded by FSDP or wrapped by
-DeepSpeed; and a compiled model on the simulated device, which runs
+that is no model instance (its class, the function that builds it), wrapped by DeepSpeed; and a compiled model on the simulated device, which runs
 eagerly."""
 
 import contextlib
@@ -71,21 +70,11 @@ def check_model(model) -> None:
                               "{0}(config) or {0}.from_pretrained(name)", "pass the model to train")
 
 
-SHARD_READY = ("none", "full", "hf-every-n")
-"""Planners that may plan a ``fully_shard``ed model: their plans are fixed, or measured on the
-sharded model itself (hf-every-n's stride), so no estimate of FSDP's memory is involved."""
-
-
-def check_supported(model, planner: str | None = None) -> None:
-    """ValueError for a model ``planner`` (a planner's name) cannot plan: one sharded by FSDP
-    (``FullyShardedDataParallel``, or ``fully_shard`` for a planner not in ``SHARD_READY``) or
-    wrapped by DeepSpeed, which gather, shard and offload its parameters block by block
-    themselves, in memory neither the meter nor the estimates model."""
+def check_supported(model) -> None:
+    """ValueError for a model mimose cannot plan: one wrapped by DeepSpeed, which shards and
+    offloads its parameters block by block itself, in memory neither the meter nor the plans
+    model. FSDP is ``planners.sharding``'s to check (FSDP2 is planned, FSDP1 refused)."""
     names = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
-    if "FullyShardedDataParallel" in names or ("FSDPModule" in names and planner not in SHARD_READY):
-        raise ValueError(f"{planner or 'mimose'} does not plan FSDP-sharded models (FSDP gathers and frees each "
-                         "block's parameters itself); plan with planner none, full or hf-every-n, or plan the "
-                         "unsharded model (training.parallel=ddp), under torchrun for data parallelism")
     if "DeepSpeedEngine" in names:
         raise ValueError("mimose does not plan DeepSpeed engines (ZeRO shards and offloads the model itself); "
                          "plan the model before deepspeed.initialize, or drop mimose")

@@ -6,12 +6,8 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 import mimose_cli
-from mimose_cli.planners.base import build_planner
-from mimose_cli.planners.usage import SHARD_READY
 
 from helpers import bert_batch, tiny_bert
 
@@ -62,26 +58,6 @@ def test_track_refuses_what_it_cannot_count():
         with pytest.raises(ValueError, match=r"track\('optimizer'\): expected a module, an optimizer, a tensor"):
             planner.track("optimizer", 42)
         planner.track({"kept": [bert_batch(2, 8)["input_ids"]]})  # nested tensors are fine
-
-
-def test_an_fsdp_sharded_model_is_refused_in_one_line():
-    """FSDP2's ``fully_shard`` on a one-process gloo group (the CPU): Mimose refuses the model
-    before it attaches anything; the planners of ``SHARD_READY`` (the launcher's
-    ``training.parallel=fsdp``) plan it."""
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-        for layer in model:
-            fully_shard(layer)
-        with pytest.raises(ValueError, match="does not plan FSDP-sharded models"):
-            mimose_cli.Mimose(model, "1GB")
-        # Planners whose plans are fixed, or measured on the sharded model, plan it.
-        for name in SHARD_READY:
-            options = {"every_n_layers": 1} if name == "hf-every-n" else {}
-            build_planner(name, model, None, **options).close()
-    finally:
-        dist.destroy_process_group()
-    mimose_cli.Mimose(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), "1GB").close()
 
 
 def test_a_compiled_model_on_the_simulated_device_is_said_to_run_eagerly():

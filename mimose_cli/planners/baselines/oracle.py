@@ -498,6 +498,8 @@ class OraclePolicy(Policy):
         """The least-recompute plan that fits, from this size's measurements (taken now if new)."""
         start = time.perf_counter()
         hit = size in self.measured
+        if self.parts.lockstep is not None:  # FSDP: every rank measures when any must (the same steps)
+            hit = not self.parts.lockstep.any(not hit)
         if not hit:
             self.measured[size] = self.measure(size, context.batch)
         pred = self.measured[size]

@@ -31,7 +31,7 @@ from mimose_cli.planners.mimose.features import BLOCK_QUANTITIES, KEPT_SETS, STE
 from mimose_cli.planners.ops import COMPUTE_HEAVY_OPS, heavy_op_work, light_op_class
 from mimose_cli.planners.runners import BlockRunner, inside_checkpoint, recomputing, run_checkpointed
 from mimose_cli.planners.snapshots import RngState, restored_buffers
-from mimose_cli.torch_private import autocast_enabled, tree_leaves, tree_map
+from mimose_cli.torch_private import autocast_enabled, fsdp_unsharded_params, tree_leaves, tree_map
 
 OP_QUANTITIES = ("heavy_ms", "light_ms", "ops", "heavy_ops")
 """What a block's measuring run says of its ops (``RawStep.op_ms``)."""
@@ -246,7 +246,9 @@ class ShuttlingCollector(BlockRunner):
         # Which modules checkpoint themselves, and the weights' storages the saved-bytes
         # counter leaves out, are read once a step (every block's call asks).
         self.checkpointed = {n for n, m in self.modules.items() if getattr(m, "gradient_checkpointing", False) is True}
-        self.counter = SavedBytesCounter(exclude=self.model.parameters(), pin=True)
+        # Under FSDP2 the weights a graph saves are the unsharded parameters the units gathered.
+        self.counter = SavedBytesCounter(exclude=[*self.model.parameters(), *fsdp_unsharded_params(self.model)],
+                                         pin=True)
         self.marks: list = []
         self.mark_points: list = []
         self.calls = [0] * len(self.blocks)
@@ -395,7 +397,7 @@ class ShuttlingCollector(BlockRunner):
                            np.array(ledger.nbytes, dtype=float), np.array(ledger.born, dtype=np.int64),
                            np.array(died, dtype=np.int64), probe.points, list(ledger.shapes),
                            dict(self.twin_of), np.array(ledger.heavy, dtype=bool), dict(self.op_ms),
-                           dict(self.op_works))
+                           dict(self.op_works), np.isin(np.arange(len(died)), sorted(ledger.comm)))
         return build_sample(self.marks, trace, len(self.blocks), per_block, self.dropped, self.twin_of)
 
     def abort(self) -> None:
@@ -466,6 +468,9 @@ class RawStep:
     op_works: dict = field(default_factory=dict)
     """``{block: [(heavy, dims, factor, gemm)]}``: the work of each op of its measuring run
     (``LiveProbe.works``; with ``lifetimes``)."""
+    comm: np.ndarray | None = None
+    """Whether each storage was a collective's buffer (``memory.probe._LifetimeLedger.comm``):
+    FSDP's, whose death point varies from run to run (``scaling.settled``)."""
 
 
 @dataclass

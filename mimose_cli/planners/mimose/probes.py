@@ -32,10 +32,12 @@ from mimose_cli.planners.mimose.scaling import (
     run_difference,
     sample_difference,
     selective_keeps,
+    settled,
     side_multiple,
     structure_difference,
     twin_difference,
 )
+from mimose_cli.planners.sharding import ProbesDiverged
 from mimose_cli.planners.trial import ProbeRefused, probe_step, probe_with_runner, to_model_device
 from mimose_cli.planners.usage import said
 from mimose_cli.torch_private import without_dispatch_modes
@@ -166,7 +168,26 @@ class Probes:
 
     def run(self, max_size: tuple) -> ProbeResult:
         """The probe steps, scaled to samples at every size up to ``max_size``; where they cannot
-        be scaled, the result says why (``fallback``) and has no samples."""
+        be scaled, the result says why (``fallback``) and has no samples. Under FSDP a fallback
+        on any rank is every rank's (``_agreed``): the sheltered phase then starts together."""
+        return self._agreed(self._run(max_size))
+
+    def _agreed(self, result: ProbeResult) -> ProbeResult:
+        lockstep = self.parts.lockstep
+        if lockstep is None:
+            return result
+        try:
+            elsewhere = lockstep.any(bool(result.fallback)) and not result.fallback
+        except ProbesDiverged as error:
+            result.fallback = result.fallback or str(error)
+            elsewhere = False
+        if elsewhere:
+            result.fallback = "another rank's probe steps could not be scaled"
+        if result.fallback:
+            result.samples = []
+        return result
+
+    def _run(self, max_size: tuple) -> ProbeResult:
         start = time.perf_counter()
         collector_ms = self.measurer.collector_ms
         try:
@@ -331,10 +352,10 @@ class Probes:
         """The two measured probe steps at ``sizes`` (``RawStep``s), the first once more when it
         ran otherwise than the second: what only the first step of a process does (a GradScaler
         creating its scale, a lazily built cache)."""
-        raws = [self._probe_step(size, twins) for size in sizes]
+        raws = settled([self._probe_step(size, twins) for size in sizes])
         self.counts.probe_steps += 2
         if structure_difference(*raws) is not None:
-            raws[0] = self._probe_step(sizes[0], twins)
+            raws = settled([self._probe_step(sizes[0], twins), raws[1]])
             self.counts.probe_steps += 1
         return raws
 
@@ -345,6 +366,12 @@ class Probes:
         unless the plain probe step saw its inputs need gradients otherwise than the next one's
         (frozen embeddings): then, as without ``first_leads``, its second does, and the plain
         probe step runs again without the layers that leaves out."""
+        if self.parts.lockstep is not None:
+            # Under FSDP a block's bytes hold the gathered and reduced buffers of its neighbours,
+            # which differ at a stack's ends: no block stands for another, none is left out.
+            self.counts.probe_twins_refused = "FSDP: each block's gathered buffers are its own"
+            return {}, self._probe_releases(size, [])[0]
+
         def layout(first_leads: bool) -> tuple:
             twins = twin_blocks(self.parts.blocks, first_leads)
             runs, self.counts.probe_skips_refused = stack_runs(self.parts.blocks, twins)

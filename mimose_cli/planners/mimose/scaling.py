@@ -21,6 +21,7 @@ kernel choice differs from the probes' is caught by the check every planned step
 measured peak against the prediction), which then measures that size.
 """
 
+import dataclasses
 import functools
 import math
 from fractions import Fraction
@@ -346,7 +347,8 @@ def structure_difference(a: RawStep, b: RawStep) -> str | None:
                 f"{len(a.nbytes)} and {len(b.nbytes)} storages)")
     if [m[0] for m in a.marks] != [m[0] for m in b.marks] or not np.array_equal(a.mark_points, b.mark_points):
         return "the blocks ran in another order at the other input size"
-    if not (np.array_equal(a.born, b.born) and np.array_equal(a.died, b.died)):
+    settled_ = ~_comm(a) & ~_comm(b)  # a collective's buffers die where its worker lets go (``settled``)
+    if not (np.array_equal(a.born, b.born) and np.array_equal(a.died[settled_], b.died[settled_])):
         return "tensors lived at other ops at the other input size"
     if not (np.array_equal(a.trace.recompute, b.trace.recompute)
             and np.array_equal(a.trace.autocast, b.trace.autocast)):
@@ -356,6 +358,40 @@ def structure_difference(a: RawStep, b: RawStep) -> str | None:
     if a.twins != b.twins:
         return "other blocks ran without a measuring run at the other input size"
     return None
+
+
+def _comm(raw: RawStep) -> np.ndarray:
+    """Which of ``raw``'s storages were a collective's buffers (none when not recorded)."""
+    return raw.comm if raw.comm is not None else np.zeros(len(raw.nbytes), dtype=bool)
+
+
+def settled(raws: list) -> list:
+    """``raws`` (steps alike: the same storages) with each collective's buffer (``RawStep.comm``:
+    FSDP's all-gather and reduce-scatter buffers) dying at the latest point it died at in any of
+    them, and the live bytes at every point raised to match. Such a buffer is held by the process
+    group's worker thread until it lets go, a few ops after the step's last reference or not, from
+    run to run; its bytes do not depend on the input size, and the latest death bounds the step's
+    live bytes from above."""
+    if any(r.comm is None or len(r.nbytes) != len(raws[0].nbytes) for r in raws):
+        return raws
+    comm = np.any([r.comm for r in raws], axis=0)
+    if not comm.any():
+        return raws
+    latest = np.max([r.died for r in raws], axis=0)
+    return [_died_at(dataclasses.replace(r, comm=comm), np.where(comm, latest, r.died)) for r in raws]
+
+
+def _died_at(raw: RawStep, died: np.ndarray) -> RawStep:
+    """``raw`` with its storages dying at ``died`` (never earlier than they did), its trace and
+    marks' live bytes raised by what lives longer."""
+    extra = np.zeros(raw.points + 1)
+    longer = died > raw.died
+    np.add.at(extra, raw.died[longer], raw.nbytes[longer])
+    np.add.at(extra, died[longer], -raw.nbytes[longer])
+    extra = np.cumsum(extra)[: raw.points]
+    trace = Trace(raw.trace.live + extra[raw.op_points], raw.trace.recompute, raw.trace.autocast)
+    marks = [(label, index, live + float(extra[p])) for (label, index, live), p in zip(raw.marks, raw.mark_points)]
+    return dataclasses.replace(raw, marks=marks, trace=trace, died=died)
 
 
 def _recomputed(raw: RawStep, at: dict, i: int):
