@@ -65,7 +65,7 @@ def measure_range(planner: Planner, batch, input_size: tuple, later_bytes: int) 
     checkpointed, through its plan runner, plus ``later_bytes``."""
     least = planner.policy.least_memory()
     peaks = []
-    with planner.meter.unlimited():
+    with planner.meter.unlimited(), planner.parts.probing():  # FSDP2: every rank runs them together
         for plan in (least.plan, (KEEP,) * planner.num_blocks):
             peak = probe_with_plan(planner.parts, batch, plan)
             peaks.append(None if peak is None else peak + later_bytes)
