@@ -42,7 +42,7 @@ from mimose_cli.launcher.distributed import (
     quiet_unless_main,
 )
 from mimose_cli.launcher.evaluate import eval_line, evaluate
-from mimose_cli.launcher.failures import RankOutOfMemory, stopped_by
+from mimose_cli.launcher.failures import RankOutOfMemory, sizes_out_of_memory, stopped_by
 from mimose_cli.launcher.models import model_config
 from mimose_cli.launcher.preflight import (
     BudgetRange,
@@ -367,6 +367,9 @@ def _train(run: Run, writer: RunWriter, view: ProgressView, stop: StopRequest, c
             restore_sharded_step_state(trainer, run.checkpoint)
         elif run.checkpoint is not None:
             restore_step_state(trainer, run.checkpoint, trainer.world.rank)
+        if run.checkpoint is not None:  # the estimate that planned a step out of memory was wrong there
+            for size in sizes_out_of_memory(run.run_dir):
+                trainer.planner.policy.distrust(size)
         accumulation = recipe.training.gradient_accumulation_steps
         micro_batches = (run.total_steps - run.start.step) * accumulation
         batches = _data_batches(recipe, run.dataset, run.config, micro_batches, run.first_loader, run.start,

@@ -150,6 +150,11 @@ class Policy:
         checkpoints every block for that size from then on (Mimose first tries a margin)."""
         return False
 
+    def distrust(self, size: tuple) -> None:
+        """Measure ``size`` before planning it from an estimate again: a step of that size ran out
+        of memory in an earlier segment of the run (a resumed run). Nothing for a policy that
+        does not estimate."""
+
     def least_memory(self) -> Decision:
         """The plan that runs a step in the least memory this policy can, which the pre-flight
         measures at the largest input (no budget below it runs the recipe with this policy): every

@@ -251,3 +251,14 @@ def test_a_step_that_peaks_above_its_prediction_has_its_size_measured_again(shel
         _, peak, after = run_step(planner, meter, batch)
         assert after.phase == "responsive" and peak <= after.predicted_peak_bytes
         assert planner.stats["underpredictions"] == 1
+
+
+def test_a_distrusted_size_is_measured_before_it_is_planned_again(sheltered):
+    """A resumed run distrusts the sizes that ran out of memory before (launcher/failures.py's
+    out_of_memory.jsonl): their next step is measured, the ones after are planned."""
+    with fitted_mimose(sheltered.state, "20MB") as (planner, meter):
+        batch = bert_batch(3, 30)
+        assert run_step(planner, meter, batch)[2].phase == "responsive"
+        planner.policy.distrust((3, 30))
+        assert run_step(planner, meter, batch)[2].phase == "measuring"
+        assert run_step(planner, meter, batch)[2].phase == "responsive"

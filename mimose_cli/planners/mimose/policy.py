@@ -496,6 +496,9 @@ class MimosePolicy(Policy):
         self.counts.unseen_bytes += int(under)
         self.cache.clear()
 
+    def distrust(self, size: tuple) -> None:
+        self.contradicted.add(self.cache_key(tuple(size)))
+
     def _contradiction(self, key: tuple) -> str | None:
         """Why a size whose planned step peaked above its prediction is measured again, or None."""
         return "a planned step of this size peaked above its prediction" if key in self.contradicted else None
