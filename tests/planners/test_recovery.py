@@ -124,7 +124,7 @@ def test_none_does_not_adapt_so_it_fails_at_once():
         x = torch.randn(64, 32)
         meter.budget_bytes = meter.current_bytes() + 10_000
         planner = build_planner("none", model, "1GB", meter=meter)
-        with pytest.raises(PlanOutOfMemoryError, match="after 0 retries, the last with 0 of 4 blocks"):
+        with pytest.raises(PlanOutOfMemoryError, match="ran out of memory. After 0 retries, the last with 0 of 4 blocks"):
             planner.run(lambda x: model(x).sum().backward(), x, input_size=(64, 32))
         assert planner.stats["retries"] == 0
         planner.close()
