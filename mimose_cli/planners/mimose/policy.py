@@ -131,9 +131,10 @@ class MimoseCounters:
 
 
 UNSEEN_SHARE = 0.02
-"""A planned step's peak above its prediction by at most this share of the limit is taken as
-bytes the probes do not see (``MimosePolicy._unseen``), more as a fit wrong at that size (measured
-again). On an H200 the fused kernels' scratch memory was 0.6-1.5 % of the budget."""
+"""A planned step's peak above its prediction by more than this share of the limit, at a size
+never measured, also has that size measured (the fit may be wrong there); every shortfall is added
+to later predictions (``MimosePolicy._unseen``). On an H200 the fused kernels' scratch memory was
+0.6-1.5 % of the budget."""
 
 _EARLIER_COUNTERS = {"sheltered_done": "sheltered_iterations", "fit_ms": "estimator_fit_ms",
                      "untrusted": "untrusted_steps", "measuring": "measuring_steps"}
@@ -481,18 +482,19 @@ class MimosePolicy(Policy):
             return
         self.counts.underpredictions += 1
         self.counts.max_underprediction_bytes = max(self.counts.max_underprediction_bytes, under)
-        key = self.cache_key(info.input_size)
-        if tuple(info.input_size) in self.estimator.sizes or under <= UNSEEN_SHARE * (self.parts.limit_bytes or 0):
-            self._unseen(under)
-        else:  # the fit is wrong at this size: measure it
-            self.contradicted.add(key)
+        self._unseen(under)
+        measured = tuple(info.input_size) in self.estimator.sizes
+        if not measured and under > UNSEEN_SHARE * (self.parts.limit_bytes or 0):
+            self.contradicted.add(self.cache_key(info.input_size))  # the fit may be wrong here: measure it
 
     def _unseen(self, under: int) -> None:
-        """A planned step peaked ``under`` bytes above its prediction at a size already measured,
-        or by little: bytes the probes' per-op timeline does not see (a GPU kernel's scratch
-        memory, a library's workspace, the allocator's rounding). Measuring the size again cannot
-        show them, and on an H200 measuring each such size cost 13 of 40 steps; they are added to
-        every prediction from now on, and the plans cached without them are planned again."""
+        """A planned step peaked ``under`` bytes above its prediction: bytes the probes' per-op
+        timeline may not see (a GPU kernel's scratch memory, a library's workspace, FSDP's
+        prefetched parameters beside a recompute). Measuring the size again cannot show those,
+        and on an H200 measuring each such size cost 13 of 40 steps; so they are added to every
+        prediction from now on (conservative where they do not recur), and the plans cached
+        without them are planned again. A large shortfall at a size never measured also has that
+        size measured (``observe``)."""
         self.counts.unseen_bytes += int(under)
         self.cache.clear()
 
