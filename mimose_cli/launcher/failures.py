@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from mimose_cli.planners.recovery import RankOutOfMemoryError
+from mimose_cli.units import format_bytes
+
 OUT_OF_MEMORY_FILE = "out_of_memory.jsonl"
 """In the run directory: one line per rank that ran out of memory in a sharded step."""
 
@@ -64,7 +67,12 @@ class RankOutOfMemory(Exception):
 
 def out_of_memory(rank: int, step: int, micro_step: int, input_size, error: BaseException) -> RankOutOfMemory:
     """The exception a sharded step raises in place of continuing after ``error`` (out of memory)."""
-    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(error, RankOutOfMemoryError):  # the planner's own line says rank, step and size too
+        predicted = "none" if error.predicted_bytes is None else format_bytes(error.predicted_bytes)
+        budget = "unlimited" if error.budget_bytes is None else format_bytes(error.budget_bytes)
+        first = f"budget {budget}, predicted {predicted}, reached {format_bytes(error.reached_bytes)}"
+    else:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
     return RankOutOfMemory(OutOfMemoryRecord(rank, step, micro_step, list(input_size), first))
 
 
