@@ -40,7 +40,7 @@ class Planner:
                 optimizer.step(); optimizer.zero_grad()
 
     or ``planner.run(step_fn, batch)``, which also recovers from running out of memory.
-    ``Planner(model, policy, budget, blocks=, safety_margin=, meter=, **options)`` plans with any
+    ``Planner(model, policy, budget, blocks=, safety_margin=, meter=, compile=, **options)`` plans with any
     ``Policy`` subclass: ``options`` are its options (``planners.options``, checked there and
     handed to the policy as ``parts.options``) and the keywords only code passes its constructor
     (DTR's ``cost_fn``): ``policy(parts, **those)``.
@@ -51,7 +51,7 @@ class Planner:
                         "Policy (mimose_cli.planners.contract) and run it as Planner(model, YourPolicy, budget)")
 
     def __init__(self, model, policy: type, budget=None, *, blocks=None, safety_margin="auto", meter=None,
-                 **options):
+                 compile=False, **options):
         if not (isinstance(policy, type) and issubclass(policy, Policy)):
             raise TypeError(f"policy={policy!r}: expected a Policy subclass (planners.contract), e.g. MimosePolicy")
         check_model(model)
@@ -69,7 +69,8 @@ class Planner:
         claim(model, self)
         try:
             self.parts = PlannerParts(model, resolved, budget, safety_margin=safety_margin, meter=meter,
-                                      builds_meter=policy.builds_meter, owner=self, options=planner_options)
+                                      builds_meter=policy.builds_meter, owner=self, options=planner_options,
+                                      compile=compile)
         except BaseException:
             release(model, self)
             raise
@@ -205,7 +206,9 @@ class Planner:
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, parts.encoder_decoder)
         start = time.perf_counter()
         with parts.session.counting(batch), parts.session.step():
-            self.last = info = self._decide(size, context)
+            self.last = info = self._decide(size, context)  # the plan, fixed for the whole step
+            if parts.compiled is not None:
+                parts.compiled.step_begun()
             self.total_planning_ms += info.planning_ms
             parts.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
             runner = self.policy.runner_for(info)
@@ -254,7 +257,8 @@ class Planner:
         counted = {"planner": self.name, "steps": self.steps, "num_blocks": self.num_blocks,
                    "planning_ms_total": self.total_planning_ms, "retries": self.retries_total,
                    "full_sizes": len(self.full_sizes)}
-        return {**counted, **self.policy.stats(counted)}
+        compiled = self.parts.compiled.stats() if self.parts.compiled is not None else {}
+        return {**counted, **self.policy.stats(counted), **compiled}
 
     def state_dict(self) -> dict:
         """What the planner learned and counted, as JSON-ready data: enough to continue a run

@@ -11,6 +11,8 @@ import functools
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import discover_blocks
+from mimose_cli.planners.compiled import (CompiledBlocks, refuse_selective, refuse_selective_plan,
+                                          refuse_whole_model_compile, refuse_wrapped_blocks, user_compiled)
 from mimose_cli.planners.options import NoOptions
 from mimose_cli.planners.runners import PlanRunner, RecomputeClock, StepRouter
 from mimose_cli.planners.session import MeterSession
@@ -44,9 +46,12 @@ class PlannerParts:
     router's hooks keep alive (``blocks.StepRouter``)."""
 
     def __init__(self, model, blocks: list, budget=None, *, safety_margin="auto", meter=None,
-                 builds_meter: bool = False, owner=None, options=None):
+                 builds_meter: bool = False, owner=None, options=None, compile=False):
         self.model = model
         self.options = NoOptions() if options is None else options
+        refuse_wrapped_blocks(blocks)
+        compile = compile or user_compiled(blocks)
+        refuse_selective(self.options, bool(compile))
         """The planner's options (``planners.options``: ``MimoseOptions``, ...), checked already."""
         self.blocks = blocks
         self.num_blocks = len(blocks)
@@ -57,10 +62,14 @@ class PlannerParts:
             raise ValueError(f"safety_margin={safety_margin!r} leaves nothing of budget={budget!r} to plan with; "
                              "give a margin less than the budget")
         self.session = MeterSession(model, meter, builds_meter, self.budget_bytes)
-        warn_if_eager(model, self.meter)
+        refuse_whole_model_compile(model, self.meter)
+        warn_if_eager(model, self.meter, bool(compile))
         self.recompute_clock = RecomputeClock()
         self.plan_runner = PlanRunner(self.recompute_clock, self._offload_hooks)
-        self.router = StepRouter(blocks, owner=owner)
+        self.compiled = CompiledBlocks(blocks, compile) if compile else None
+        """The blocks' compiled forwards and Dynamo's compiles (``compiled.CompiledBlocks``), or
+        None: the blocks run eagerly."""
+        self.router = StepRouter(blocks, owner=owner, compiled=self.compiled)
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
         # training step never reads the cache (Hugging Face turns it off for checkpointing
         # too): off while the planner is attached, for every planner alike so that their
@@ -104,7 +113,10 @@ class PlannerParts:
         """Put ``plan`` (one of ``blocks.CHOICES`` per block) in force until the next step decides
         again (probes, experiments); ValueError where it is not one the runner can run
         (``PlanRunner.checked``)."""
-        self.plan_runner.use(self.plan_runner.checked(plan, self.num_blocks))
+        plan = self.plan_runner.checked(plan, self.num_blocks)
+        if self.compiled is not None:
+            refuse_selective_plan(plan)
+        self.plan_runner.use(plan)
 
     def timed_off_budget(self, timing):
         """``timing(device)`` on the model's device as the planner's own work, not training's: no
@@ -138,6 +150,8 @@ class PlannerParts:
         """Give the blocks their own forwards and the model its ``use_cache`` back; forget what
         ``track`` was given."""
         self.router.remove()
+        if self.compiled is not None:
+            self.compiled.close()
         if self._use_cache:
             self._config.use_cache, self._use_cache = self._use_cache, None
         self.session.close()

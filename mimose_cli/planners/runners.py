@@ -262,10 +262,10 @@ class StepRouter:
     a planner dropped without ``close()`` stays attached to the model while its hooks are in the
     blocks, so another is refused (``usage.claim``) rather than stacked on them."""
 
-    def __init__(self, blocks: list, owner=None):
+    def __init__(self, blocks: list, owner=None, compiled=None):
         self.owner = owner
         self._in_force: list = []
-        self._hooks = BlockRouter(blocks, self._route)
+        self._hooks = BlockRouter(blocks, self._route, compiled)
 
     @contextlib.contextmanager
     def using(self, runner: "BlockRunner"):
@@ -298,13 +298,14 @@ class BlockRouter:
     key/value cache cannot be run twice (the collector) or recomputed, and a cache the step never
     reads would make the blocks' memory differ between the runs the planners compare. The
     ``forward`` a runner gets leaves the block's buffers as they were when a checkpoint recomputes
-    it (``_buffers_kept_in_recompute``).
+    it (``_buffers_kept_in_recompute``); with ``compiled`` (``compiled.CompiledBlocks``) it runs
+    the block's compiled forward.
     """
 
-    def __init__(self, blocks: list, route):
+    def __init__(self, blocks: list, route, compiled=None):
         self.blocks = blocks
         for index, (_, module) in enumerate(blocks):
-            module.forward = RoutedForward(index, module, module.forward, route)
+            module.forward = RoutedForward(index, module, module.forward, route, compiled)
 
     def remove(self) -> None:
         for _, module in self.blocks:
@@ -327,10 +328,13 @@ class RoutedForward:
     when the planner closes.
     """
 
-    def __init__(self, index: int, module: nn.Module, plain, route):
+    def __init__(self, index: int, module: nn.Module, plain, route, compiled=None):
         self._index, self._module, self._route = index, module, route
         self._plain = plain
-        self._forward = _buffers_kept_in_recompute(module, plain)
+        # Compiled blocks (``compiled.CompiledBlocks``): the block's own forward is what is
+        # compiled, so that the checkpoint and this router stay outside Dynamo's graph.
+        runs = plain if compiled is None else compiled.forward_for(module, plain)
+        self._forward = _buffers_kept_in_recompute(module, runs)
 
     def __call__(self, *args, **kwargs):
         return self._route(self._index, self._forward, args, training_kwargs(self._module, kwargs))
