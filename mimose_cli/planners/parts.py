@@ -11,7 +11,7 @@ import functools
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import discover_blocks
-from mimose_cli.planners.compiled import (CompiledBlocks, refuse_selective, refuse_selective_plan,
+from mimose_cli.planners.compiled import (CompiledBlocks, refuse_selective,
                                           refuse_whole_model_compile, refuse_wrapped_blocks, user_compiled)
 from mimose_cli.planners.options import NoOptions
 from mimose_cli.planners.runners import PlanRunner, RecomputeClock, StepRouter
@@ -69,6 +69,7 @@ class PlannerParts:
         self.compiled = CompiledBlocks(blocks, compile) if compile else None
         """The blocks' compiled forwards and Dynamo's compiles (``compiled.CompiledBlocks``), or
         None: the blocks run eagerly."""
+        self.plan_runner.compiled_blocks = self.compiled is not None
         self.router = StepRouter(blocks, owner=owner, compiled=self.compiled)
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
         # training step never reads the cache (Hugging Face turns it off for checkpointing
@@ -113,10 +114,7 @@ class PlannerParts:
         """Put ``plan`` (one of ``blocks.CHOICES`` per block) in force until the next step decides
         again (probes, experiments); ValueError where it is not one the runner can run
         (``PlanRunner.checked``)."""
-        plan = self.plan_runner.checked(plan, self.num_blocks)
-        if self.compiled is not None:
-            refuse_selective_plan(plan)
-        self.plan_runner.use(plan)
+        self.plan_runner.use(self.plan_runner.checked(plan, self.num_blocks))
 
     def timed_off_budget(self, timing):
         """``timing(device)`` on the model's device as the planner's own work, not training's: no

@@ -24,6 +24,7 @@ from mimose_cli.planners.blocks import (
     _is_hf_checkpoint_layer,
     check_plan,
 )
+from mimose_cli.planners.compiled import refuse_selective_plan
 from mimose_cli.planners.ops import COMPUTE_HEAVY_OPS
 from mimose_cli.planners.snapshots import restored_buffers
 from mimose_cli.torch_private import top_saved_tensors_hook_name, tree_leaves
@@ -221,11 +222,17 @@ class PlanRunner(BlockRunner):
         self.partial_keep: dict = {}
         """Per block, how many compute-heavy outputs each partial level keeps, ``{level: count}``
         (``scaling.partial_prefixes``); a block not in it has none."""
+        self.compiled_blocks = False
+        """Whether the blocks run compiled (``compiled.CompiledBlocks``): no selective or partial
+        checkpoint then, whose policy watches each op run."""
 
     def checked(self, plan, num_blocks: int) -> tuple:
         """``plan`` as a tuple, or ValueError in one line where it is not one of ``CHOICES`` per
-        block (``blocks.check_plan``) or takes a partial level the probes found no outputs for."""
+        block (``blocks.check_plan``), takes a partial level the probes found no outputs for, or
+        checkpoints compiled blocks selectively (``compiled.refuse_selective_plan``)."""
         plan = check_plan(plan, num_blocks)
+        if self.compiled_blocks:
+            refuse_selective_plan(plan)
         missing = [(i, choice) for i, choice in enumerate(plan)
                    if choice in PARTIAL_LEVELS and choice not in self.partial_keep.get(i, {})]
         if missing:
