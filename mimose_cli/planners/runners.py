@@ -185,6 +185,10 @@ class BlockRunner:
     sample) or None, and may fill in the step's ``StepInfo`` (DTR: what it evicted)."""
 
     active = False
+    runs_compiled = False
+    """Whether it runs compiled blocks compiled (``compiled.CompiledBlocks``): only the plan
+    runner; a runner that measures or evicts (Mimose's collector, its probes, DTR) hooks into the
+    block's ops, which Dynamo would trace into the graph, so it gets the eager forward."""
 
     def begin(self, info, inputs=None) -> None:
         self.active = True
@@ -205,6 +209,8 @@ class PlanRunner(BlockRunner):
     are, and nothing under ``no_grad``. It runs only while the planner applies a plan (a step, a
     probe: ``StepRouter.using``); between steps the blocks run as they are. A ``clock`` times
     recomputation in backward."""
+
+    runs_compiled = True
 
     def __init__(self, clock: RecomputeClock | None = None, offload_hooks_for_plan=None):
         self.clock = clock
@@ -286,7 +292,10 @@ class StepRouter:
 
     def _route(self, index, forward, args, kwargs):
         if self._in_force:
-            return self._in_force[-1].run(index, forward, args, kwargs)
+            runner = self._in_force[-1]
+            if not runner.runs_compiled:
+                forward = getattr(forward, "eager", forward)
+            return runner.run(index, forward, args, kwargs)
         return forward(*args, **kwargs)
 
     def remove(self) -> None:
@@ -340,8 +349,11 @@ class RoutedForward:
         self._plain = plain
         # Compiled blocks (``compiled.CompiledBlocks``): the block's own forward is what is
         # compiled, so that the checkpoint and this router stay outside Dynamo's graph.
-        runs = plain if compiled is None else compiled.forward_for(module, plain)
-        self._forward = _buffers_kept_in_recompute(module, runs)
+        self._forward = _buffers_kept_in_recompute(module, plain)
+        if compiled is not None:
+            eager = self._forward
+            self._forward = _buffers_kept_in_recompute(module, compiled.forward_for(module, plain))
+            self._forward.eager = eager  # for the runners that measure (``BlockRunner.runs_compiled``)
 
     def __call__(self, *args, **kwargs):
         return self._route(self._index, self._forward, args, training_kwargs(self._module, kwargs))
