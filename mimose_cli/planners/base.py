@@ -128,7 +128,12 @@ class Planner:
         return self.parts.plan_runner.plan
 
     def set_plan(self, plan) -> None:
-        """``PlannerParts.set_plan``: the plan in force until the next step decides again."""
+        """``PlannerParts.set_plan``: the plan in force until the next step decides again. Not
+        inside a step: a step's plan is fixed before its forward, so that no block runs one way in
+        the forward and another in its recompute (compiled and eager: unsloth-zoo#1001)."""
+        if self._stepping:
+            raise RuntimeError("planner.set_plan inside a step: a step's plan is fixed before its forward; "
+                               "set the plan between steps")
         self.parts.set_plan(plan)
 
     def track(self, *objects) -> None:
@@ -208,7 +213,7 @@ class Planner:
         with parts.session.counting(batch), parts.session.step():
             self.last = info = self._decide(size, context)  # the plan, fixed for the whole step
             if parts.compiled is not None:
-                parts.compiled.step_begun()
+                parts.compiled.step_begun(info.plan)
             self.total_planning_ms += info.planning_ms
             parts.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
             runner = self.policy.runner_for(info)

@@ -96,8 +96,16 @@ def refuse_selective_plan(plan: tuple) -> None:
 class CompiledBlocks:
     """Each block's plain ``forward`` compiled (``compile``: True for ``torch.compile(dynamic=True)``
     or a dict of ``torch.compile`` options; a block compiled in place keeps its own options), and
-    the Dynamo compiles seen while attached: ``stats()`` gives their count, their time and the
-    recompiles (compiles of a frame Dynamo had compiled before) after the first planned step."""
+    the Dynamo compiles seen while attached: ``stats()`` gives their count and time, the
+    recompiles (compiles of a frame Dynamo had compiled before) and those after the warm-up.
+
+    A block's graph is compiled once for each way it runs that Dynamo guards apart: plainly, under
+    a checkpoint (its forward or its recompute inside backward may differ, e.g. in which inputs
+    need a gradient), for an input that needs no gradient (the first block), and without
+    gradients (evaluation). Each is compiled at the first step that runs a
+    block that way, so the warm-up is the steps whose plan brought a choice no earlier step had;
+    a compile in any other step (a new length, a new mix of the same choices) is a recompile
+    after the warm-up, which dynamic shapes and a plan outside the graph are there to prevent."""
 
     def __init__(self, blocks: list, compile=True):
         self._options = {"dynamic": True, **(compile if isinstance(compile, dict) else {})}
@@ -107,11 +115,12 @@ class CompiledBlocks:
             if own is not None:
                 self._taken[module] = own
                 module._compiled_call_impl = None  # its _call_impl would compile the router
-        self.steps = 0  # planned steps begun, told by the planner (``step_begun``)
+        self._seen: set = set()  # the choices (keep, recompute, offload) some step ran already
+        self._warming = True  # whether the step running brought a choice no earlier step had
         self.compiles = 0
         self.compile_s = 0.0
         self.recompiles = 0
-        self.late_recompiles = 0  # recompiles in a step after the first
+        self.late_recompiles = 0  # recompiles in a step after the warm-up
         dynamo_lru_cache_off()
         _listen(self)
 
@@ -126,8 +135,10 @@ class CompiledBlocks:
             return compiled
         return torch.compile(plain, **self._options)
 
-    def step_begun(self) -> None:
-        self.steps += 1
+    def step_begun(self, plan: tuple) -> None:
+        """A planned step begins with ``plan``, fixed until it ends."""
+        self._warming = not set(plan) <= self._seen
+        self._seen |= set(plan)
 
     def compiled(self, compile_id: str, seconds: float) -> None:
         self.compiles += 1
@@ -135,11 +146,11 @@ class CompiledBlocks:
         attempt = compile_id.split("/")[-1].split("_")[0].strip("[]")
         if attempt.isdigit() and int(attempt) > 0:
             self.recompiles += 1
-            self.late_recompiles += self.steps > 1
+            self.late_recompiles += not self._warming
 
     def stats(self) -> dict:
         return {"compiled_blocks": True, "compiles": self.compiles, "compile_s": round(self.compile_s, 3),
-                "recompiles": self.recompiles, "recompiles_after_first_step": self.late_recompiles}
+                "recompiles": self.recompiles, "recompiles_after_warmup": self.late_recompiles}
 
     def close(self) -> None:
         """Stop counting and put the user's own compiled calls back."""

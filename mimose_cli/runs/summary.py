@@ -348,10 +348,20 @@ def planner_rows(summary: dict) -> list[tuple[str, str]]:
     if f.underpredictions:
         rows.append(("steps over their prediction",
                      f"{f.underpredictions} (at most {format_bytes(f.max_underprediction_bytes)})"))
+    rows += compile_rows(summary.get("planner") or {})
     rows += [("retried steps / retries", None if f.retries is None else f"{f.retried_steps} / {f.retries}"),
              ("sizes checkpointed in full after running out of memory",
               None if f.full_sizes is None else str(f.full_sizes))]
     return [(label, value) for label, value in rows if value is not None]
+
+
+def compile_rows(stats: dict) -> list:
+    """Compiled blocks' rows (``planners.compiled``): Dynamo's compile time, which the first steps'
+    iteration times include and training time does not subtract, and its recompiles."""
+    if not stats.get("compiled_blocks"):
+        return []
+    return [("compile time (in the first steps)", format_duration(stats["compile_s"] * 1e3)),
+            ("compiles / recompiles after warm-up", f"{stats['compiles']} / {stats['recompiles_after_warmup']}")]
 
 
 def _table(title: str, rows) -> Table:
