@@ -293,7 +293,7 @@ class StepRouter:
     def _route(self, index, forward, args, kwargs):
         if self._in_force:
             runner = self._in_force[-1]
-            if not runner.runs_compiled:
+            if not getattr(runner, "runs_compiled", False):  # a runner of its own (sublinear's profiler): eager
                 forward = getattr(forward, "eager", forward)
             return runner.run(index, forward, args, kwargs)
         return forward(*args, **kwargs)
