@@ -212,25 +212,24 @@ class Planner:
         start = time.perf_counter()
         with parts.session.counting(batch), parts.session.step():
             self.last = info = self._decide(size, context)  # the plan, fixed for the whole step
-            if parts.compiled is not None:
-                parts.compiled.step_begun(info.plan)
-            self.total_planning_ms += info.planning_ms
-            parts.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
-            runner = self.policy.runner_for(info)
-            try:
-                runner.begin(info, batch)  # inside: what a begin that raised had entered is left by abort
-                with parts.router.using(runner):
-                    yield info
-            except BaseException:
-                runner.abort()
-                raise
-            sample = runner.end(info)
-            recompute_ms = parts.recompute_clock.take()
-            if info.recompute_ms is None:  # a runner that recomputes itself (DTR) timed its own
-                info.recompute_ms = recompute_ms
-            info.step_ms = (time.perf_counter() - start) * 1e3
-            self.policy.observe(info, parts.session.peak_bytes(), sample)
-            self.steps += 1
+            with parts.compiled.step(info.plan) if parts.compiled is not None else contextlib.nullcontext():
+                self.total_planning_ms += info.planning_ms
+                parts.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
+                runner = self.policy.runner_for(info)
+                try:
+                    runner.begin(info, batch)  # inside: what a begin that raised had entered is left by abort
+                    with parts.router.using(runner):
+                        yield info
+                except BaseException:
+                    runner.abort()
+                    raise
+                sample = runner.end(info)
+                recompute_ms = parts.recompute_clock.take()
+                if info.recompute_ms is None:  # a runner that recomputes itself (DTR) timed its own
+                    info.recompute_ms = recompute_ms
+                info.step_ms = (time.perf_counter() - start) * 1e3
+                self.policy.observe(info, parts.session.peak_bytes(), sample)
+                self.steps += 1
 
     def run(self, step_fn, batch=None, input_size=None):
         """Run ``step_fn(batch)`` (forward and backward) under this planner, recovering from

@@ -19,6 +19,7 @@ mixes compiled and eager runs of a block (unsloth-zoo#1001). Dynamo's LRU cache 
 while compiled blocks are planned (pytorch#166926, ``torch_private.dynamo_lru_cache_off``).
 """
 
+import contextlib
 import time
 import weakref
 
@@ -117,6 +118,7 @@ class CompiledBlocks:
                 module._compiled_call_impl = None  # its _call_impl would compile the router
         self._seen: set = set()  # the choices (keep, recompute, offload) some step ran already
         self._warming = True  # whether the step running brought a choice no earlier step had
+        self._stepping = False  # inside a planned step
         self.compiles = 0
         self.compile_s = 0.0
         self.recompiles = 0
@@ -135,10 +137,17 @@ class CompiledBlocks:
             return compiled
         return torch.compile(plain, **self._options)
 
-    def step_begun(self, plan: tuple) -> None:
-        """A planned step begins with ``plan``, fixed until it ends."""
+    @contextlib.contextmanager
+    def step(self, plan: tuple):
+        """A planned step with ``plan``, fixed until it ends (its forward and backward); a compile
+        outside any step (evaluation's, without gradients) is no recompile after the warm-up."""
         self._warming = not set(plan) <= self._seen
         self._seen |= set(plan)
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
 
     def compiled(self, compile_id: str, seconds: float) -> None:
         self.compiles += 1
@@ -146,7 +155,7 @@ class CompiledBlocks:
         attempt = compile_id.split("/")[-1].split("_")[0].strip("[]")
         if attempt.isdigit() and int(attempt) > 0:
             self.recompiles += 1
-            self.late_recompiles += not self._warming
+            self.late_recompiles += self._stepping and not self._warming
 
     def stats(self) -> dict:
         return {"compiled_blocks": True, "compiles": self.compiles, "compile_s": round(self.compile_s, 3),
