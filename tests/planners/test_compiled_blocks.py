@@ -147,6 +147,26 @@ def test_a_block_compiled_in_place_is_planned_compiled_and_given_back(runs):
     assert [layer._compiled_call_impl for layer in model.layers] == own
 
 
+def test_offloaded_compiled_blocks_train_as_eager_ones(runs):
+    """An offloaded block's saved tensors go to host memory through saved-tensor hooks around the
+    compiled block, as around an eager one: the same losses, and no recompile after the warm-up."""
+    plans = [("keep", "offload", "keep"), ("offload", "recompute", "keep"), ("offload", "keep", "offload"),
+             ("recompute",) * 3, ("keep", "offload", "recompute"), ("offload",) * 3]
+
+    class Offloading(Cycling):
+        def decide(self, input_size, context=None):
+            return Decision(plans[next(self._turn) % len(plans)])
+
+    meter = build_meter("allocator", BUDGET)
+    eager_model, compiled_model = Tiny(), Tiny()
+    with Planner(eager_model, Offloading, BUDGET, blocks="layers.*", meter=meter) as planner:
+        losses = _train(eager_model, planner, meter)[0]
+    with Planner(compiled_model, Offloading, BUDGET, blocks="layers.*", meter=meter, compile=True) as planner:
+        c_losses = _train(compiled_model, planner, meter)[0]
+        assert planner.stats["recompiles_after_warmup"] == 0
+    assert c_losses == pytest.approx(losses, rel=1e-5)
+
+
 def test_the_plan_cannot_change_inside_a_step():
     """A step's plan is fixed before its forward (a block run compiled in the forward and eagerly
     in its recompute would fail in backward, unsloth-zoo#1001): set_plan inside is refused."""
