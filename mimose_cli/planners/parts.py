@@ -61,7 +61,9 @@ class PlannerParts:
         if self.budget_bytes is not None and self._safety_margin is not None and self._safety_margin >= self.budget_bytes:
             raise ValueError(f"safety_margin={safety_margin!r} leaves nothing of budget={budget!r} to plan with; "
                              "give a margin less than the budget")
-        self.session = MeterSession(model, meter, builds_meter, self.budget_bytes)
+        # Compiled blocks run compiled on the CPU only under the allocator meter.
+        self.session = MeterSession(model, meter, builds_meter, self.budget_bytes,
+                                    kind="allocator" if compile else "auto")
         refuse_whole_model_compile(model, self.meter)
         warn_if_eager(model, self.meter, bool(compile))
         self.recompute_clock = RecomputeClock()

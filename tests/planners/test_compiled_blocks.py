@@ -206,6 +206,15 @@ def test_a_selective_plan_for_compiled_blocks_is_refused_in_one_line():
     assert "\n" not in str(error.value)
 
 
+def test_a_planner_that_builds_its_meter_builds_the_allocator_one_for_compiled_blocks():
+    from mimose_cli.planners.mimose.policy import Mimose
+
+    with Mimose(Tiny(), "1GB", blocks="layers.*", compile=True) as planner:
+        assert planner.meter.kind == "allocator"
+    with Mimose(Tiny(), "1GB", blocks="layers.*") as planner:
+        assert planner.meter.kind == "simulated"
+
+
 def test_compile_under_the_dispatch_meter_is_said_to_run_eagerly():
     meter = build_meter("simulated", BUDGET)
     with pytest.warns(UserWarning, match="runs eagerly .* use meter 'allocator'"):
