@@ -97,7 +97,8 @@ def refuse_selective_plan(plan: tuple) -> None:
 class CompiledBlocks:
     """Each block's plain ``forward`` compiled (``compile``: True for ``torch.compile(dynamic=True)``
     or a dict of ``torch.compile`` options; a block compiled in place keeps its own options), and
-    the Dynamo compiles seen while attached: ``stats()`` gives their count and time, the
+    the Dynamo compiles seen while attached: ``stats()`` gives their count and time (all, and
+    that inside planned steps, which their iteration times include), the
     recompiles (compiles of a frame Dynamo had compiled before) and those after the warm-up.
 
     A block's graph is compiled once for each way it runs that Dynamo guards apart: plainly, under
@@ -121,6 +122,7 @@ class CompiledBlocks:
         self._stepping = False  # inside a planned step
         self.compiles = 0
         self.compile_s = 0.0
+        self.compile_s_in_steps = 0.0  # of it, inside planned steps: in their iteration times
         self.recompiles = 0
         self.late_recompiles = 0  # recompiles in a step after the warm-up
         dynamo_lru_cache_off()
@@ -152,6 +154,7 @@ class CompiledBlocks:
     def compiled(self, compile_id: str, seconds: float) -> None:
         self.compiles += 1
         self.compile_s += seconds
+        self.compile_s_in_steps += seconds if self._stepping else 0.0
         attempt = compile_id.split("/")[-1].split("_")[0].strip("[]")
         if attempt.isdigit() and int(attempt) > 0:
             self.recompiles += 1
@@ -159,6 +162,7 @@ class CompiledBlocks:
 
     def stats(self) -> dict:
         return {"compiled_blocks": True, "compiles": self.compiles, "compile_s": round(self.compile_s, 3),
+                "compile_s_in_steps": round(self.compile_s_in_steps, 3),
                 "recompiles": self.recompiles, "recompiles_after_warmup": self.late_recompiles}
 
     def close(self) -> None:

@@ -45,6 +45,8 @@ def test_a_compiled_run_trains_as_the_eager_one(runs):
 def test_summary_has_the_compile_time_and_no_recompile_after_the_warmup(runs):
     planner = runs[True].summary["planner"]
     assert planner["compiled_blocks"] is True and planner["compile_s"] > 0
+    assert 0 <= planner["compile_s_in_steps"] <= planner["compile_s"]
+    assert planner["compile_s_in_steps"] * 1e3 <= sum(r.iter_ms for r in runs[True].records)
     assert planner["recompiles_after_warmup"] == 0
     assert "compiled_blocks" not in runs[False].summary["planner"]
 
