@@ -58,7 +58,8 @@ def autocast_open() -> bool:
 # (announced, not in 2.13), or the ``optree`` package.
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["TorchDispatchMode", "UncompiledDispatchMode", "autocast_enabled", "autocast_open", "is_compiled", "tree_leaves",
+__all__ = ["TorchDispatchMode", "UncompiledDispatchMode", "autocast_enabled", "autocast_open", "compiled_like", "dynamo_lru_cache_off",
+           "is_compiled", "on_dynamo_compile", "tree_leaves",
            "tree_map", "get_untyped_storages",
            "top_saved_tensors_hook_name", "tensor_version", "dispatch_modes", "without_dispatch_modes"]
 
@@ -112,3 +113,34 @@ def fsdp_unsharded_params(model) -> list:
             if unsharded is not None:
                 found.append(unsharded)
     return found
+
+
+def on_dynamo_compile(start, end) -> None:
+    """Call ``start(compile_id)`` and ``end(compile_id)`` around every frame Dynamo compiles (first
+    compiles and recompiles alike; ``compile_id`` reads "frame/attempt", attempt 0 the first).
+    Public replacement: none (``torch.compiler`` counts nothing per compile; tlparse reads logs)."""
+    from torch._dynamo.callback import callback_handler
+
+    callback_handler.register_start_callback(lambda args: start(str(args.compile_id)))
+    callback_handler.register_end_callback(lambda args: end(str(args.compile_id)))
+
+
+def compiled_like(compiled, fn):
+    """``fn`` compiled with the options ``compiled`` (what ``torch.compile`` or
+    ``module.compile()`` returned for a function) was compiled with: its backend, mode, dynamic
+    and fullgraph, from the Dynamo context its wrapper closes over; None where that cannot be
+    read. Public replacement: none (torch.compile keeps its options in that context alone)."""
+    closure = dict(zip(compiled.__code__.co_freevars, compiled.__closure__ or ())) if hasattr(compiled, "__code__") else {}
+    cell = closure.get("self")
+    context = cell.cell_contents if cell is not None else None
+    if context is None or type(context).__name__ != "OptimizeContext":
+        return None
+    return context(fn)
+
+
+def dynamo_lru_cache_off() -> None:
+    """Make Dynamo look up a frame's compiled graphs in the order they were made, not most recent
+    first, so that a checkpoint's recompute runs the graph its forward ran (pytorch#166926; what
+    torchtitan does whenever it checkpoints). Public replacement: none (the switch that issue's
+    fix and torch.utils.checkpoint's own error message point to is private)."""
+    torch._C._dynamo.eval_frame._set_lru_cache(False)

@@ -90,7 +90,11 @@ class TrainerBudget:
         self.planner_name = planner
         self.options = options
         self.max_input_size = max_input_size
-        self.meter = build_meter("auto", budget_bytes, model_device(trainer.model))
+        device = model_device(trainer.model)
+        # Compiled blocks run compiled on the CPU only under the allocator meter (the dispatch
+        # meter's mode turns Dynamo off); on CUDA "auto" is the caching allocator's.
+        kind = "allocator" if options.get("compile") and device.type == "cpu" else "auto"
+        self.meter = build_meter(kind, budget_bytes, device)
         self._start()
 
     def _start(self) -> None:
@@ -173,7 +177,7 @@ def fit_budget(trainer, budget, planner: str = "mimose", *, max_input_size=None,
     _take_over_checkpointing(trainer)
     _refuse_unsupported(trainer, budget_bytes)
     _check_planner(planner, options, max_input_size)
-    options.update(blocks=blocks, safety_margin=safety_margin)
+    options.update(blocks=blocks, safety_margin=safety_margin, compile=_take_over_compile(trainer))
     fitted = trainer._mimose_budget = TrainerBudget(trainer, budget_bytes, planner, options, max_input_size)
     _wrap(trainer, "training_step", fitted.training_step)
     _wrap(trainer, "log", fitted.log)
@@ -247,15 +251,35 @@ def _take_over_checkpointing(trainer) -> None:
                        " and ".join(taken))
 
 
+def _take_over_compile(trainer):
+    """``TrainingArguments(torch_compile=True)``: the ``compile=`` the planner gets instead of the
+    Trainer's whole-model compile (which would compile the planner's per-step routing too): the
+    torch.compile options of the Trainer's backend and mode, each block compiled with them and
+    dynamic shapes. The Trainer's own compile is turned off (its accelerator compiles in
+    ``prepare``, inside ``train``), with one logged line; False when it was off."""
+    args = trainer.args
+    if not getattr(args, "torch_compile", False):
+        return False
+    options = {"backend": args.torch_compile_backend or "inductor", "dynamic": True}
+    if args.torch_compile_mode is not None:
+        options["mode"] = args.torch_compile_mode
+    args.torch_compile = False
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "dynamo_plugin", None)
+    if plugin is not None:  # what accelerator.prepare reads to compile the whole model
+        from accelerate.utils import DynamoBackend
+
+        plugin.backend = DynamoBackend.NO
+    logger.warning("mimose: TrainingArguments(torch_compile=True) compiles each layer (%s) instead of the "
+                   "whole model, so that mimose checkpoints around the compiled layers", options["backend"])
+    return options
+
+
 def _refuse_unsupported(trainer, budget_bytes: int) -> None:
     """One ValueError naming the setting and the fix for what mimose cannot train under."""
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         raise ValueError("mimose does not plan for DeepSpeed or FSDP (they shard and offload the model "
                          "themselves); drop the deepspeed/fsdp training argument or fit_budget")
-    if getattr(args, "torch_compile", False):
-        raise ValueError("TrainingArguments(torch_compile=True) compiles the blocks mimose reroutes on "
-                         "every step; set torch_compile=False")
     if getattr(args, "n_gpu", 1) > 1:
         raise ValueError(f"the Trainer sees {args.n_gpu} GPUs and would replicate the model "
                          "(nn.DataParallel), which mimose does not plan for; run one process per GPU "

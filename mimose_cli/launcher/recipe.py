@@ -291,6 +291,11 @@ class TrainingConfig:
     """fsdp: free each block's gathered weights after its forward and gather them again for its
     backward (true), or keep them until its backward (false: one all-gather less per block, the
     memory of every block's weights held at the end of the forward)."""
+    compile: StrictBool = False
+    """Compile each planned block (regional ``torch.compile(dynamic=True)`` of its forward, the
+    checkpoint outside it): new lengths and plans do not recompile. On the CPU it needs the
+    allocator meter (``meter: auto`` picks it; under ``meter: simulated`` the blocks run eagerly,
+    said in one line). Not with selective checkpointing (``choices: selective``, ``full.selective``)."""
     tensorboard: StrictBool = False
     """Also log each step's loss, lr, peak and predicted memory, iteration time, blocks
     checkpointed and retries to runs/<id>/tensorboard/ (needs ``pip install tensorboard``)."""
@@ -352,7 +357,8 @@ class Recipe:
     meter: Literal["auto", "simulated", "allocator"] = "auto"
     """How the CPU's simulated device counts: simulated (a dispatch mode, op by op; compiled code
     runs eagerly under it), allocator (a counting C++ allocator built at first use: every
-    allocation, compiled code included; simulated where no compiler is found) or auto (simulated).
+    allocation, compiled code included; simulated where no compiler is found) or auto (simulated;
+    allocator with training.compile: true).
     On CUDA the caching allocator's own figures are used whatever this says."""
     seed: StrictInt = Field(0, ge=-(2**63), le=2**64 - 1)
     """Seed for model init, data generation and data order."""
@@ -369,10 +375,24 @@ class Recipe:
             raise _Invalid("planner.safety_margin", self.planner.safety_margin,
                            f"less than the budget ({self.budget})")
         self._check_task_data()
+        self._check_compile()
         if self.training.eval_every is not None and not self.data.has_validation:
             raise _Invalid("training.eval_every", self.training.eval_every,
                            "null without a validation split; set data.validation_examples (synthetic "
                            "data) or data.validation_split (hf)")
+
+    def _check_compile(self) -> None:
+        """Selective checkpointing watches each op run, which compiled blocks do not show it."""
+        if not self.training.compile:
+            return
+        section = getattr(self.planner, self.planner.name.replace("-", "_"), None)
+        if getattr(section, "choices", "block") == "selective":
+            raise _Invalid(f"planner.{self.planner.name}.choices", "selective",
+                           "block or offload with training.compile: true (selective checkpointing cannot see "
+                           "inside compiled blocks), or training.compile: false")
+        if getattr(section, "selective", False):
+            raise _Invalid("planner.full.selective", True, "false with training.compile: true (selective "
+                           "checkpointing cannot see inside compiled blocks), or training.compile: false")
 
     def _check_task_data(self) -> None:
         """Images take an image preset and synthetic data; text takes a text preset."""

@@ -126,9 +126,11 @@ class Trainer:
 
 def run_meter(recipe: Recipe, device: torch.device) -> str:
     """The meter kind for ``build_meter``: the recipe's ``meter`` on the CPU; on CUDA the caching
-    allocator's (saying so when the recipe asked for a CPU meter)."""
+    allocator's (saying so when the recipe asked for a CPU meter). ``training.compile`` makes
+    ``auto`` the allocator meter on the CPU."""
     if device.type != "cuda":
-        return recipe.meter
+        # Compiled blocks run compiled only where no dispatch mode turns Dynamo off: the allocator.
+        return "allocator" if recipe.meter == "auto" and recipe.training.compile else recipe.meter
     if recipe.meter != "auto":
         warnings.warn(f"meter: {recipe.meter} is ignored on {device}: a GPU's memory figures come from "
                       "its caching allocator; set meter: auto", stacklevel=2)
@@ -192,7 +194,8 @@ def build_trainer(recipe: Recipe, config, total_steps: int, world: World = World
     meter = build_meter(run_meter(recipe, device), recipe.budget_bytes, device)
     planner = build_planner(
         recipe.planner.name, model, recipe.budget_bytes, blocks=blocks,
-        safety_margin=recipe.planner.safety_margin_bytes, meter=meter, **recipe.planner.keywords)
+        safety_margin=recipe.planner.safety_margin_bytes, meter=meter, compile=recipe.training.compile,
+        **recipe.planner.keywords)
     scaler = grad_scaler(device, sharded=recipe.training.parallel == "fsdp") if (
         recipe.training.precision == "fp16") else None
     return Trainer(recipe, device, model, optimizer, scheduler, meter, planner, scaler, world=world)

@@ -43,7 +43,7 @@ class Planner:
                 optimizer.step(); optimizer.zero_grad()
 
     or ``planner.run(step_fn, batch)``, which also recovers from running out of memory.
-    ``Planner(model, policy, budget, blocks=, safety_margin=, meter=, **options)`` plans with any
+    ``Planner(model, policy, budget, blocks=, safety_margin=, meter=, compile=, **options)`` plans with any
     ``Policy`` subclass: ``options`` are its options (``planners.options``, checked there and
     handed to the policy as ``parts.options``) and the keywords only code passes its constructor
     (DTR's ``cost_fn``): ``policy(parts, **those)``.
@@ -54,7 +54,7 @@ class Planner:
                         "Policy (mimose_cli.planners.contract) and run it as Planner(model, YourPolicy, budget)")
 
     def __init__(self, model, policy: type, budget=None, *, blocks=None, safety_margin="auto", meter=None,
-                 **options):
+                 compile=False, **options):
         if not (isinstance(policy, type) and issubclass(policy, Policy)):
             raise TypeError(f"policy={policy!r}: expected a Policy subclass (planners.contract), e.g. MimosePolicy")
         check_model(model)
@@ -74,7 +74,7 @@ class Planner:
         try:
             self.parts = PlannerParts(model, resolved, budget, safety_margin=safety_margin, meter=meter,
                                       builds_meter=policy.builds_meter, owner=self, options=planner_options,
-                                      lockstep=lockstep)
+                                      lockstep=lockstep, compile=compile)
         except BaseException:
             release(model, self)
             raise
@@ -132,7 +132,12 @@ class Planner:
         return self.parts.plan_runner.plan
 
     def set_plan(self, plan) -> None:
-        """``PlannerParts.set_plan``: the plan in force until the next step decides again."""
+        """``PlannerParts.set_plan``: the plan in force until the next step decides again. Not
+        inside a step: a step's plan is fixed before its forward, so that no block runs one way in
+        the forward and another in its recompute (compiled and eager: unsloth-zoo#1001)."""
+        if self._stepping:
+            raise RuntimeError("planner.set_plan inside a step: a step's plan is fixed before its forward; "
+                               "set the plan between steps")
         self.parts.set_plan(plan)
 
     def track(self, *objects) -> None:
@@ -216,29 +221,30 @@ class Planner:
         size = tuple(input_size) if input_size is not None else infer_input_size(batch, parts.encoder_decoder)
         start = time.perf_counter()
         with parts.session.counting(batch), parts.session.step():
-            self.last = info = self._decide(size, context)
-            self.total_planning_ms += info.planning_ms
-            parts.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
-            runner = self.policy.runner_for(info)
-            try:
-                runner.begin(info, batch)  # inside: what a begin that raised had entered is left by abort
-                with parts.router.using(runner):
-                    yield info
-            except torch.OutOfMemoryError as error:
-                runner.abort()
-                if parts.lockstep is None or isinstance(error, RankOutOfMemoryError):
+            self.last = info = self._decide(size, context)  # the plan, fixed for the whole step
+            with parts.compiled.step(info.plan) if parts.compiled is not None else contextlib.nullcontext():
+                self.total_planning_ms += info.planning_ms
+                parts.recompute_clock.take()  # not this step's: a raised step's partial time, a probe
+                runner = self.policy.runner_for(info)
+                try:
+                    runner.begin(info, batch)  # inside: what a begin that raised had entered is left by abort
+                    with parts.router.using(runner):
+                        yield info
+                except torch.OutOfMemoryError as error:
+                    runner.abort()
+                    if parts.lockstep is None or isinstance(error, RankOutOfMemoryError):
+                        raise
+                    raise rank_out_of_memory(parts, info, error) from error  # never retried on one rank
+                except BaseException:
+                    runner.abort()
                     raise
-                raise rank_out_of_memory(parts, info, error) from error  # never retried on one rank
-            except BaseException:
-                runner.abort()
-                raise
-            sample = runner.end(info)
-            recompute_ms = parts.recompute_clock.take()
-            if info.recompute_ms is None:  # a runner that recomputes itself (DTR) timed its own
-                info.recompute_ms = recompute_ms
-            info.step_ms = (time.perf_counter() - start) * 1e3
-            self.policy.observe(info, parts.session.peak_bytes(), sample)
-            self.steps += 1
+                sample = runner.end(info)
+                recompute_ms = parts.recompute_clock.take()
+                if info.recompute_ms is None:  # a runner that recomputes itself (DTR) timed its own
+                    info.recompute_ms = recompute_ms
+                info.step_ms = (time.perf_counter() - start) * 1e3
+                self.policy.observe(info, parts.session.peak_bytes(), sample)
+                self.steps += 1
 
     def run(self, step_fn, batch=None, input_size=None):
         """Run ``step_fn(batch)`` (forward and backward) under this planner, recovering from
@@ -270,7 +276,8 @@ class Planner:
         counted = {"planner": self.name, "steps": self.steps, "num_blocks": self.num_blocks,
                    "planning_ms_total": self.total_planning_ms, "retries": self.retries_total,
                    "full_sizes": len(self.full_sizes)}
-        return {**counted, **self.policy.stats(counted)}
+        compiled = self.parts.compiled.stats() if self.parts.compiled is not None else {}
+        return {**counted, **self.policy.stats(counted), **compiled}
 
     def state_dict(self) -> dict:
         """What the planner learned and counted, as JSON-ready data: enough to continue a run

@@ -11,6 +11,8 @@ import functools
 
 from mimose_cli.memory.offload import OffloadHooks, resident_storages
 from mimose_cli.planners.blocks import discover_blocks
+from mimose_cli.planners.compiled import (CompiledBlocks, refuse_selective,
+                                          refuse_whole_model_compile, refuse_wrapped_blocks, user_compiled)
 from mimose_cli.planners.options import NoOptions
 from mimose_cli.planners.runners import PlanRunner, RecomputeClock, StepRouter
 from mimose_cli.planners.session import MeterSession
@@ -44,11 +46,14 @@ class PlannerParts:
     router's hooks keep alive (``blocks.StepRouter``)."""
 
     def __init__(self, model, blocks: list, budget=None, *, safety_margin="auto", meter=None,
-                 builds_meter: bool = False, owner=None, options=None, lockstep=None):
+                 builds_meter: bool = False, owner=None, options=None, lockstep=None, compile=False):
         self.model = model
         self.lockstep = lockstep
         """``sharding.Lockstep`` for an FSDP2-sharded model (every rank's probe steps agree), else None."""
         self.options = NoOptions() if options is None else options
+        refuse_wrapped_blocks(blocks)
+        compile = compile or user_compiled(blocks)
+        refuse_selective(self.options, bool(compile))
         """The planner's options (``planners.options``: ``MimoseOptions``, ...), checked already."""
         self.blocks = blocks
         self.num_blocks = len(blocks)
@@ -58,11 +63,18 @@ class PlannerParts:
         if self.budget_bytes is not None and self._safety_margin is not None and self._safety_margin >= self.budget_bytes:
             raise ValueError(f"safety_margin={safety_margin!r} leaves nothing of budget={budget!r} to plan with; "
                              "give a margin less than the budget")
-        self.session = MeterSession(model, meter, builds_meter, self.budget_bytes)
-        warn_if_eager(model, self.meter)
+        # Compiled blocks run compiled on the CPU only under the allocator meter.
+        self.session = MeterSession(model, meter, builds_meter, self.budget_bytes,
+                                    kind="allocator" if compile else "auto")
+        refuse_whole_model_compile(model, self.meter)
+        warn_if_eager(model, self.meter, bool(compile))
         self.recompute_clock = RecomputeClock()
         self.plan_runner = PlanRunner(self.recompute_clock, self._offload_hooks)
-        self.router = StepRouter(blocks, owner=owner)
+        self.compiled = CompiledBlocks(blocks, compile) if compile else None
+        """The blocks' compiled forwards and Dynamo's compiles (``compiled.CompiledBlocks``), or
+        None: the blocks run eagerly."""
+        self.plan_runner.compiled_blocks = self.compiled is not None
+        self.router = StepRouter(blocks, owner=owner, compiled=self.compiled)
         # A block that appends to a key/value cache cannot be recomputed or run twice, and a
         # training step never reads the cache (Hugging Face turns it off for checkpointing
         # too): off while the planner is attached, for every planner alike so that their
@@ -145,6 +157,8 @@ class PlannerParts:
         """Give the blocks their own forwards and the model its ``use_cache`` back; forget what
         ``track`` was given."""
         self.router.remove()
+        if self.compiled is not None:
+            self.compiled.close()
         if self._use_cache:
             self._config.use_cache, self._use_cache = self._use_cache, None
         self.session.close()

@@ -24,6 +24,7 @@ from mimose_cli.planners.blocks import (
     _is_hf_checkpoint_layer,
     check_plan,
 )
+from mimose_cli.planners.compiled import refuse_selective_plan
 from mimose_cli.planners.ops import COMPUTE_HEAVY_OPS
 from mimose_cli.planners.snapshots import restored_buffers
 from mimose_cli.torch_private import top_saved_tensors_hook_name, tree_leaves
@@ -184,6 +185,10 @@ class BlockRunner:
     sample) or None, and may fill in the step's ``StepInfo`` (DTR: what it evicted)."""
 
     active = False
+    runs_compiled = False
+    """Whether it runs compiled blocks compiled (``compiled.CompiledBlocks``): only the plan
+    runner; a runner that measures or evicts (Mimose's collector, its probes, DTR) hooks into the
+    block's ops, which Dynamo would trace into the graph, so it gets the eager forward."""
 
     def begin(self, info, inputs=None) -> None:
         self.active = True
@@ -205,6 +210,8 @@ class PlanRunner(BlockRunner):
     probe: ``StepRouter.using``); between steps the blocks run as they are. A ``clock`` times
     recomputation in backward."""
 
+    runs_compiled = True
+
     def __init__(self, clock: RecomputeClock | None = None, offload_hooks_for_plan=None):
         self.clock = clock
         self.plan: tuple = ()
@@ -221,11 +228,17 @@ class PlanRunner(BlockRunner):
         self.partial_keep: dict = {}
         """Per block, how many compute-heavy outputs each partial level keeps, ``{level: count}``
         (``scaling.partial_prefixes``); a block not in it has none."""
+        self.compiled_blocks = False
+        """Whether the blocks run compiled (``compiled.CompiledBlocks``): no selective or partial
+        checkpoint then, whose policy watches each op run."""
 
     def checked(self, plan, num_blocks: int) -> tuple:
         """``plan`` as a tuple, or ValueError in one line where it is not one of ``CHOICES`` per
-        block (``blocks.check_plan``) or takes a partial level the probes found no outputs for."""
+        block (``blocks.check_plan``), takes a partial level the probes found no outputs for, or
+        checkpoints compiled blocks selectively (``compiled.refuse_selective_plan``)."""
         plan = check_plan(plan, num_blocks)
+        if self.compiled_blocks:
+            refuse_selective_plan(plan)
         missing = [(i, choice) for i, choice in enumerate(plan)
                    if choice in PARTIAL_LEVELS and choice not in self.partial_keep.get(i, {})]
         if missing:
@@ -262,10 +275,10 @@ class StepRouter:
     a planner dropped without ``close()`` stays attached to the model while its hooks are in the
     blocks, so another is refused (``usage.claim``) rather than stacked on them."""
 
-    def __init__(self, blocks: list, owner=None):
+    def __init__(self, blocks: list, owner=None, compiled=None):
         self.owner = owner
         self._in_force: list = []
-        self._hooks = BlockRouter(blocks, self._route)
+        self._hooks = BlockRouter(blocks, self._route, compiled)
 
     @contextlib.contextmanager
     def using(self, runner: "BlockRunner"):
@@ -279,7 +292,10 @@ class StepRouter:
 
     def _route(self, index, forward, args, kwargs):
         if self._in_force:
-            return self._in_force[-1].run(index, forward, args, kwargs)
+            runner = self._in_force[-1]
+            if not getattr(runner, "runs_compiled", False):  # a runner of its own (sublinear's profiler): eager
+                forward = getattr(forward, "eager", forward)
+            return runner.run(index, forward, args, kwargs)
         return forward(*args, **kwargs)
 
     def remove(self) -> None:
@@ -298,13 +314,14 @@ class BlockRouter:
     key/value cache cannot be run twice (the collector) or recomputed, and a cache the step never
     reads would make the blocks' memory differ between the runs the planners compare. The
     ``forward`` a runner gets leaves the block's buffers as they were when a checkpoint recomputes
-    it (``_buffers_kept_in_recompute``).
+    it (``_buffers_kept_in_recompute``); with ``compiled`` (``compiled.CompiledBlocks``) it runs
+    the block's compiled forward.
     """
 
-    def __init__(self, blocks: list, route):
+    def __init__(self, blocks: list, route, compiled=None):
         self.blocks = blocks
         for index, (_, module) in enumerate(blocks):
-            module.forward = RoutedForward(index, module, module.forward, route)
+            module.forward = RoutedForward(index, module, module.forward, route, compiled)
 
     def remove(self) -> None:
         for _, module in self.blocks:
@@ -327,10 +344,16 @@ class RoutedForward:
     when the planner closes.
     """
 
-    def __init__(self, index: int, module: nn.Module, plain, route):
+    def __init__(self, index: int, module: nn.Module, plain, route, compiled=None):
         self._index, self._module, self._route = index, module, route
         self._plain = plain
+        # Compiled blocks (``compiled.CompiledBlocks``): the block's own forward is what is
+        # compiled, so that the checkpoint and this router stay outside Dynamo's graph.
         self._forward = _buffers_kept_in_recompute(module, plain)
+        if compiled is not None:
+            eager = self._forward
+            self._forward = _buffers_kept_in_recompute(module, compiled.forward_for(module, plain))
+            self._forward.eager = eager  # for the runners that measure (``BlockRunner.runs_compiled``)
 
     def __call__(self, *args, **kwargs):
         return self._route(self._index, self._forward, args, training_kwargs(self._module, kwargs))

@@ -11,15 +11,16 @@ from mimose_cli.planners.usage import check_trackable
 class MeterSession:
     """The meter a planner's steps count on. A meter given to the planner (the training loop's) is
     its owner's to turn on and off, kept on for the whole run; without one, a planner that
-    ``build``s one gets it here (``build_meter("auto", budget, device)``), on only inside
+    ``build``s one gets it here (``build_meter(kind, budget, device)``, ``kind`` on the CPU only), on only inside
     ``counting``: code between the steps (the optimizer step, evaluation) runs unmetered, uncapped
     and at full speed, as if there were no planner."""
 
-    def __init__(self, model, meter=None, build: bool = False, budget_bytes=None):
+    def __init__(self, model, meter=None, build: bool = False, budget_bytes=None, kind: str = "auto"):
         self.model = model
         self.owned = meter is None and build
         if self.owned:
-            meter = build_meter("auto", budget_bytes, model_device(model))
+            device = model_device(model)
+            meter = build_meter(kind if device.type == "cpu" else "auto", budget_bytes, device)
         self.meter = meter
         self.tracked: list = []  # what ``track`` was given: counted again at every step's start
         self._counting = False  # inside a step or ``run``: what exists has been counted

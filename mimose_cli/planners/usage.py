@@ -80,12 +80,13 @@ def check_supported(model) -> None:
                          "plan the model before deepspeed.initialize, or drop mimose")
 
 
-def warn_if_eager(model, meter) -> None:
-    """A compiled model on the simulated device runs eagerly: its dispatch mode turns Dynamo off."""
-    if meter is not None and getattr(meter, "kind", "") == "simulated" and is_compiled(model):
+def warn_if_eager(model, meter, compile_blocks: bool = False) -> None:
+    """A compiled model on the dispatch-mode simulated device runs eagerly: its dispatch mode
+    turns Dynamo off (the allocator meter counts compiled code)."""
+    if meter is not None and getattr(meter, "kind", "") == "simulated" and (compile_blocks or is_compiled(model)):
         warn_user("the model is torch.compile'd, but on the simulated device it runs eagerly (the "
-                  "device's dispatch mode turns Dynamo off): times are eager ones; compiled speed "
-                  "needs a GPU run")
+                  "dispatch meter's mode turns Dynamo off): times are eager ones; use meter "
+                  "'allocator' to run compiled code on the CPU")
 
 
 def release(model, planner) -> None:

@@ -353,10 +353,22 @@ def planner_rows(summary: dict) -> list[tuple[str, str]]:
                      f"{f.underpredictions} (at most {format_bytes(f.max_underprediction_bytes)})"))
     if f.unseen_bytes:
         rows.append(("bytes the probes do not see, added to predictions", format_bytes(f.unseen_bytes)))
+    rows += compile_rows(summary.get("planner") or {})
     rows += [("retried steps / retries", None if f.retries is None else f"{f.retried_steps} / {f.retries}"),
              ("sizes checkpointed in full after running out of memory",
               None if f.full_sizes is None else str(f.full_sizes))]
     return [(label, value) for label, value in rows if value is not None]
+
+
+def compile_rows(stats: dict) -> list:
+    """Compiled blocks' rows (``planners.compiled``): Dynamo's compile time, and how much of it fell
+    in the steps (their iteration times and training time include it; the rest, in the pre-flight
+    steps and evaluation, lies outside), and its recompiles."""
+    if not stats.get("compiled_blocks"):
+        return []
+    in_steps = format_duration(stats.get("compile_s_in_steps", 0.0) * 1e3)
+    return [("compile time", f"{format_duration(stats['compile_s'] * 1e3)} ({in_steps} of it in training time)"),
+            ("compiles / recompiles after warm-up", f"{stats['compiles']} / {stats['recompiles_after_warmup']}")]
 
 
 def _table(title: str, rows) -> Table:

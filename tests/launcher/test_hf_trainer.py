@@ -197,7 +197,6 @@ def test_a_second_train_plans_again():
     ({}, "1GB", {"planner": "hf-every-n"}, "planner='hf-every-n' plans once, for the largest batch"),
     ({}, "1GB", {"planner": "sublinear", "max_input_size": 120},
      r"max_input_size=120 is invalid; expected \(batch_size"),
-    ({"torch_compile": True}, "1GB", {}, r"torch_compile=True\) compiles .*set torch_compile=False"),
 ])
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 def test_refused_in_one_line_naming_the_setting(setting, budget, kwargs, message):
