@@ -277,9 +277,17 @@ def _take_over_compile(trainer):
 def _refuse_unsupported(trainer, budget_bytes: int) -> None:
     """One ValueError naming the setting and the fix for what mimose cannot train under."""
     args = trainer.args
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        raise ValueError("mimose does not plan for DeepSpeed or FSDP (they shard and offload the model "
-                         "themselves); drop the deepspeed/fsdp training argument or fit_budget")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError("mimose does not plan for DeepSpeed (it shards and offloads the model itself); drop the "
+                         "deepspeed training argument or fit_budget")
+    if getattr(trainer, "is_fsdp_enabled", False):
+        raise ValueError("fit_budget does not plan accelerate's FSDP yet; shard with `mimose train ... "
+                         "training.parallel=fsdp` or plan a fully_shard'ed model with Mimose in your own loop "
+                         "(docs/DISTRIBUTED.md), or drop the fsdp training argument")
+    if getattr(args, "fsdp", None):  # accelerate ignores it on the CPU and trains the whole model on every rank
+        raise ValueError("TrainingArguments(fsdp=...) on the CPU: accelerate runs no FSDP there (use_cpu) and would "
+                         "train the model unsharded; drop fsdp=, or shard with `mimose train ... "
+                         "training.parallel=fsdp` (docs/DISTRIBUTED.md)")
     if getattr(args, "n_gpu", 1) > 1:
         raise ValueError(f"the Trainer sees {args.n_gpu} GPUs and would replicate the model "
                          "(nn.DataParallel), which mimose does not plan for; run one process per GPU "

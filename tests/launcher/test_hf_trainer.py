@@ -207,6 +207,19 @@ def test_refused_in_one_line_naming_the_setting(setting, budget, kwargs, message
     assert "forward" not in vars(trainer.model.bert.encoder.layer[0])  # nothing was routed
 
 
+def test_fsdp_asked_of_the_trainer_on_the_cpu_is_refused_in_one_line():
+    """Under torchrun with use_cpu=True, TrainingArguments(fsdp=True) is accepted but accelerate
+    runs no FSDP (``is_fsdp_enabled`` stays False: seen with 2 gloo ranks), so the model would train
+    unsharded on every rank. TrainingArguments refuses fsdp in one process, so the argument is set
+    on the built Trainer here as torchrun's processes hold it."""
+    trainer = _trainer()
+    trainer.args.fsdp = ["full_shard"]
+    assert not trainer.is_fsdp_enabled
+    with pytest.raises(ValueError, match=r"TrainingArguments\(fsdp=...\) on the CPU: accelerate runs no FSDP") as error:
+        fit_budget(trainer, "1GB")
+    assert "\n" not in str(error.value) and "forward" not in vars(trainer.model.bert.encoder.layer[0])
+
+
 def test_resized_batch_repeats_rows_and_tokens_keeping_every_key():
     batch = _pad(_data(3))
     big = resized_batch(batch, (5, 300))
