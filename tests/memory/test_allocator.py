@@ -12,14 +12,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils import cpp_extension
 
 from mimose_cli.memory import allocator, build_meter
 from mimose_cli.memory.allocator import AllocatorMeter, AllocatorUnavailable, load_allocator
 from mimose_cli.units import format_bytes
 
-from memory.test_simulated import B, D, checkpoint_layers, expected_stack, make_stack, stack_forward, tiny_bert
+from memory.test_simulated import B, D, bert_step_against_memtracker, expected_stack, make_stack, stack_forward
 
 F32 = 4
 
@@ -59,26 +58,8 @@ def test_linear_stack_matches_hand_count(meter, ckpt):
 def test_bert_step_matches_memtracker_to_the_byte(meter, ckpt):
     """Eager BERT steps: no op of theirs allocates scratch on the CPU, so the allocator sees
     exactly the storages MemTracker's dispatch mode sees."""
-    model, batch = tiny_bert()
-    if ckpt:
-        checkpoint_layers(model)
-    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
-
-    def train_step():
-        model(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    train_step()
-    with meter.activate():
-        meter.track(model, optimizer, batch)
-        with meter.step() as mem:
-            train_step()
-    reference = MemTracker()
-    reference.track_external(model, optimizer, *batch.values())
-    with reference:
-        train_step()
-    assert mem.peak_bytes == reference.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    mem, want = bert_step_against_memtracker(meter, ckpt)
+    assert mem.peak_bytes == want
     assert mem.end_bytes == mem.start_bytes
 
 

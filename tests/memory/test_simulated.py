@@ -96,9 +96,9 @@ def _checkpointed(forward):
     return lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-@pytest.mark.filterwarnings("ignore:Module is None")  # MemTracker's own noise
-@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
-def test_bert_step_matches_memtracker(ckpt):
+def bert_step_against_memtracker(meter, ckpt: bool) -> tuple:
+    """One steady AdamW step of the tiny BERT (every layer checkpointed when ``ckpt``) on
+    ``meter``, and the same step under torch's MemTracker: ``(StepMemory, MemTracker's peak)``."""
     model, batch = tiny_bert()
     if ckpt:
         checkpoint_layers(model)
@@ -110,7 +110,6 @@ def test_bert_step_matches_memtracker(ckpt):
         optimizer.zero_grad(set_to_none=True)
 
     train_step()  # the optimizer state exists from here on, as in every later step
-    meter = build_meter("simulated")
     with meter.activate():
         meter.track(model, optimizer, batch)
         with meter.step() as mem:
@@ -119,7 +118,13 @@ def test_bert_step_matches_memtracker(ckpt):
     reference.track_external(model, optimizer, *batch.values())
     with reference:
         train_step()
-    want = reference.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return mem, reference.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+@pytest.mark.filterwarnings("ignore:Module is None")  # MemTracker's own noise
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+def test_bert_step_matches_memtracker(ckpt):
+    mem, want = bert_step_against_memtracker(build_meter("simulated"), ckpt)
     assert abs(mem.peak_bytes - want) <= 0.01 * want
     assert mem.end_bytes == mem.start_bytes  # grads were set to None
 
