@@ -1,3 +1,3 @@
-from mimose_cli.cli import main
+from mimose_cli.entry import main
 
 main()

@@ -1,4 +1,5 @@
 import json
+import os
 import re
 import subprocess
 import sys
@@ -287,4 +288,15 @@ def test_ctrl_c_once_report_is_done_ends_in_one_line_and_130(tmp_path):
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert "budget 40MB" in done.stdout  # the report was printed in full first
+    assert (done.returncode, done.stderr) == (130, "error: interrupted\n")
+
+
+def test_ctrl_c_while_the_cli_loads_ends_in_one_line_and_130(tmp_path):
+    """A Ctrl-C while ``mimose`` is still importing its CLI (typer, rich: about a second) is the one
+    line and exit status of a Ctrl-C during a command, not an import traceback. The signal is sent
+    from inside that import, by a stand-in ``typer`` first on the path, so it lands there every time."""
+    (tmp_path / "typer.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-m", "mimose_cli", "report", str(tmp_path)], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=60)
     assert (done.returncode, done.stderr) == (130, "error: interrupted\n")
