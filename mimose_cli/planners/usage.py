@@ -84,7 +84,8 @@ def warn_if_eager(model, meter, compile_blocks: bool = False) -> None:
     """A compiled model on the dispatch-mode simulated device runs eagerly: its dispatch mode
     turns Dynamo off (the allocator meter counts compiled code)."""
     if meter is not None and getattr(meter, "kind", "") == "simulated" and (compile_blocks or is_compiled(model)):
-        warn_user("the model is torch.compile'd, but on the simulated device it runs eagerly (the "
+        what = "the model's blocks are compiled" if compile_blocks else "the model is torch.compile'd"
+        warn_user(f"{what}, but on the simulated device it runs eagerly (the "
                   "dispatch meter's mode turns Dynamo off): times are eager ones; use meter "
                   "'allocator' to run compiled code on the CPU")
 

@@ -72,6 +72,18 @@ def test_a_compiled_model_on_the_simulated_device_is_said_to_run_eagerly():
         mimose_cli.Mimose(model, "1GB").close()
 
 
+
+def test_blocks_compiled_in_place_on_the_simulated_device_are_named_in_the_warning():
+    """Blocks the user compiled (not the whole model) on an explicit dispatch-mode meter: the
+    warning says the blocks are compiled, not that the model is."""
+    from mimose_cli.memory import build_meter
+
+    model = tiny_bert()
+    for layer in model.bert.encoder.layer:
+        layer.compile(dynamic=True)
+    with pytest.warns(UserWarning, match="the model's blocks are compiled, but on the simulated device"):
+        mimose_cli.Mimose(model, "1GB", meter=build_meter("simulated", 10**9)).close()
+
 def test_blocks_given_as_an_empty_or_mixed_list_are_refused_in_one_line():
     model = tiny_bert()
     for blocks in ([], ["bert.encoder.layer.0", ("x", model)]):
