@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from mimose_cli.launcher.spawn import first_to_say
 from mimose_cli.runs.live import silence
 
 EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 2, 1, 130
@@ -19,8 +20,11 @@ options = {"debug": False}
 
 
 def fail(message: str, code: int):
-    """End the command with ``error: message`` as one line on stderr."""
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    """End the command with ``error: message`` as one line on stderr (once for every rank of
+    ``--nproc-per-node`` that ends with the same line)."""
+    line = f"error: {' '.join(message.split())}"
+    if first_to_say(line):
+        typer.echo(line, err=True)
     raise typer.Exit(code)
 
 

@@ -15,6 +15,7 @@ forwards it to the ranks, and each rank gets SIGTERM when the agent dies (``stop
 the ranks stop after their step with a checkpoint instead of training on their own.
 """
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -29,6 +30,8 @@ LAUNCHER_PID_ENV = "MIMOSE_LAUNCHER_PID"
 """The pid of ``mimose train --nproc-per-node``, for torchrun's agent to watch."""
 AGENT_PID_ENV = "MIMOSE_AGENT_PID"
 """The pid of torchrun's agent as ``mimose_cli.launcher.torchrun`` started it, for the ranks to watch."""
+SAID_DIR_ENV = "MIMOSE_SAID_DIR"
+"""A folder of the launcher's where the ranks mark the error lines already printed."""
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 """Variables torchrun sets in every process it starts."""
 
@@ -57,7 +60,7 @@ def relaunch(nproc_per_node: int, args: list) -> int:
         # torchrun sets one OpenMP thread per process when none is set, with a four-line warning;
         # we set that default ourselves (training.cpu_threads still sets torch's threads).
         env = {"OMP_NUM_THREADS": "1", **os.environ, EXIT_FILE_ENV: str(exit_file),
-               LAUNCHER_PID_ENV: str(os.getpid())}
+               LAUNCHER_PID_ENV: str(os.getpid()), SAID_DIR_ENV: tmp}
         child = subprocess.Popen(torchrun_command(nproc_per_node, args), env=env, start_new_session=True)
 
         def forward(signum, frame):
@@ -71,6 +74,24 @@ def relaunch(nproc_per_node: int, args: list) -> int:
                 signal.signal(signum, handler)
         text = exit_file.read_text().strip() if exit_file.exists() else ""
         return int(text) if text else code
+
+
+def first_to_say(line: str) -> bool:
+    """Under ``relaunch``: whether no other rank has printed ``line`` yet, and it is now this rank's
+    to print. A mistake every rank finds alike (a planner that cannot plan the model, a bad data
+    file) is then one line, not one per rank; lines that differ are each printed. The mark is a
+    file created exclusively, so two ranks never both take it."""
+    folder = os.environ.get(SAID_DIR_ENV)
+    if not folder:
+        return True
+    mark = Path(folder) / ("said-" + hashlib.sha1(line.encode()).hexdigest()[:16])
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # the launcher's folder is gone: say it rather than lose it
+        return True
+    return True
 
 
 def stop_with_agent() -> bool:

@@ -1,9 +1,11 @@
 """torchrun (``torch.distributed.run``) as ``mimose train --nproc-per-node`` runs it: the same,
 except that it ends without torchrun's traceback when a signal stopped it or a rank failed; the
 ranks have said what happened (rank 0's status is passed on, ``spawn.relaunch``), and a rank that
-ended without saying it is named in one line. It gets SIGTERM when ``mimose train`` dies
+ended without saying it is named in one line; its agent's log lines about a failed rank are left
+out (``mimose --debug`` keeps them). It gets SIGTERM when ``mimose train`` dies
 (``spawn.py``)."""
 
+import logging
 import os
 import sys
 
@@ -19,6 +21,8 @@ if __name__ == "__main__":
     if launcher is not None:  # SIGTERM when mimose's launcher dies, forwarded to the ranks as any
         stop_with_parent(int(launcher))
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # the ranks inherit it: they watch this process
+    if "--debug" not in sys.argv:  # the ranks say what failed; torchrun's agent adds a warning and an
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # error line per failure
     try:
         main()
     except SignalException as error:  # forwarded to the ranks, which stopped after their step

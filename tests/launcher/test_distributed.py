@@ -292,3 +292,25 @@ def test_compare_refuses_to_run_under_torchrun(monkeypatch, quick_recipe):
     with pytest.raises(ValueError, match="without torchrun"):
         run_compare(quick_recipe(), budgets=["40MB"])
 
+
+
+def test_a_mistake_every_rank_finds_is_one_line_without_torchruns_logs(tmp_path):
+    """A refusal both ranks reach alike (dtr cannot plan an FSDP-sharded model) is printed once, not
+    once per rank, and torchrun's agent adds no warning or error lines of its own."""
+    done = driver.train(tmp_path, "training.parallel=fsdp", "--planner", "dtr", "--nproc-per-node", "2")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stderr
+    assert errors == ["error: planner 'dtr' cannot plan an FSDP-sharded model (it evicts tensors one by one, FSDP "
+                      "gathers and frees each block's parameters itself): use mimose, sublinear or hf-every-n"]
+    assert "torch/distributed/elastic" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_each_line_is_said_once_by_the_first_rank_to_say_it(monkeypatch, tmp_path):
+    from mimose_cli.launcher.spawn import SAID_DIR_ENV, first_to_say
+
+    assert first_to_say("error: a") and first_to_say("error: a")  # outside the launcher: always said
+    monkeypatch.setenv(SAID_DIR_ENV, str(tmp_path))
+    assert first_to_say("error: a") and not first_to_say("error: a")
+    assert first_to_say("error: b")  # another line is said too
+    monkeypatch.setenv(SAID_DIR_ENV, str(tmp_path / "gone"))
+    assert first_to_say("error: a")  # the launcher's folder is gone: said rather than lost
