@@ -16,7 +16,7 @@ LAYERS = [  # lowest first; a module may import its own layer and those below
     ("runs", ("mimose_cli.runs",)),
     ("launcher", ("mimose_cli.launcher",)),
     ("cli", ("mimose_cli.cli",)),
-    ("package", ("mimose_cli.__main__", "mimose_cli")),
+    ("package", ("mimose_cli.__main__", "mimose_cli.entry", "mimose_cli")),
 ]
 
 
