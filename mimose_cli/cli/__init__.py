@@ -97,7 +97,9 @@ def main() -> None:
         typer.echo(f"error: {'interrupted' if interrupted else 'aborted'}", err=True)
         code = EXIT_INTERRUPTED if interrupted else EXIT_RUNTIME
     _flush_and_end_on_interrupt()
-    from mimose_cli.launcher.spawn import leave_exit_status
+    from mimose_cli.launcher.spawn import end_rank, leave_exit_status, under_torchrun
 
     leave_exit_status(code or 0)  # for `mimose train --nproc-per-node`, which runs this under torchrun
+    if under_torchrun():  # a rank: its work is written; Python's shutdown could abort it (end_rank)
+        end_rank(code or 0)
     sys.exit(code or 0)

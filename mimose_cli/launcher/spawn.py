@@ -102,6 +102,20 @@ def stop_with_agent() -> bool:
     return stop_with_parent(int(os.environ.get(AGENT_PID_ENV, os.getppid())))
 
 
+def end_rank(code: int) -> None:
+    """End a rank's process with ``code`` once its work is written, without Python's shutdown:
+    a gloo process group outlives ``destroy_process_group`` while FSDP's mesh still holds it,
+    and its worker threads can abort the interpreter's finalization ("terminate called without
+    an active exception", SIGABRT; about one run in ten here), which torchrun would report as
+    the rank's failure."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away, a stream closed: nothing left to show
+            pass
+    os._exit(code)
+
+
 def leave_exit_status(code: int) -> None:
     """Under ``relaunch``: rank 0 writes its exit status where the launcher reads it."""
     path = os.environ.get(EXIT_FILE_ENV)

@@ -16,6 +16,7 @@ from mimose_cli.planners.compiled import (CompiledBlocks, refuse_selective,
 from mimose_cli.planners.options import NoOptions
 from mimose_cli.planners.runners import PlanRunner, RecomputeClock, StepRouter
 from mimose_cli.planners.session import MeterSession
+from mimose_cli.planners.sharding import largest_gathered_bytes
 from mimose_cli.planners.trial import model_device
 from mimose_cli.planners.usage import said, warn_if_eager
 from mimose_cli.torch_private import without_dispatch_modes
@@ -101,11 +102,21 @@ class PlannerParts:
     def safety_margin_bytes(self) -> int:
         """The headroom kept free: as given, or by default ``CUDA_SAFETY_FRACTION`` of the budget
         on a CUDA meter (the caching allocator rounds every block up and fragments; the budget
-        caps what it reserves) and none on the simulated device, which has neither."""
+        caps what it reserves). The simulated device has neither, and keeps none, except under
+        FSDP: the largest unit's gathered parameters (``sharding.largest_gathered_bytes``), since
+        the process group's worker thread may let go of one such buffer a few ops after the step's
+        last reference in one run and not in another, so a step's peak varies by up to one."""
         if self._safety_margin is not None:
             return self._safety_margin
-        on_cuda = getattr(self.meter, "kind", "") == "cuda"
-        return int(CUDA_SAFETY_FRACTION * self.budget_bytes) if on_cuda and self.budget_bytes else 0
+        if not self.budget_bytes:
+            return 0
+        if getattr(self.meter, "kind", "") == "cuda":
+            return int(CUDA_SAFETY_FRACTION * self.budget_bytes)
+        return self._gathered_bytes if self.lockstep is not None else 0
+
+    @functools.cached_property
+    def _gathered_bytes(self) -> int:
+        return largest_gathered_bytes(self.model)
 
     @property
     def limit_bytes(self):

@@ -37,6 +37,19 @@ def sharded_units(model) -> list:
     return [m for m in model.modules() if any(c.__name__ == _FSDP2 for c in type(m).__mro__)]
 
 
+def largest_gathered_bytes(model) -> int:
+    """The bytes of the largest FSDP unit's parameters, unsharded (what one all-gather or
+    reduce-scatter of it holds; in their stored dtype, at least a mixed-precision gather's)."""
+    units = sharded_units(model)
+    owned = {}
+    for unit in reversed(units):  # innermost first: a unit owns what no unit inside it does
+        taken = set().union(*owned.values()) if owned else set()
+        owned[id(unit)] = {id(p) for p in unit.parameters()} - taken
+    params = {id(p): p for p in model.parameters()}
+    return max((sum(params[i].numel() * params[i].element_size() for i in ids) for ids in owned.values()),
+               default=0)
+
+
 def check_sharding(model, blocks: list, policy_name: str) -> bool:
     """ValueError in one line for what cannot be planned under FSDP: FSDP1, DTR (it evicts one
     tensor at a time, which FSDP's buffers are not), an FSDP unit inside a block (its checkpoint

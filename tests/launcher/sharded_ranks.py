@@ -33,7 +33,7 @@ from mimose_cli.launcher.distributed import World  # noqa: E402
 from mimose_cli.launcher.failures import RankOutOfMemory, out_of_memory, stopped_by  # noqa: E402
 from mimose_cli.launcher.recipe import load_recipe  # noqa: E402
 from mimose_cli.launcher.signals import StopRequest  # noqa: E402
-from mimose_cli.launcher.spawn import leave_exit_status  # noqa: E402
+from mimose_cli.launcher.spawn import end_rank, leave_exit_status  # noqa: E402
 
 
 
@@ -185,4 +185,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_rank(main())  # as the launcher's ranks end: Python's shutdown could abort on gloo's threads

@@ -23,6 +23,7 @@ from mimose_cli.launcher.distributed import World, local_batch, own_padding
 from mimose_cli.launcher.recipe import RecipeError, load_recipe
 from mimose_cli.launcher.models import model_config
 from mimose_cli.launcher.sharded_preflight import RankNeeds, least_ranks, report_ranks, verdict
+from mimose_cli.launcher.spawn import end_rank
 from mimose_cli.launcher.sharding import device_mesh, held_param_bytes, mixed_precision, shard_model
 from mimose_cli.launcher.train import run_training
 from mimose_cli.launcher.preflight import BudgetRange
@@ -209,6 +210,7 @@ def _rank_checks(rank: int, port: int) -> None:
         _dry_run_says_what_each_rank_holds(World(rank, 2))
     finally:
         dist.destroy_process_group()
+    end_rank(0)  # as the launcher's ranks end: Python's shutdown could abort on gloo's threads
 
 
 def _bert_without_dropout(layers=3):

@@ -28,6 +28,7 @@ from mimose_cli.launcher.failures import (
     sizes_out_of_memory,
 )
 from mimose_cli.launcher.recipe import load_recipe
+from mimose_cli.launcher.spawn import end_rank
 
 from helpers import QUICKSTART
 
@@ -58,6 +59,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         train.micro_batch = failing
     recipe = load_recipe(QUICKSTART, [*RECIPE, f"out_dir={out}"])
     train.run_training(recipe, view="none", world=World(rank, 2))
+    end_rank(0)  # as the launcher's ranks end: Python's shutdown could abort on gloo's threads
 
 
 def test_a_rank_out_of_memory_ends_every_rank_through_the_loop_and_keeps_the_checkpoint(tmp_path):

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
 import mimose_cli
+from mimose_cli.launcher.spawn import end_rank
 from mimose_cli.memory import build_meter
 from mimose_cli.memory.probe import LiveProbe
 from mimose_cli.planners.mimose.collector import RawStep, Trace
@@ -76,7 +77,29 @@ def _train(rank: int, model, meter) -> list:
             steps.append({"size": list(info.input_size), "plan": list(info.plan), "loss": loss.item(),
                           "predicted": info.predicted_peak_bytes, "peak": mem.peak_bytes, "phase": info.phase})
         stats = planner.stats
-    return steps, {k: stats[k] for k in ("estimate_source", "estimate_fallback", "probe_steps")}
+        margin = planner.safety_margin_bytes
+    return steps, {**{k: stats[k] for k in ("estimate_source", "estimate_fallback", "probe_steps")}, "margin": margin}
+
+
+def _one_rank_probes_again(rank: int, model, meter) -> dict:
+    """Rank 1 sees its two probe steps differ (as when a collective's worker let go of a buffer
+    at another op), rank 0 does not: both must run the third probe step."""
+    from mimose_cli.planners.mimose import probes
+
+    original = probes.structure_difference
+    if rank == 1:
+        calls = iter(["injected: tensors lived at other ops"])
+        probes.structure_difference = lambda a, b: next(calls, None)
+    try:
+        with mimose_cli.Mimose(model, BUDGET, meter=meter) as planner:
+            batch = bert_batch(BATCH, LENGTHS[rank][0])
+            meter.track(batch)
+            with planner.step(batch):
+                model(**batch).loss.backward()
+            model.zero_grad(set_to_none=True)
+            return {k: planner.stats[k] for k in ("estimate_source", "estimate_fallback", "probe_steps")}
+    finally:
+        probes.structure_difference = original
 
 
 def _others(rank: int, model, meter) -> dict:
@@ -135,11 +158,14 @@ def _rank(rank: int, port: int, out: str) -> None:
             meter.track(model)
             steps, stats = _train(rank, model, meter)
             others = _others(rank, model, meter)
+            again = _one_rank_probes_again(rank, model, meter)
         gathers = _gathers(rank, model)
         with open(f"{out}/rank{rank}.json", "w") as f:
-            json.dump({"said": said, "steps": steps, "stats": stats, "others": others, "gathers": gathers}, f)
+            json.dump({"said": said, "steps": steps, "stats": stats, "others": others, "gathers": gathers,
+                       "again": again}, f)
     finally:
         dist.destroy_process_group()
+    end_rank(0)  # as the launcher's ranks end: Python's shutdown could abort on gloo's threads
 
 
 def _free_port() -> int:
@@ -180,18 +206,28 @@ def _unsharded_losses() -> list:
 def test_each_rank_plans_its_own_batch_and_trains_as_the_unsharded_model(ranks):
     """Rank 1's long batches need blocks checkpointed at the budget, rank 0's short ones none; the
     probes ran on both (no fallback) and every step's prediction is within 2 % of the meter's
-    peak, never under it (the simulated device keeps no margin)."""
+    peak, never under it by more than the margin the simulated device keeps under FSDP: the
+    largest unit's gathered parameters (the root's here), one of which the process group's worker
+    may let go of a few ops later in one run than in another."""
+    root = sum(p.numel() * p.element_size() for name, p in _model().named_parameters() if ".layer." not in name)
     for rank, result in enumerate(ranks):
         assert [tuple(s["size"]) for s in result["steps"]] == [(BATCH, n) for n in LENGTHS[rank]]
         assert result["stats"]["estimate_source"] == "probes", result["stats"]
+        assert result["stats"]["margin"] == root
         for step in result["steps"]:
-            assert step["peak"] <= BUDGET
-            assert step["peak"] <= step["predicted"] <= 1.02 * step["peak"], (rank, step)
+            assert step["peak"] <= BUDGET - root
+            assert step["peak"] - root <= step["predicted"] <= 1.02 * step["peak"], (rank, step)
     assert all(choice == "keep" for step in ranks[0]["steps"] for choice in step["plan"])
     assert all(any(choice != "keep" for choice in step["plan"]) for step in ranks[1]["steps"]), ranks[1]["steps"]
     expected = _unsharded_losses()
     for rank, result in enumerate(ranks):
         assert [s["loss"] for s in result["steps"]] == pytest.approx(expected[rank], rel=1e-5, abs=1e-6)
+
+
+def test_a_third_probe_step_one_rank_needs_runs_on_every_rank(ranks):
+    for result in ranks:
+        assert result["again"]["estimate_source"] == "probes", result["again"]
+        assert result["again"]["probe_steps"] == 3
 
 
 def test_the_other_planners_plan_a_sharded_model(ranks):

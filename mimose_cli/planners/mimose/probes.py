@@ -351,10 +351,15 @@ class Probes:
     def _probe_pair(self, sizes: list, twins: dict) -> list:
         """The two measured probe steps at ``sizes`` (``RawStep``s), the first once more when it
         ran otherwise than the second: what only the first step of a process does (a GradScaler
-        creating its scale, a lazily built cache)."""
+        creating its scale, a lazily built cache). Under FSDP the ranks run the third step
+        together where any rank's two differ (a collective's worker may let go of a buffer at
+        another op from run to run), so that their probe steps stay the same."""
         raws = settled([self._probe_step(size, twins) for size in sizes])
         self.counts.probe_steps += 2
-        if structure_difference(*raws) is not None:
+        again = structure_difference(*raws) is not None
+        if self.parts.lockstep is not None:
+            again = self.parts.lockstep.any(again)
+        if again:
             raws = settled([self._probe_step(sizes[0], twins), raws[1]])
             self.counts.probe_steps += 1
         return raws
