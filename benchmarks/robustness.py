@@ -11,7 +11,9 @@ out-of-memory past the budget):
   image side varying per batch, 32-96 px in multiples of the 8 px patch, with
   ``interpolate_pos_encoding=True``; ``vit16``: 6 blocks, 16 px patches, sides 64-224 px in steps
   of 16), ResNet (image classification, bottleneck stages of 2, 3,
-  6 and 2 layers, all 13 of them blocks, BatchNorm in each; sides 32-160 px in multiples of 32);
+  6 and 2 layers, all 13 of them blocks, BatchNorm in each; sides 32-160 px in multiples of 32),
+  CLIP (two towers of 4 blocks each, texts of the lengths below with 32 px images, contrastive
+  loss: a batch with several inputs);
 - settings: fp32; bf16 and fp16 autocast around the forward (fp16 with a GradScaler); lengths
   padded up to a multiple of 128 (images: the side up to a multiple of 32 px); gradient
   accumulation over 4 micro-batches (gradients alive at the start of 3 in 4); a batch size
@@ -85,7 +87,8 @@ class ModelSpec:
     cls: str
     """The transformers class, by name."""
     kind: str
-    """What its batches hold: classify, choice, causal, seq2seq or image."""
+    """What its batches hold: classify, choice, causal, seq2seq, image or twotower (texts with
+    their images)."""
     config: dict
     """``AutoConfig.for_model`` keywords, ``model_type`` included."""
     sides: tuple = ()
@@ -110,6 +113,14 @@ MODELS = {
     # of the config, and with it on, decoder blocks fill a key/value cache in place, so their
     # recompute differs from their forward. Off here too, so that T5 can be measured at all.
     "t5-nocache": ModelSpec("T5ForConditionalGeneration", "seq2seq", {**T5, "use_cache": False}),
+    # Two towers (text and 32 px images) with a contrastive loss: a batch with several inputs.
+    "clip": ModelSpec("CLIPModel", "twotower",
+                      dict(model_type="clip", projection_dim=32,
+                           text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=256,
+                                            pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                           vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                              num_attention_heads=4, image_size=32, patch_size=8))),
     "vit": ModelSpec("ViTForImageClassification", "image",
                      dict(model_type="vit", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                           intermediate_size=128, image_size=32, patch_size=8, num_labels=10)),
@@ -201,6 +212,10 @@ def make_batch(spec: ModelSpec, shape: Shape, step: int) -> dict:
         ids, mask = (t.repeat_interleave(2, 0).view(rows, 2, -1) for t in (ids, mask))
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.from_numpy(rng.integers(0, 2, rows))}
     batch = {"input_ids": ids, "attention_mask": mask}
+    if spec.kind == "twotower":  # each text with its image; the loss contrasts the batch's pairs
+        size = spec.config["vision_config"]["image_size"]
+        pixels = rng.standard_normal((rows, 3, size, size), dtype=np.float32)
+        return {**batch, "pixel_values": torch.from_numpy(pixels), "return_loss": True}
     if spec.kind == "classify":
         batch["labels"] = torch.from_numpy(rng.integers(0, 2, rows))
     elif spec.kind == "causal":

@@ -75,4 +75,12 @@ def test_mimose_trains_a_two_tower_model_inside_its_budget():
             meter.reset_peak()
             losses.append(float(planner.run(lambda b: planned_model(**b).loss, batch)))
             assert meter.peak_bytes() <= budget
+        # The B x B similarities of the contrastive loss are read with the batch's square as a
+        # feature: the probes are scaled (no sheltered phase), and a saved planner keeps that.
+        assert planner.stats["estimate_source"] == "probes", planner.stats["estimate_fallback"]
+        assert planner.policy.estimator.feature_set.names[-1] == "B2"
+        state, predicted = planner.state_dict(), planner.policy.estimator.predict((6, 20)).step
     assert losses == pytest.approx(plain, rel=1e-5)
+    with Mimose(planned_model, budget, meter=meter) as loaded:
+        loaded.load_state_dict(state)
+        assert loaded.policy.estimator.predict((6, 20)).step == predicted

@@ -315,6 +315,21 @@ def test_a_collectives_buffer_dies_where_its_worker_thread_let_go_at_the_latest(
     assert structure_difference(unmarked, late) == "tensors lived at other ops at the other input size"
 
 
+def test_a_buffer_that_outlived_one_probes_step_dies_at_its_end_in_both():
+    """The root's reduce-scatter buffer is let go of by its work: two ops before the step's end in
+    one probe, after it in the other (alive at every point). Neither saw it as a collective's, yet
+    the probes are alike, each holding it to the end; one that died at two points inside both
+    steps still makes them differ."""
+    inside = _raw([100, 150, 100, 100], died=[4, 2], comm=[False, False])
+    outlived = _raw([100, 150, 150, 150], died=[4, 4], comm=[False, False])
+    raws = settled([inside, outlived])
+    assert structure_difference(*raws) is None
+    for raw in raws:
+        assert raw.died.tolist() == [4, 4] and raw.trace.live.tolist() == [100, 150, 150, 150]
+    later = _raw([100, 150, 150, 100], died=[4, 3], comm=[False, False])
+    assert structure_difference(*settled([inside, later])) == "tensors lived at other ops at the other input size"
+
+
 def test_a_storage_another_thread_frees_is_taken_for_a_collectives_buffer():
     """What frees it there is the process group's worker thread letting go of a collective's
     tensors; a storage the step itself frees is not."""

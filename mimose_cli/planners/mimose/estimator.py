@@ -20,6 +20,7 @@ import numpy as np
 from mimose_cli.planners.blocks import plan_levels
 from mimose_cli.planners.mimose.features import (
     BLOCK_QUANTITIES,
+    FEATURE_SETS,
     FEATURES,
     KEEP_LEVEL,
     KEPT_SETS,
@@ -35,6 +36,7 @@ from mimose_cli.planners.mimose.features import (
     Releases,
     features,
     kept_quantities,
+    widened,
 )
 from mimose_cli.planners.mimose.trust import Trust
 
@@ -535,6 +537,9 @@ class Estimator:
         def unselective(quantities):
             return [q for q in quantities if not q.startswith(KEPT_SETS)]
 
+        widened_to = FEATURE_SETS.get(tuple(state["features"]))
+        if widened_to is not None and widened(self.feature_set) is widened_to:  # the probes read it so
+            self.feature_set = widened_to
         if (unselective(state["block_quantities"]) != unselective(BLOCK_QUANTITIES)
                 or list(state["features"]) != list(self.feature_set.names)):
             raise ValueError("the saved estimator was written by an incompatible mimose version")

@@ -163,6 +163,25 @@ SEQ2SEQ = FeatureSet(("BE2", "BE", "BD2", "BD", "BED", "1", "B", "E2", "E", "D2"
 """(B, E, D) for encoder-decoders: the encoder's and the decoder's lengths apart."""
 
 
+def _contrastive_features(size) -> np.ndarray:
+    batch = float(size[0])
+    return np.append(features(size), batch * batch)
+
+
+CONTRASTIVE = FeatureSet((*FEATURES, "B2"), TIME_FEATURES, _contrastive_features, TOKENS.lengths)
+"""``TOKENS`` and the square of the batch: what a contrastive loss over the batch's pairs holds
+(CLIP's B x B similarities). Taken where the probes find such a tensor (``widened``), not always:
+one more feature leaves more sizes undetermined by the measured ones."""
+FEATURE_SETS = {names.names: names for names in (TOKENS, SEQ2SEQ, CONTRASTIVE)}
+"""Each feature set by its names (a saved estimator's)."""
+
+
+def widened(feature_set: FeatureSet) -> FeatureSet | None:
+    """The feature set to read the probes with where ``feature_set`` cannot (a tensor of B x B),
+    or None."""
+    return CONTRASTIVE if feature_set is TOKENS else None
+
+
 def feature_set_of(parts) -> FeatureSet:
     """What an input size's memory and work grow with for the planner's model: the encoder's and
     the decoder's lengths of an encoder-decoder model (``parts.encoder_decoder``), the tokens of any

@@ -256,6 +256,8 @@ class MimosePolicy(Policy):
             self._warn(f"mimose: learning from measured steps (a sheltered phase of {self.sheltered_steps}): "
                        f"the probe steps cannot be scaled to other input sizes: {result.fallback}")
             return
+        if result.feature_set is not None:  # read over more features (a B x B tensor): so is the fit
+            self.estimator.feature_set = result.feature_set
         for size, sample in result.samples:
             self.estimator.add(size, *sample)
         self.counts.probe_samples = len(result.samples)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from mimose_cli.planners.inputs import infer_input_size, size_key, with_padding
 from mimose_cli.planners.mimose.choices import ChoiceTimes, copy_costs_ms, dispatch_costs_ms, probe_rates_ms
 from mimose_cli.planners.mimose.collector import InputReleases
-from mimose_cli.planners.mimose.features import Releases
+from mimose_cli.planners.mimose.features import FeatureSet, Releases, widened
 from mimose_cli.planners.mimose.layout import first_runs_otherwise, left_out, stack_runs, twin_blocks
 from mimose_cli.planners.mimose.scaling import (
     SIDE_PAIR,
@@ -90,6 +90,8 @@ class ProbeResult:
     counts: ProbeCounts = field(default_factory=ProbeCounts)
     warnings: list = field(default_factory=list)
     """What the probes would tell the user, in order, each once."""
+    feature_set: FeatureSet | None = None
+    """The features the samples are over where not the estimate's own (``features.widened``)."""
 
 
 def time_choices(raws: list, sizes: list, feature_set, stand_in: dict, prefixes: list, costs: tuple | None,
@@ -271,10 +273,24 @@ class Probes:
         """The two measured probe steps (every layer run), scaled to samples at every size."""
         self.counts.probe_twins = len(raws[0].twins)
         prefixes = partial_prefixes(raws[0], self.parts.num_blocks, {})
-        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.feature_set, self.parts.num_blocks,
-                            partial_keep=partial_keeps(prefixes))
+        scaled = self._scaled(lambda feature_set: ScaledStep(raws[0], sizes[0], raws[1], sizes[1], feature_set,
+                                                             self.parts.num_blocks, partial_keep=partial_keeps(prefixes)))
         self._time_choices(raws, sizes, max_size, twins, [], prefixes)
         return self._scaled_samples(scaled, max_size)
+
+    def _scaled(self, scale):
+        """``scale(feature_set)`` (a ``ScaledStep``) with the estimate's features, else, where no
+        sum of them reads a tensor's bytes, with the wider set (``features.widened``: a B x B
+        tensor), which the estimate then takes (``ProbeResult.feature_set``)."""
+        try:
+            return scale(self.feature_set)
+        except ScalingError:
+            wider = widened(self.feature_set)
+            if wider is None:
+                raise
+            scaled = scale(wider)  # the wider set's error, if it cannot either
+            self.feature_set = self.result.feature_set = wider
+            return scaled
 
     def _scaled_samples(self, scaled: ScaledStep, max_size: tuple) -> list:
         """``scaled``'s samples at every size; where the probes varied an image's sides, the
@@ -300,7 +316,8 @@ class Probes:
         # left-out layer's its template's, whose bytes it is written out with (``Deepening``).
         prefixes = partial_prefixes(raws[0], n, {i: template for template, skipped in runs for i in skipped})
         keep = partial_keeps(prefixes)
-        scaled = ScaledStep(raws[0], sizes[0], raws[1], sizes[1], self.feature_set, n, runs, keep)
+        scaled = self._scaled(lambda feature_set: ScaledStep(raws[0], sizes[0], raws[1], sizes[1], feature_set, n,
+                                                             runs, keep))
         deeper = deeper_by_one(runs)
         with left_out(self.parts.model, self.parts.blocks, _skipped(deeper)):
             check = self._probe_step(sizes[0], twins)

@@ -374,7 +374,11 @@ def settled(raws: list) -> list:
     live bytes from above."""
     if any(r.comm is None or len(r.nbytes) != len(raws[0].nbytes) for r in raws):
         return raws
-    comm = np.any([r.comm for r in raws], axis=0)
+    # A storage that outlived the step's ops in one of them and not in another was let go of by
+    # something that ran on its own time (the root's reduce-scatter buffer, held by its work):
+    # as a collective's buffer, it dies at the latest.
+    ends = np.array([r.died >= r.points for r in raws])
+    comm = np.any([r.comm for r in raws], axis=0) | (ends.any(axis=0) & ~ends.all(axis=0))
     if not comm.any():
         return raws
     latest = np.max([r.died for r in raws], axis=0)
