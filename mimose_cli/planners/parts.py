@@ -112,11 +112,14 @@ class PlannerParts:
             return 0
         if getattr(self.meter, "kind", "") == "cuda":
             return int(CUDA_SAFETY_FRACTION * self.budget_bytes)
-        return self._gathered_bytes if self.lockstep is not None else 0
+        return self.collective_jitter_bytes
 
     @functools.cached_property
-    def _gathered_bytes(self) -> int:
-        return largest_gathered_bytes(self.model)
+    def collective_jitter_bytes(self) -> int:
+        """By how much a step's peak may vary from run to run with when the collectives' worker
+        lets go of their buffers: one FSDP unit's gathered parameters under FSDP
+        (``sharding.largest_gathered_bytes``), else 0."""
+        return largest_gathered_bytes(self.model) if self.lockstep is not None else 0
 
     @property
     def limit_bytes(self):
