@@ -82,18 +82,30 @@ def train(out: Path, planner: str, budget: str, steps: int) -> dict:
             "mean_iter_ms": summary["mean_iter_ms"], "oom_steps": summary["oom_steps"],
             "every_n_layers": summary["planner"].get("every_n_layers"),
             "mean_checkpointed_blocks": summary["mean_checkpointed_blocks"],
-            "ranks": [{**rank, "max_prediction_error": prediction_error(records, rank["rank"])}
-                      for rank in summary["ranks"]],
+            "ranks": [{**rank, "max_prediction_error": prediction_error(records, rank["rank"]),
+                       **signed_errors(records, rank["rank"])} for rank in summary["ranks"]],
             "losses": [line["loss"] for line in records]}
 
 
+def prediction_errors(records: list, rank: int) -> list:
+    """The relative errors (predicted - measured) / measured of the rank's predicted step peaks
+    against its measured ones (before the optimizer step); empty when the planner predicted nothing."""
+    return [(f["predicted_peak_bytes"] - f["fwd_bwd_peak_bytes"]) / f["fwd_bwd_peak_bytes"]
+            for line in records for f in line["ranks"] if f["rank"] == rank
+            and f.get("predicted_peak_bytes") is not None and f.get("fwd_bwd_peak_bytes")]
+
+
 def prediction_error(records: list, rank: int) -> float | None:
-    """The largest relative error of the rank's predicted step peak against its measured one
-    (before the optimizer step); None when the planner predicted nothing."""
-    errors = [abs(f["predicted_peak_bytes"] - f["fwd_bwd_peak_bytes"]) / f["fwd_bwd_peak_bytes"]
-              for line in records for f in line["ranks"] if f["rank"] == rank
-              and f.get("predicted_peak_bytes") is not None and f.get("fwd_bwd_peak_bytes")]
-    return max(errors) if errors else None
+    """The largest relative error, either way (``prediction_errors``); None when none."""
+    errors = prediction_errors(records, rank)
+    return max(map(abs, errors)) if errors else None
+
+
+def signed_errors(records: list, rank: int) -> dict:
+    """The most negative (under) and most positive (over) relative error; None when none."""
+    errors = prediction_errors(records, rank)
+    return {"min_prediction_error": min(errors) if errors else None,
+            "max_signed_prediction_error": max(errors) if errors else None}
 
 
 def one_process_losses(out: Path, steps: int) -> list:
@@ -111,16 +123,19 @@ def _fmt(value, spec: str = ".1f") -> str:
 
 def table(rows: list, budget_bytes: int) -> None:
     print("| round | planner | status | mean iter ms | OOM steps | every n | mean blocks | rank peaks MiB "
-          f"(budget {budget_bytes / 2**20:.2f}) | max prediction error per rank | max loss difference |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"(budget {budget_bytes / 2**20:.2f}) | max prediction error per rank | error range per rank (under … over) "
+          "| max loss difference |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["status"] == "refused":
-            print(f"| {r['round']} | {r['planner']} | refused: {r['error']} | | | | | | | |")
+            print(f"| {r['round']} | {r['planner']} | refused: {r['error']} | | | | | | | | |")
             continue
         peaks = " / ".join(f"{rank['peak_bytes'] / 2**20:.2f}" for rank in r["ranks"])
         errors = " / ".join(_fmt(rank["max_prediction_error"], ".2%") for rank in r["ranks"])
+        ranges = " / ".join(f"{_fmt(rank['min_prediction_error'], '+.2%')} … "
+                            f"{_fmt(rank['max_signed_prediction_error'], '+.2%')}" for rank in r["ranks"])
         print(f"| {r['round']} | {r['planner']} | {r['status']} | {r['mean_iter_ms']:.0f} | {r['oom_steps']} "
-              f"| {_fmt(r['every_n_layers'], 'd')} | {r['mean_checkpointed_blocks']:.2f} | {peaks} | {errors} "
+              f"| {_fmt(r['every_n_layers'], 'd')} | {r['mean_checkpointed_blocks']:.2f} | {peaks} | {errors} | {ranges} "
               f"| {_fmt(r['max_loss_difference'], '.1e')} |")
 
 

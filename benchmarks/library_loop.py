@@ -34,12 +34,12 @@ from short_run import recipe
 RUNS = ("plain", "mimose", "mimose, allocator meter")
 
 
-def _batches(r, config, steps: int) -> list:
+def own_loop_batches(r, config, steps: int) -> list:
     loader = build_dataloader(r, build_dataset(r, config), config, epoch=0)
     return [batch for _, batch in zip(range(steps), loader)]
 
 
-def _loop(r, config, batches: list, run: str, budget) -> tuple:
+def own_loop(r, config, batches: list, run: str, budget) -> tuple:
     """Per-step times (ms) of the loop, and the planner's figures."""
     torch.manual_seed(0)
     model = build_model(r, config).train()
@@ -78,7 +78,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         r = recipe(out, args.steps)
         config = model_config(r)
-        batches = _batches(r, config, args.steps)
+        batches = own_loop_batches(r, config, args.steps)
         meter = build_meter("simulated", 10**12)
         with meter.activate():  # plain's largest peak on these batches, to size the budget
             model = build_model(r, config).train()
@@ -93,7 +93,7 @@ def main() -> None:
         rounds = []
         for k in range(args.rounds):
             order = RUNS[k % len(RUNS):] + RUNS[:k % len(RUNS)]
-            rounds.append({run: _loop(r, config, batches, run, budget) for run in order})
+            rounds.append({run: own_loop(r, config, batches, run, budget) for run in order})
     rows = []
     for run in RUNS:
         whole = statistics.median(sum(rd[run][0]) / sum(rd["plain"][0]) for rd in rounds)

@@ -12,6 +12,9 @@ Mimose's own accounting of its overhead in iterations (the median over rounds): 
 before step 0, fits and planning, over its mean iteration. Then one sheltered step taken apart:
 its time against a plain step with every block checkpointed (``full``), the measuring runs
 added, and the per-op probe added (the probe switched off for one measurement).
+Beside the launcher's path, the README's own loop (``Mimose(model, budget)`` and ``planner.run``,
+``library_loop.py``) on the same batches and budget, in the same rotated rounds: its whole loop and
+steps 10 on against the same loop without a planner.
 Writes benchmarks/results/short_run.json.
 
     python benchmarks/short_run.py [--rounds 3] [--steps 60]
@@ -111,13 +114,28 @@ def main():
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    from library_loop import RUNS as OWN_RUNS, own_loop_batches, own_loop  # it imports this module
+
     with tempfile.TemporaryDirectory() as out_dir:
         plain_peak = run(out_dir, args.steps, "none", None)["peak"]
         budget = int(0.6 * plain_peak)
-        rounds = []
+        own_recipe = recipe(out_dir, args.steps)
+        own_config = model_config(own_recipe)
+        own_batches = own_loop_batches(own_recipe, own_config, args.steps)
+        own_runs = OWN_RUNS[:2]  # plain and the README's code as written
+        everything = PLANNERS + tuple(f"own loop: {name}" for name in own_runs)
+        rounds, own = [], []
         for n in range(args.rounds):
-            order = PLANNERS[n % len(PLANNERS):] + PLANNERS[:n % len(PLANNERS)]
-            rounds.append({p: run(out_dir, args.steps, p, None if p == "none" else budget) for p in order})
+            order = everything[n % len(everything):] + everything[:n % len(everything)]
+            launched, looped = {}, {}
+            for name in order:
+                if name.startswith("own loop: "):
+                    looped[name[len("own loop: "):]] = own_loop(own_recipe, own_config, own_batches,
+                                                                name[len("own loop: "):], budget)[0]
+                else:
+                    launched[name] = run(out_dir, args.steps, name, None if name == "none" else budget)
+            rounds.append(launched)
+            own.append(looped)
         breakdown = sheltered_breakdown(out_dir)
 
     def ratio(key, a, b):
@@ -149,8 +167,14 @@ def main():
     parts = breakdown["in_plain_steps"]
     print(f"one sheltered step at {tuple(breakdown['size'])}, in plain steps beyond one: "
           + ", ".join(f"{k.replace('_', ' ')} +{v:.2f}" for k, v in parts.items()))
+    own_loop_ratios = {"whole_over_plain": statistics.median(sum(r["mimose"]) / sum(r["plain"]) for r in own),
+                       "steps_10_on_over_plain": statistics.median(sum(r["mimose"][10:]) / sum(r["plain"][10:])
+                                                                   for r in own)}
+    print(f"the README's own loop (Mimose(model, budget), planner.run): whole loop "
+          f"{own_loop_ratios['whole_over_plain']:.3f}x the same loop without a planner, steps 10+ "
+          f"{own_loop_ratios['steps_10_on_over_plain']:.3f}x")
     write_results("short_run", rows, budget_bytes=budget, plain_peak_bytes=plain_peak, steps=args.steps,
-                  rounds=args.rounds, sheltered_breakdown=breakdown,
+                  rounds=args.rounds, sheltered_breakdown=breakdown, own_loop=own_loop_ratios,
                   targets={"mimose_whole_over_none": 1.06, "mimose_whole_over_every_n": 0.85,
                            "overhead_iterations": 1.0})
 
