@@ -727,6 +727,11 @@ class ScaledStep:
             blocks[quantity] = [None if v is None or np.isnan(v).any() else v for v in blocks[quantity]]
         return blocks, step, shape
 
+    def _batch_power(self) -> int:
+        """The highest power of the batch size among the features."""
+        variables, powers = exponents(self.feature_set)
+        return max((p[variables.index("B")] for p in powers), default=0) if "B" in variables else 0
+
     def sizes(self, max_size: tuple) -> list:
         """Sizes to write samples at: in each dimension the probes varied, both probes' values and
         the largest (``max_size``), enough for the estimator's features to be determined at every
@@ -734,6 +739,10 @@ class ScaledStep:
         axes = []
         for d, varies in enumerate(self.varied()):
             values = {self.size_a[d], self.size_b[d], int(max_size[d])} if varies else {self.size_a[d]}
+            if d == 0 and varies and self._batch_power() >= 2:  # the batch's square needs a third batch size
+                for extra in (1, 2, 3):
+                    if len(values) < 3:
+                        values.add(extra)
             axes.append(sorted(values))
         grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(axes))
         return [tuple(int(v) for v in point) for point in grid]
