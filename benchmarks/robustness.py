@@ -40,6 +40,7 @@ Writes benchmarks/results/robustness.json.
     python benchmarks/robustness.py --jobs 2     # (model, setting) pairs in 2 processes
     python benchmarks/robustness.py --choices selective   # Mimose's finer plans (robustness_selective.json)
     python benchmarks/robustness.py --choices offload     # offload among them too (robustness_offload.json)
+    python benchmarks/robustness.py --meter allocator     # on the counting CPU allocator (robustness_allocator.json)
 """
 
 import argparse
@@ -328,13 +329,13 @@ def train_step(t: Trainer, spec: ModelSpec, shape: Shape, step: int) -> StepReco
 
 
 def train_run(spec: ModelSpec, setting: Setting, shapes: list, planner_name: str, budget_bytes,
-              choices: str = "block") -> Run:
+              choices: str = "block", meter_kind: str = "simulated") -> Run:
     """Train on ``shapes`` with one planner on a fresh simulated device of ``budget_bytes``
     (Mimose's plans: ``choices``)."""
     model = build_model(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu") if setting.precision == "fp16" else None
-    meter = build_meter("simulated", budget_bytes)
+    meter = build_meter(meter_kind, budget_bytes)
     with meter.activate():
         meter.track(model, optimizer)
         options = {"choices": choices} if planner_name == "mimose" else {}
@@ -431,14 +432,18 @@ def summarize(cell: Cell, run: Run, reference: list) -> None:
     cell.mimose = run.stats
 
 
-def evaluate(model_name: str, setting_name: str, steps: int, choices: str = "block") -> list:
-    """The three budget cells of one (model, setting): calibrate with none and full, then Mimose."""
+def evaluate(model_name: str, setting_name: str, steps: int, choices: str = "block",
+             meter_kind: str = "simulated") -> list:
+    """The three budget cells of one (model, setting): calibrate with none and full, then Mimose;
+    each run on a fresh meter of ``meter_kind`` (the simulated device as a dispatch mode, or the
+    counting allocator)."""
     spec, setting = MODELS[model_name], SETTINGS[setting_name]
     cells = [Cell(model_name, setting_name, round(100 * f)) for f in BUDGET_FRACTIONS]
     try:
         shapes = batch_shapes(spec, setting, steps)
-        full = train_run(spec, setting, shapes, "full", None)  # first: it fails where checkpointing does
-        none = train_run(spec, setting, shapes, "none", None)
+        # full first: it fails where checkpointing does
+        full = train_run(spec, setting, shapes, "full", None, meter_kind=meter_kind)
+        none = train_run(spec, setting, shapes, "none", None, meter_kind=meter_kind)
     except Exception as error:  # a cell that cannot run says why and the matrix goes on
         for cell in cells:
             cell.error = f"calibration: {one_line(error)}"
@@ -450,7 +455,8 @@ def evaluate(model_name: str, setting_name: str, steps: int, choices: str = "blo
         cell.budget_bytes = int(full_peak + fraction * (none_peak - full_peak))
         start = time.perf_counter()
         try:
-            summarize(cell, train_run(spec, setting, shapes, "mimose", cell.budget_bytes, choices), none.records)
+            summarize(cell, train_run(spec, setting, shapes, "mimose", cell.budget_bytes, choices, meter_kind),
+                      none.records)
         except Exception as error:
             cell.error = one_line(error)
         cell.wall_s = time.perf_counter() - start
@@ -516,18 +522,18 @@ def _init_worker() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="mimose_cli")
 
 
-def run_matrix(pairs: list, steps: int, jobs: int, choices: str = "block") -> list:
+def run_matrix(pairs: list, steps: int, jobs: int, choices: str = "block", meter_kind: str = "simulated") -> list:
     """Every (model, setting) pair's cells, in matrix order; a progress line per pair."""
     _init_worker()
     if jobs == 1:
         results = []
         for pair in pairs:
-            results.append(evaluate(*pair, steps, choices))
+            results.append(evaluate(*pair, steps, choices, meter_kind))
             print(f"done {pair[0]}/{pair[1]}", flush=True)
         return [row for cells in results for row in cells]
     # spawn: a forked torch can deadlock on the parent's thread pools
     with ProcessPoolExecutor(jobs, multiprocessing.get_context("spawn"), initializer=_init_worker) as pool:
-        futures = {pool.submit(evaluate, *pair, steps, choices): pair for pair in pairs}
+        futures = {pool.submit(evaluate, *pair, steps, choices, meter_kind): pair for pair in pairs}
         for future in futures:
             future.add_done_callback(lambda f, pair=futures[future]: print(f"done {pair[0]}/{pair[1]}", flush=True))
         return [row for future in futures for row in future.result()]
@@ -543,8 +549,12 @@ def main():
     parser.add_argument("--choices", default="block", choices=get_args(ChoiceSet),
                         help="Mimose's plans (planner.mimose.choices); selective writes robustness_selective.json, "
                              "offload robustness_offload.json")
+    parser.add_argument("--meter", default="simulated", choices=("simulated", "allocator"),
+                        help="the simulated device as a dispatch mode (default) or the counting CPU allocator; "
+                             "allocator writes robustness_allocator.json")
     parser.add_argument("--results", default=None,
-                        help="the results file's name (default robustness, or robustness_<choices>)")
+                        help="the results file's name (default robustness, or robustness_<choices>, "
+                             "robustness_allocator)")
     args = parser.parse_args()
     if args.quick:
         args.models, args.settings, args.steps = "bert,vit", "fp32,varbatch", 12
@@ -554,11 +564,12 @@ def main():
         parser.error(f"unknown model or setting {unknown[0]!r}; models: {','.join(MODELS)}; "
                      f"settings: {','.join(SETTINGS)}")
     start = time.perf_counter()
-    rows = run_matrix(pairs, args.steps, args.jobs, args.choices)
+    rows = run_matrix(pairs, args.steps, args.jobs, args.choices, args.meter)
     wall_s = time.perf_counter() - start
     counts = target_counts(rows)
-    name = args.results or ("robustness" if args.choices == "block" else f"robustness_{args.choices}")
-    write_results(name, rows, steps=args.steps, jobs=args.jobs, wall_s=wall_s, choices=args.choices,
+    name = args.results or "_".join(["robustness"] + [args.choices] * (args.choices != "block")
+                                    + ["allocator"] * (args.meter == "allocator"))
+    write_results(name, rows, steps=args.steps, jobs=args.jobs, wall_s=wall_s, choices=args.choices, meter=args.meter,
                   budget_fractions=list(BUDGET_FRACTIONS), targets=TARGETS,
                   targets_met={k: list(v) for k, v in counts.items()})
     print(HEADER)
