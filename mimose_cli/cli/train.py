@@ -73,7 +73,7 @@ def train(
             warnings.warn(f"override {text!r} has no effect: this run's planner is {resolved.planner.name}, "
                           f"which reads planner.{resolved.planner.name.replace('-', '_')} only", stacklevel=1)
     if resume is not None and not under_torchrun():
-        _check_processes(resume, nproc_per_node or 1)
+        _check_processes(resume, nproc_per_node or 1, resolved.training.parallel == "fsdp")
     sharded = resolved.training.parallel == "fsdp"
     if nproc_per_node is not None:  # the recipe is checked above, before any process starts
         if (dry_run and not sharded) or under_torchrun():
@@ -118,9 +118,13 @@ def train(
     raise typer.Exit(result.exit_code)
 
 
-def _check_processes(run_dir: Path, processes: int) -> None:
-    """A run resumes with the number of processes it was trained with (the global batch and each
-    rank's state depend on it): said before anything is built, when its summary.json says it."""
+def _check_processes(run_dir: Path, processes: int, sharded: bool) -> None:
+    """A data-parallel run resumes with the number of processes it was trained with (the global
+    batch and each rank's state depend on it): said before anything is built, when its
+    summary.json says it. A sharded one (``training.parallel: fsdp``) resumes on any number its
+    recipe takes (its checkpoint reshards: ``launcher/sharded.py``)."""
+    if sharded:
+        return
     import json
 
     from mimose_cli.launcher.recipe import RecipeError

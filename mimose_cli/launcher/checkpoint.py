@@ -22,7 +22,7 @@ processes a resume needs.
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -56,6 +56,23 @@ class Progress:
         """The position after ``step`` optimizer steps of ``micro_batches_per_step`` batches each."""
         epoch, batch = divmod(step * micro_batches_per_step, batches_per_epoch)
         return cls(step=step, epoch=epoch, batch=batch, **kwargs)
+
+    def advanced(self, step: int, micro_batches_per_step: int, batches_per_epoch: int, **kwargs) -> "Progress":
+        """The position after ``step`` optimizer steps, the ones after this one's of
+        ``micro_batches_per_step`` batches each (``at_step`` from a start that was not: a resume on
+        another number of processes, whose batches before it were of another size)."""
+        done = self.epoch * batches_per_epoch + self.batch + (step - self.step) * micro_batches_per_step
+        epoch, batch = divmod(done, batches_per_epoch)
+        return Progress(step=step, epoch=epoch, batch=batch, **kwargs)
+
+    def regrouped(self, batch_size: int, saved_processes: int, processes: int) -> "Progress":
+        """This position in global batches of ``batch_size`` x ``processes`` examples, from one in
+        batches of ``batch_size`` x ``saved_processes``: as many of the epoch's examples as were
+        trained are left out (rounded down to whole batches: a few may be trained again). They are
+        the same examples where the epoch's order does not depend on the batch size, other ones
+        with ``data.group_by_length`` (the epoch is grouped anew)."""
+        examples = self.batch * batch_size * saved_processes
+        return replace(self, batch=examples // (batch_size * processes))
 
 
 def _rng_state(device: torch.device) -> dict:

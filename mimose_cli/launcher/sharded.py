@@ -15,10 +15,12 @@ replacing the one-line file ``checkpoint/current`` atomically (temporary file, f
 is never read; the next save removes it.
 
 Another number of processes: DCP reshards the weights and the optimizer's state to any number of
-ranks (``load_sharded_model`` loads them into a model sharded over any mesh), but ``--resume``
-refuses it in one line: the data order is built from global batches of ``training.batch_size`` x
-processes and each rank's RNG and planner belong to its place in them, so the run would not
-continue as it would have.
+ranks (``load_sharded_model`` loads them into a model sharded over any mesh), so ``--resume``
+continues on any number. What belonged to the old ranks' places does not carry over: the data
+position is kept as a count of the epoch's examples (``Progress.regrouped``: global batches are
+``training.batch_size`` x processes), each rank's planner starts afresh (it measured another shard
+size) and each rank's RNG is seeded from (seed, step, rank). The run then goes on as a run of the
+new size would, not as the old one would have.
 
 The final model is gathered on rank 0 (``StateDictOptions(full_state_dict=True,
 cpu_offload=True)``: one full tensor at a time on the device, the whole on the host) and written as
@@ -192,21 +194,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def restore_sharded_trainer(trainer, checkpoint: dict) -> Progress:
     """Every rank: the sharded checkpoint's weights, scheduler, scaler and this rank's planner
     state into a freshly built (sharded) trainer; returns where the run stands. The optimizer's
-    state and the RNG come back just before the first step (``restore_sharded_step_state``)."""
+    state and the RNG come back just before the first step (``restore_sharded_step_state``). On
+    another number of processes the weights reshard, the planner starts afresh and the data
+    position is regrouped (``Progress.regrouped``)."""
     world, saved = trainer.world, checkpoint.get("world_size")
-    if saved != world.size:
-        raise ValueError(f"the checkpoint was written by a run of {saved} process(es) and this run has {world.size}: "
-                         "its weights would reshard, but its data order (global batches of training.batch_size x "
-                         f"processes) and each rank's RNG and planner would not; resume it with --nproc-per-node {saved}")
     check_trainer_state(trainer, checkpoint)
     folder = Path(checkpoint["folder"])
     load_sharded_model(trainer.model, folder)
     trainer.scheduler.load_state_dict(checkpoint["scheduler"])
     if trainer.scaler is not None and checkpoint["scaler"] is not None:
         trainer.scaler.load_state_dict(checkpoint["scaler"])
-    own = _rank_state(folder, world.rank)
-    trainer.planner.load_state_dict(json.loads(own["planner"]))
     progress = Progress(**checkpoint["progress"])
+    if saved == world.size:
+        trainer.planner.load_state_dict(json.loads(_rank_state(folder, world.rank)["planner"]))
+    else:  # resharded: the planners measure afresh, the data position is kept in examples
+        progress = progress.regrouped(trainer.recipe.training.batch_size, saved, world.size)
     trainer.step = progress.step
     return progress
 
@@ -220,14 +222,20 @@ def _rank_state(folder: Path, rank: int) -> dict:
 
 
 def restore_sharded_step_state(trainer, checkpoint: dict) -> None:
-    """Put back this rank's shard of the optimizer's state and its RNG, right before the first
+    """Put back this rank's shard of the optimizer's state (resharded by DCP where the number of
+    processes changed) and its RNG (seeded from (seed, step, rank) then), right before the first
     step (as ``checkpoint.restore_step_state``). Collective."""
     folder = Path(checkpoint["folder"])
     state = {"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer)}
     _dcp_load(state, folder)
     set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"])
     trainer.meter.track(trainer.optimizer)
-    rng = _rank_state(folder, trainer.world.rank)["rng"]
+    world = trainer.world
+    if checkpoint.get("world_size") != world.size:  # resharded: no rank's RNG is this rank's
+        # (a tuple of ints hashes alike in every process)
+        torch.manual_seed(hash((trainer.recipe.seed, checkpoint["progress"]["step"], world.rank)) % 2**63)
+        return
+    rng = _rank_state(folder, world.rank)["rng"]
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng:
         torch.cuda.set_rng_state_all(rng["cuda"])

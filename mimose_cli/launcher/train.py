@@ -277,7 +277,7 @@ class Run:
     def save_checkpoint(self, segment_s: float) -> None:
         """Checkpoint the trainer where it stands (an optimizer-step boundary), ``segment_s``
         seconds into this segment of the run."""
-        progress = Progress.at_step(
+        progress = self.start.advanced(  # from the start: its batches may have been of another size
             self.trainer.step, self.recipe.training.gradient_accumulation_steps,
             self.first_loader.batches_per_epoch, wall_s=self.start.wall_s + segment_s,
             resumed_from_steps=self.resumed_from_steps)
@@ -314,6 +314,10 @@ def _setup(recipe: Recipe, out_dir, recipe_name: str, resume, view: ProgressView
     if is_sharded(trainer.model):
         checkpoint = load_sharded_checkpoint(run_dir)
         start = restore_sharded_trainer(trainer, checkpoint)
+        if checkpoint.get("world_size") != world.size:
+            view.setup(f"resuming on {world.size} processes a run of {checkpoint.get('world_size')}: weights and "
+                       "optimizer state resharded, the data position kept in examples, each rank's planner "
+                       "measuring afresh")
     else:
         checkpoint = load_checkpoint(run_dir)
         start = restore_trainer(trainer, checkpoint, world.rank, world.size)

@@ -43,6 +43,18 @@ def test_progress_counts_micro_batches_across_epochs():
     assert (at.step, at.epoch, at.batch) == (7, 2, 4)
 
 
+def test_progress_advances_from_a_start_whose_batches_were_of_another_size():
+    """From a fresh start or a resume on as many processes, the position is ``at_step``'s; from a
+    resume on another number of processes (batches of 4 x 2 examples before, 4 x 3 now: 7 batches
+    of 8 are 56 examples, 4 batches of 12 and 8 examples trained again) it counts on from there."""
+    for start in (Progress(), Progress.at_step(4, 2, 5)):
+        assert start.advanced(7, 2, 5) == Progress.at_step(7, 2, 5)
+    regrouped = Progress(step=7, epoch=1, batch=7, wall_s=3.0).regrouped(batch_size=4, saved_processes=2, processes=3)
+    assert (regrouped.step, regrouped.epoch, regrouped.batch, regrouped.wall_s) == (7, 1, 4, 3.0)
+    later = regrouped.advanced(9, micro_batches_per_step=1, batches_per_epoch=5)
+    assert (later.step, later.epoch, later.batch) == (9, 2, 1)
+
+
 def test_the_model_is_saved_for_from_pretrained(finished):
     model_dir = finished.run_dir / "model"
     assert (model_dir / "model.safetensors").exists() and finished.summary["model_dir"] == "model"

@@ -199,6 +199,18 @@ def test_a_run_of_two_processes_resumes_only_with_two(two_processes):
         in result.output
 
 
+def test_only_a_data_parallel_run_must_resume_on_as_many_processes(tmp_path):
+    """A sharded run's checkpoint reshards (tests/launcher/test_sharded.py), so it resumes on any
+    number of processes; a data-parallel one is told the number it was trained with."""
+    from mimose_cli.cli.train import _check_processes
+    from mimose_cli.launcher.recipe import RecipeError
+
+    (tmp_path / "summary.json").write_text(json.dumps({"world_size": 2}))
+    with pytest.raises(RecipeError, match="was trained by 2 process"):
+        _check_processes(tmp_path, 3, sharded=False)
+    _check_processes(tmp_path, 3, sharded=True)
+
+
 def test_a_rank_restores_its_own_planner_and_rng(quick_recipe):
     recipe = quick_recipe("training.max_steps=1")
     quiet = ProgressView("t", "-", None, mode="none")

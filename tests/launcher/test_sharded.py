@@ -3,6 +3,8 @@ under FSDP2 (``launcher/failures.py``), on 2 gloo ranks of a tiny BERT (``sharde
 under mimose's torchrun)."""
 
 import json
+import math
+import shutil
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from faults import driver
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import BertForSequenceClassification
@@ -25,7 +28,6 @@ from mimose_cli.launcher.sharded import (
     current_folder,
     load_sharded_checkpoint,
     load_sharded_model,
-    restore_sharded_trainer,
     save_sharded_checkpoint,
 )
 from mimose_cli.launcher.spawn import EXIT_FILE_ENV
@@ -97,15 +99,27 @@ def test_the_final_model_is_gathered_into_hugging_face_safetensors(reference):
     torch.testing.assert_close(logits, torch.tensor(json.loads((reference / "logits-run.json").read_text())))
 
 
-def test_a_checkpoint_of_two_ranks_reshards_to_one_but_a_resume_keeps_two(reference):
+def test_a_checkpoint_of_two_ranks_reshards_to_one_and_a_resume_goes_on_there(reference, tmp_path):
+    """The weights of two ranks load into one (the same logits), and ``--resume`` on one process
+    trains on: the optimizer's state resharded (AdamW's step counts on from STEPS, not from 0),
+    the planner afresh (it measured another shard size), the checkpoint now of one process."""
     resharded = _launch(reference, STEPS, "--reshard", processes=1)
     assert resharded.returncode == 0, resharded.stderr
     torch.testing.assert_close(torch.tensor(json.loads((reference / "logits-resharded-1.json").read_text())),
                                torch.tensor(json.loads((reference / "logits-run.json").read_text())))
-    one = SimpleNamespace(world=World(0, 1))
-    with pytest.raises(ValueError, match=r"written by a run of 2 process\(es\) and this run has 1: its weights would "
-                                         r"reshard, but its data order .* resume it with --nproc-per-node 2$"):
-        restore_sharded_trainer(one, load_sharded_checkpoint(reference))
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    resumed = _launch(run_dir, STEPS + 2, "--resume", "--tag", "one", processes=1)
+    assert resumed.returncode == 0, resumed.stderr
+    losses = _losses(run_dir, "one")
+    assert sorted(losses) == [STEPS, STEPS + 1] and all(math.isfinite(v) for v in losses.values())
+    folder = current_folder(run_dir)
+    shared = torch.load(folder / "trainer.pt", weights_only=True)
+    assert shared["world_size"] == 1 and shared["progress"]["step"] == STEPS + 2
+    assert json.loads(torch.load(folder / "rank0.pt", weights_only=True)["planner"])["steps"] == 2
+    dcp_to_torch_save(folder, tmp_path / "whole.pt")
+    optimizer = torch.load(tmp_path / "whole.pt", weights_only=False)["optimizer"]
+    assert {float(state["step"]) for state in optimizer["state"].values()} == {STEPS + 2.0}
 
 
 def test_out_of_memory_on_rank_1_ends_both_ranks_with_one_line_and_keeps_the_checkpoint(interrupted):
