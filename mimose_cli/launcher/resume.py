@@ -10,6 +10,7 @@ appears exactly once.
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 from mimose_cli.launcher.recipe import RecipeError, load_recipe, recipe_to_dict
@@ -52,7 +53,10 @@ def resume_recipe(run_dir, overrides=(), flags=None, flags_from: str | dict = "t
         raise RecipeError(f"cannot resume {run_dir}: no {CHECKPOINT}, the run stopped before its first "
                           "checkpoint (training.checkpoint_every); start it again instead")
     recipe = load_recipe(saved, overrides, flags, flags_from)
-    changed = changed_key(recipe_to_dict(load_recipe(saved)), recipe_to_dict(recipe))
+    with warnings.catch_warnings():  # the run's own recipe said its warnings when it ran; now ``recipe``'s count
+        warnings.simplefilter("ignore")
+        trained = load_recipe(saved)
+    changed = changed_key(recipe_to_dict(trained), recipe_to_dict(recipe))
     if changed is not None:
         key, before, after = changed
         raise RecipeError(f"cannot resume {run_dir}: {key} is {before!r} in that run, not {after!r}; "

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -34,6 +35,19 @@ def test_resume_keeps_the_recipe_but_may_raise_max_steps(completed):
     with pytest.raises(RecipeError, match="training.lr"):
         resume_recipe(completed.run_dir, ["training.lr=0.1"])
     assert resume_recipe(completed.run_dir, [], {"device": "cpu"}).device == "cpu"  # unchanged: fine
+
+
+def test_resume_warns_of_the_recipe_it_resumes_with_not_of_the_one_it_ran(completed, tmp_path, recwarn):
+    """A run of 3 steps with 5 of warm-up (it warned when the run began); resumed with 9 steps the
+    warning no longer holds, and is not said again; resumed as it was, it still is."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(completed.run_dir, run_dir)
+    saved = run_dir / "recipe.yaml"
+    saved.write_text(saved.read_text().replace("max_steps: 6", "max_steps: 3"))
+    resume_recipe(run_dir, ["training.max_steps=9"])
+    assert not [w for w in recwarn if "warmup_steps" in str(w.message)]
+    with pytest.warns(UserWarning, match="warmup_steps=5 is longer than the run"):
+        resume_recipe(run_dir)
 
 
 def test_resume_needs_a_run_directory_with_a_checkpoint(tmp_path, completed):
