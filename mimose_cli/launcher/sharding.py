@@ -23,6 +23,8 @@ default divide factor, the world size): with each rank's loss weighted by its sh
 batch (``distributed.local_batch``), the average is the global batch's mean, as for ``ddp``.
 """
 
+import warnings
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -78,6 +80,10 @@ def shard(model: torch.nn.Module, recipe, device: torch.device, world_size: int)
     blocks = discover_blocks(model, recipe.model.blocks)
     shard_model(model, blocks, device_mesh(device, world_size), recipe.training.precision,
                 recipe.training.reshard_after_forward)
+    # torch warns at every forward of a root whose output is a view (a multiple-choice head's
+    # reshaped logits): an in-place op on it would skip the pre-backward all-gather. The launcher's
+    # step reads the loss and writes to no output, so the warning would only alarm.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     return blocks
 
 

@@ -89,6 +89,29 @@ def test_every_rank_records_its_own_rows_plan_and_peak_within_the_budget(sharded
     assert report.exit_code == 0 and "peak memory per rank" in report.output
 
 
+def test_a_root_that_returns_a_view_is_not_warned_of(tmp_path):
+    """torch warns at each forward of an FSDP root whose output is a view (a multiple-choice
+    head's reshaped logits: the quickstart's), since an in-place op on it would skip the
+    pre-backward all-gather. The launcher's step reads the loss and writes to no output: not said."""
+    import warnings
+
+    from mimose_cli.launcher.models import build_model
+    from mimose_cli.launcher.sharding import shard
+
+    recipe = load_recipe(QUICKSTART)
+    assert recipe.task == "multiple_choice"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = build_model(recipe, model_config(recipe)).train()
+        shard(model, recipe, torch.device("cpu"), 1)
+        with warnings.catch_warnings(record=True) as caught:
+            ids = torch.randint(5, 100, (2, 4, 12))
+            model(input_ids=ids, labels=torch.tensor([0, 1])).loss.backward()
+    finally:
+        dist.destroy_process_group()
+    assert not [w for w in caught if "returned a view tensor" in str(w.message)]
+
+
 def _dry_run_report(world: World, budget: str) -> str:
     """What ``mimose train --dry-run --nproc-per-node 2 training.parallel=fsdp`` prints at
     ``budget`` (rank 0's console; the other rank's is empty)."""
