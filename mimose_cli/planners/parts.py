@@ -116,8 +116,8 @@ class PlannerParts:
 
     @functools.cached_property
     def collective_jitter_bytes(self) -> int:
-        """By how much a step's peak may vary from run to run with when the collectives' worker
-        lets go of their buffers: one FSDP unit's gathered parameters under FSDP
+        """By how much a step's peak may vary from run to run with the moment the collectives'
+        worker thread lets go of their buffers: one FSDP unit's gathered parameters under FSDP
         (``sharding.largest_gathered_bytes``), else 0."""
         return largest_gathered_bytes(self.model) if self.lockstep is not None else 0
 
