@@ -198,6 +198,11 @@ def restore_sharded_trainer(trainer, checkpoint: dict) -> Progress:
     another number of processes the weights reshard, the planner starts afresh and the data
     position is regrouped (``Progress.regrouped``)."""
     world, saved = trainer.world, checkpoint.get("world_size")
+    if saved != world.size and trainer.recipe.training.max_steps is None:
+        raise ValueError(f"the checkpoint was written by a run of {saved} process(es) that trains by epochs "
+                         f"(training.max_steps unset); on {world.size} its steps hold other numbers of examples, so "
+                         f"its step count and learning-rate schedule would not follow: resume it with --nproc-per-node "
+                         f"{saved}, or set training.max_steps (the steps to reach)")
     check_trainer_state(trainer, checkpoint)
     folder = Path(checkpoint["folder"])
     load_sharded_model(trainer.model, folder)

@@ -28,6 +28,7 @@ from mimose_cli.launcher.sharded import (
     current_folder,
     load_sharded_checkpoint,
     load_sharded_model,
+    restore_sharded_trainer,
     save_sharded_checkpoint,
 )
 from mimose_cli.launcher.spawn import EXIT_FILE_ENV
@@ -120,6 +121,11 @@ def test_a_checkpoint_of_two_ranks_reshards_to_one_and_a_resume_goes_on_there(re
     dcp_to_torch_save(folder, tmp_path / "whole.pt")
     optimizer = torch.load(tmp_path / "whole.pt", weights_only=False)["optimizer"]
     assert {float(state["step"]) for state in optimizer["state"].values()} == {STEPS + 2.0}
+    # A run that trains by epochs would count other steps on another number: refused in one line.
+    by_epochs = SimpleNamespace(world=World(0, 1), recipe=load_recipe(QUICKSTART, ["training.max_steps=null"]))
+    with pytest.raises(ValueError, match=r"run of 2 process\(es\) that trains by epochs .* resume it with "
+                                         r"--nproc-per-node 2, or set training.max_steps"):
+        restore_sharded_trainer(by_epochs, load_sharded_checkpoint(reference))
 
 
 def test_out_of_memory_on_rank_1_ends_both_ranks_with_one_line_and_keeps_the_checkpoint(interrupted):
