@@ -73,7 +73,8 @@ def train(
             warnings.warn(f"override {text!r} has no effect: this run's planner is {resolved.planner.name}, "
                           f"which reads planner.{resolved.planner.name.replace('-', '_')} only", stacklevel=1)
     if resume is not None and not under_torchrun():
-        _check_processes(resume, nproc_per_node or 1, resolved.training.parallel == "fsdp")
+        _check_processes(resume, nproc_per_node or 1, resolved.training.parallel == "fsdp",
+                         resolved.training.max_steps is None)
     sharded = resolved.training.parallel == "fsdp"
     if nproc_per_node is not None:  # the recipe is checked above, before any process starts
         if (dry_run and not sharded) or under_torchrun():
@@ -118,12 +119,13 @@ def train(
     raise typer.Exit(result.exit_code)
 
 
-def _check_processes(run_dir: Path, processes: int, sharded: bool) -> None:
+def _check_processes(run_dir: Path, processes: int, sharded: bool, by_epochs: bool = False) -> None:
     """A data-parallel run resumes with the number of processes it was trained with (the global
     batch and each rank's state depend on it): said before anything is built, when its
     summary.json says it. A sharded one (``training.parallel: fsdp``) resumes on any number its
-    recipe takes (its checkpoint reshards: ``launcher/sharded.py``)."""
-    if sharded:
+    recipe takes (its checkpoint reshards: ``launcher/sharded.py``), unless it trains by epochs
+    (``by_epochs``: its steps would hold other numbers of examples)."""
+    if sharded and not by_epochs:
         return
     import json
 
@@ -137,5 +139,6 @@ def _check_processes(run_dir: Path, processes: int, sharded: bool) -> None:
         return  # a summary that is not what a run writes: the checkpoint's own count decides
     if trained != processes:
         how = f"--nproc-per-node {trained}" if trained > 1 else "without --nproc-per-node"
+        epochs = ", or set training.max_steps (it trains by epochs)" if sharded else ""
         raise RecipeError(f"{run_dir} was trained by {trained} process(es), not {processes}; resume it with "
-                          f"mimose train --resume {run_dir} {how}")
+                          f"mimose train --resume {run_dir} {how}{epochs}")

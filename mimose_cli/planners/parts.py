@@ -112,7 +112,9 @@ class PlannerParts:
             return 0
         if getattr(self.meter, "kind", "") == "cuda":
             return int(CUDA_SAFETY_FRACTION * self.budget_bytes)
-        return self.collective_jitter_bytes
+        # (at most half the budget: a budget that small cannot hold a sharded step anyway, and the
+        # pre-flight says so in its own words)
+        return min(self.collective_jitter_bytes, self.budget_bytes // 2)
 
     @functools.cached_property
     def collective_jitter_bytes(self) -> int:

@@ -209,6 +209,8 @@ def test_only_a_data_parallel_run_must_resume_on_as_many_processes(tmp_path):
     with pytest.raises(RecipeError, match="was trained by 2 process"):
         _check_processes(tmp_path, 3, sharded=False)
     _check_processes(tmp_path, 3, sharded=True)
+    with pytest.raises(RecipeError, match="not 3; .* --nproc-per-node 2, or set training.max_steps"):
+        _check_processes(tmp_path, 3, sharded=True, by_epochs=True)
 
 
 def test_a_rank_restores_its_own_planner_and_rng(quick_recipe):

@@ -249,6 +249,11 @@ def test_under_fsdp_a_shortfall_within_a_collectives_buffer_is_not_added(shelter
         planner.parts.collective_jitter_bytes = hidden // 4
         _, peak, info = run_step(planner, meter, bert_batch(3, 31))
         assert planner.stats["unseen_bytes"] == peak - info.predicted_peak_bytes > hidden // 4
+        # Only as far as the safety margin keeps room for it: with none, every shortfall is carried.
+        planner.parts.collective_jitter_bytes, planner.parts._safety_margin = hidden, 0
+        before = planner.stats["unseen_bytes"]
+        _, peak, info = run_step(planner, meter, bert_batch(3, 26))
+        assert planner.stats["unseen_bytes"] == before + peak - info.predicted_peak_bytes > before
 
 
 def test_a_step_that_peaks_above_its_prediction_has_its_size_measured_again(sheltered, monkeypatch):

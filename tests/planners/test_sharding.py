@@ -330,6 +330,14 @@ def test_a_buffer_that_outlived_one_probes_step_dies_at_its_end_in_both():
     assert structure_difference(*settled([inside, later])) == "tensors lived at other ops at the other input size"
 
 
+def test_probes_of_different_lengths_are_left_for_the_structure_check_to_refuse():
+    short = _raw([100, 150, 100, 100], died=[4, 2], comm=[False, False])
+    long = _raw([100, 150, 150, 150, 150], died=[5, 5], comm=[False, False])
+    settled_ = settled([short, long])
+    assert settled_[0] is short and settled_[1] is long
+    assert structure_difference(*settled_).startswith("the op sequence changed")
+
+
 def test_a_storage_another_thread_frees_is_taken_for_a_collectives_buffer():
     """What frees it there is the process group's worker thread letting go of a collective's
     tensors; a storage the step itself frees is not."""

@@ -538,11 +538,12 @@ class Estimator:
             return [q for q in quantities if not q.startswith(KEPT_SETS)]
 
         widened_to = FEATURE_SETS.get(tuple(state["features"]))
-        if widened_to is not None and widened(self.feature_set) is widened_to:  # the probes read it so
-            self.feature_set = widened_to
+        feature_set = widened_to if widened_to is not None and widened(self.feature_set) is widened_to else (
+            self.feature_set)  # the probes of the run that saved it read a B x B tensor
         if (unselective(state["block_quantities"]) != unselective(BLOCK_QUANTITIES)
-                or list(state["features"]) != list(self.feature_set.names)):
+                or list(state["features"]) != list(feature_set.names)):
             raise ValueError("the saved estimator was written by an incompatible mimose version")
+        self.feature_set = feature_set
         self.sizes = [tuple(s) for s in state["sizes"]]
         self.samples = []
         known = set(BLOCK_QUANTITIES) | set(STEP_QUANTITIES)

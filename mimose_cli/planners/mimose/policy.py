@@ -251,13 +251,13 @@ class MimosePolicy(Policy):
                                                                               timed.times)
         if result.side_multiple is not None:
             self.estimator.side_multiple = result.side_multiple
+        if result.feature_set is not None:  # read over more features (a B x B tensor): so is the fit
+            self.estimator.feature_set = result.feature_set
         if result.fallback:
             self.counts.estimate_fallback = result.fallback
             self._warn(f"mimose: learning from measured steps (a sheltered phase of {self.sheltered_steps}): "
                        f"the probe steps cannot be scaled to other input sizes: {result.fallback}")
             return
-        if result.feature_set is not None:  # read over more features (a B x B tensor): so is the fit
-            self.estimator.feature_set = result.feature_set
         for size, sample in result.samples:
             self.estimator.add(size, *sample)
         self.counts.probe_samples = len(result.samples)
@@ -480,8 +480,10 @@ class MimosePolicy(Policy):
         if info.predicted_peak_bytes is None or peak_bytes is None:
             return
         under = peak_bytes - info.predicted_peak_bytes
-        if under <= self.parts.collective_jitter_bytes:  # the margin is in the prediction; under FSDP a
-            return  # buffer let go of a few ops later than in the probes, which the safety margin keeps room for
+        # The margin is in the prediction; under FSDP a buffer let go of a few ops later than in the
+        # probes moves the peak, as far as the safety margin keeps room for it.
+        if under <= min(self.parts.collective_jitter_bytes, self.parts.safety_margin_bytes):
+            return
         self.counts.underpredictions += 1
         self.counts.max_underprediction_bytes = max(self.counts.max_underprediction_bytes, under)
         self._unseen(under)

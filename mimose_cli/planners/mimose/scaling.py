@@ -372,8 +372,8 @@ def settled(raws: list) -> list:
     group's worker thread until it lets go, a few ops after the step's last reference or not, from
     run to run; its bytes do not depend on the input size, and the latest death bounds the step's
     live bytes from above."""
-    if any(r.comm is None or len(r.nbytes) != len(raws[0].nbytes) for r in raws):
-        return raws
+    if any(r.comm is None or len(r.nbytes) != len(raws[0].nbytes) or r.points != raws[0].points for r in raws):
+        return raws  # not alike (``structure_difference`` says how)
     # A storage that outlived the step's ops in one of them and not in another was let go of by
     # something that ran on its own time (the root's reduce-scatter buffer, held by its work):
     # as a collective's buffer, it dies at the latest.
