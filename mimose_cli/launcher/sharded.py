@@ -191,6 +191,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def resharded(checkpoint: dict, world) -> bool:
+    """Whether ``checkpoint`` was written by another number of processes than ``world``'s."""
+    return checkpoint.get("world_size") != world.size
+
+
 def restore_sharded_trainer(trainer, checkpoint: dict) -> Progress:
     """Every rank: the sharded checkpoint's weights, scheduler, scaler and this rank's planner
     state into a freshly built (sharded) trainer; returns where the run stands. The optimizer's
@@ -198,7 +203,7 @@ def restore_sharded_trainer(trainer, checkpoint: dict) -> Progress:
     another number of processes the weights reshard, the planner starts afresh and the data
     position is regrouped (``Progress.regrouped``)."""
     world, saved = trainer.world, checkpoint.get("world_size")
-    if saved != world.size and trainer.recipe.training.max_steps is None:
+    if resharded(checkpoint, world) and trainer.recipe.training.max_steps is None:
         raise ValueError(f"the checkpoint was written by a run of {saved} process(es) that trains by epochs "
                          f"(training.max_steps unset); on {world.size} its steps hold other numbers of examples, so "
                          f"its step count and learning-rate schedule would not follow: resume it with --nproc-per-node "
@@ -210,10 +215,10 @@ def restore_sharded_trainer(trainer, checkpoint: dict) -> Progress:
     if trainer.scaler is not None and checkpoint["scaler"] is not None:
         trainer.scaler.load_state_dict(checkpoint["scaler"])
     progress = Progress(**checkpoint["progress"])
-    if saved == world.size:
-        trainer.planner.load_state_dict(json.loads(_rank_state(folder, world.rank)["planner"]))
-    else:  # resharded: the planners measure afresh, the data position is kept in examples
+    if resharded(checkpoint, world):  # the planners measure afresh, the data position is kept in examples
         progress = progress.regrouped(trainer.recipe.training.batch_size, saved, world.size)
+    else:
+        trainer.planner.load_state_dict(json.loads(_rank_state(folder, world.rank)["planner"]))
     trainer.step = progress.step
     return progress
 
@@ -236,7 +241,7 @@ def restore_sharded_step_state(trainer, checkpoint: dict) -> None:
     set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"])
     trainer.meter.track(trainer.optimizer)
     world = trainer.world
-    if checkpoint.get("world_size") != world.size:  # resharded: no rank's RNG is this rank's
+    if resharded(checkpoint, world):  # no rank's RNG is this rank's
         # (a tuple of ints hashes alike in every process)
         torch.manual_seed(hash((trainer.recipe.seed, checkpoint["progress"]["step"], world.rank)) % 2**63)
         return

@@ -58,6 +58,7 @@ from mimose_cli.launcher.recipe import Recipe, recipe_yaml
 from mimose_cli.launcher.resume import cut_records
 from mimose_cli.launcher.sharded import (
     load_sharded_checkpoint,
+    resharded,
     restore_sharded_step_state,
     restore_sharded_trainer,
     save_sharded_checkpoint,
@@ -314,7 +315,7 @@ def _setup(recipe: Recipe, out_dir, recipe_name: str, resume, view: ProgressView
     if is_sharded(trainer.model):
         checkpoint = load_sharded_checkpoint(run_dir)
         start = restore_sharded_trainer(trainer, checkpoint)
-        if checkpoint.get("world_size") != world.size:
+        if resharded(checkpoint, world):
             view.setup(f"resuming on {world.size} processes a run of {checkpoint.get('world_size')}: weights and "
                        "optimizer state resharded, the data position kept in examples, each rank's planner "
                        "measuring afresh")

@@ -40,14 +40,12 @@ def sharded_units(model) -> list:
 def largest_gathered_bytes(model) -> int:
     """The bytes of the largest FSDP unit's parameters, unsharded (what one all-gather or
     reduce-scatter of it holds; in their stored dtype, at least a mixed-precision gather's)."""
-    units = sharded_units(model)
-    owned = {}
-    for unit in reversed(units):  # innermost first: a unit owns what no unit inside it does
-        taken = set().union(*owned.values()) if owned else set()
-        owned[id(unit)] = {id(p) for p in unit.parameters()} - taken
-    params = {id(p): p for p in model.parameters()}
-    return max((sum(params[i].numel() * params[i].element_size() for i in ids) for ids in owned.values()),
-               default=0)
+    taken, largest = set(), 0
+    for unit in reversed(sharded_units(model)):  # innermost first: a unit owns what no unit inside it does
+        owned = [p for p in unit.parameters() if id(p) not in taken]
+        taken.update(map(id, owned))
+        largest = max(largest, sum(p.numel() * p.element_size() for p in owned))
+    return largest
 
 
 def check_sharding(model, blocks: list, policy_name: str) -> bool:

@@ -62,7 +62,8 @@ def test_mimose_trains_a_two_tower_model_inside_its_budget():
                   image_size=32, patch_size=8)
     config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
     torch.manual_seed(0)
-    batches = [{**_two_tower_batch(rows, length), "return_loss": True} for rows, length in ((4, 20), (4, 9), (4, 33), (6, 24))]
+    batches = [{**_two_tower_batch(rows, length), "return_loss": True}
+               for rows, length in ((4, 20), (4, 9), (4, 33), (6, 24))]
     plain_model, planned_model = transformers.CLIPModel(config), transformers.CLIPModel(config)
     planned_model.load_state_dict(plain_model.state_dict())
     plain = [float(plain_model(**batch).loss) for batch in batches]
@@ -85,7 +86,8 @@ def test_mimose_trains_a_two_tower_model_inside_its_budget():
         # The B x B similarities of the contrastive loss are read with the batch's square as a
         # feature: the probes are scaled (no sheltered phase), and a saved planner keeps that.
         assert planner.stats["estimate_source"] == "probes", planner.stats["estimate_fallback"]
-        assert planner.stats["untrusted_steps"] == 0, planner.stats["untrusted_reasons"]  # 6 rows too: the probes' samples span three batch sizes
+        # 6 rows too: the probes' samples span three batch sizes
+        assert planner.stats["untrusted_steps"] == 0, planner.stats["untrusted_reasons"]
         assert planner.policy.estimator.feature_set.names[-1] == "B2"
         state, predicted = planner.state_dict(), planner.policy.estimator.predict((6, 20)).step
     assert losses == pytest.approx(plain, rel=1e-5)

@@ -235,7 +235,7 @@ def test_a_small_shortfall_is_added_to_every_prediction_not_measured(sheltered, 
 
 
 def test_under_fsdp_a_shortfall_within_a_collectives_buffer_is_not_added(sheltered, monkeypatch):
-    """Under FSDP a step's peak moves by up to one unit's gathered parameters with when the
+    """Under FSDP a step's peak moves by up to one unit's gathered parameters with the moment the
     collectives' worker lets go of a buffer (``PlannerParts.collective_jitter_bytes``, which the
     safety margin keeps free on the simulated device): a shortfall within it says nothing about
     bytes the probes missed and is not carried into every prediction; a larger one is, whole."""
