@@ -355,10 +355,10 @@ class Recipe:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto, cpu or cuda."""
     meter: Literal["auto", "simulated", "allocator"] = "auto"
-    """How the CPU's simulated device counts: simulated (a dispatch mode, op by op; compiled code
-    runs eagerly under it), allocator (a counting C++ allocator built at first use: every
-    allocation, compiled code included; simulated where no compiler is found) or auto (simulated;
-    allocator with training.compile: true).
+    """How the CPU's simulated device counts: allocator (a counting C++ allocator built at first
+    use: every allocation, compiled code and kernels' scratch included; simulated where it cannot be
+    built, said in one line), simulated (a dispatch mode, op by op; compiled code runs eagerly
+    under it) or auto (allocator).
     On CUDA the caching allocator's own figures are used whatever this says."""
     seed: StrictInt = Field(0, ge=-(2**63), le=2**64 - 1)
     """Seed for model init, data generation and data order."""

@@ -32,7 +32,7 @@ from mimose_cli.memory.saved import SavedBytesCounter, param_bytes, storage_byte
 from mimose_cli.memory.simulated import SimulatedMeter
 
 METER_KINDS = ("auto", "simulated", "allocator", "cuda")
-CPU_DEFAULT = "simulated"
+CPU_DEFAULT = "allocator"
 """What "auto" means on the CPU: the dispatch-mode meter ("simulated") or the counting allocator."""
 
 

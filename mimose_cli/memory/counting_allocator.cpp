@@ -158,6 +158,10 @@ struct CountingAllocator final : c10::Allocator {
       if (c != nullptr) {
         c->live.fetch_sub(static_cast<int64_t>(n), std::memory_order_relaxed);
       }
+      // The base allocator's error names the size it was asked for, n + our header: ask it for n
+      // alone, so that the error the user sees names their own size, as without this allocator.
+      void* plain = base->raw_allocate(n);
+      base->raw_deallocate(plain);  // n alone fitted (n + 64 did not): the first error stands
       throw;
     }
     void* data = static_cast<char*>(raw) + kHeader;

@@ -35,20 +35,28 @@ def test_images_come_in_sides_that_vary_padded_to_each_batchs_largest(tmp_path):
     assert make_batch(recipe, config, (2, 64, 96))["pixel_values"].shape == (2, 3, 64, 96)
 
 
-def test_a_resnet_is_planned_from_the_first_step_and_trains_as_without_a_plan(tmp_path):
+@pytest.mark.parametrize("meter", ["simulated", "allocator"])
+def test_a_resnet_is_planned_from_the_first_step_and_trains_as_without_a_plan(tmp_path, meter):
     """Every batch planned from the probes (sides 64 and 96 px); the run never over its budget,
     no retry; its losses equal those of the same steps unplanned. Bit for bit: a checkpointed
     block's recompute runs the same ops on the same inputs with the RNG put back (BatchNorm's
     batch statistics are recomputed, its running statistics restored), as torch guarantees for
-    non-reentrant checkpointing."""
-    none = run_training(_recipe(tmp_path, "planner.name=none", "budget=1GB"), view="none")
+    non-reentrant checkpointing. On the dispatch meter every prediction holds; the allocator meter
+    also counts the scratch oneDNN's convolution backward allocates inside the op, which the
+    probes' per-op timeline does not see: a step may then peak above its prediction, by at most
+    2 % of the budget here, inside the budget, and the shortfall is carried into later predictions."""
+    none = run_training(_recipe(tmp_path, "planner.name=none", "budget=1GB", f"meter={meter}"), view="none")
     budget = int(0.85 * max(r.fwd_bwd_peak_bytes for r in none.records))  # the largest must checkpoint
-    mimose = run_training(_recipe(tmp_path, "planner.name=mimose", f"budget={budget}"), view="none")
+    mimose = run_training(_recipe(tmp_path, "planner.name=mimose", f"budget={budget}", f"meter={meter}"), view="none")
     stats = mimose.summary["planner"]
     assert mimose.summary["status"] == "completed" and mimose.summary["retries"] == 0
     assert stats["estimate_source"] == "probes" and not stats["probe_sides_refused"]
-    assert stats["untrusted_steps"] == 0 and stats["underpredictions"] == 0
+    assert stats["untrusted_steps"] == 0
     records = mimose.records
+    if meter == "simulated":
+        assert stats["underpredictions"] == 0
+    else:
+        assert all(r.fwd_bwd_peak_bytes - r.predicted_peak_bytes <= 0.02 * budget for r in records)
     assert len({tuple(r.input_size) for r in records}) >= 3  # sides that vary
     assert any(checkpointed(r.plan) for r in records) and any(not checkpointed(r.plan) for r in records)  # only the large checkpoint
     assert max(r.fwd_bwd_peak_bytes for r in records) <= budget

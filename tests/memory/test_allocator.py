@@ -231,13 +231,19 @@ def unbuilt(monkeypatch):
     monkeypatch.setattr(allocator, "_warned", False)
 
 
-def test_falls_back_to_the_dispatch_meter_in_one_line(unbuilt, monkeypatch):
+def test_the_cpus_default_meter_is_the_allocator(native):
+    assert build_meter("auto", budget_bytes=10**6, device=torch.device("cpu")).kind == "allocator"
+    assert build_meter(budget_bytes=10**6).budget_bytes == 10**6
+
+
+@pytest.mark.parametrize("kind", ["allocator", "auto"])
+def test_falls_back_to_the_dispatch_meter_in_one_line(unbuilt, monkeypatch, kind):
     def failed_build(*args, **kwargs):
         raise RuntimeError("Error building extension 'mimose_counting_allocator'\nmore lines")
 
     monkeypatch.setattr(cpp_extension, "load", failed_build)
     with pytest.warns(UserWarning) as caught:
-        meter = build_meter("allocator", budget_bytes=10**6)
+        meter = build_meter(kind, budget_bytes=10**6)
     assert meter.kind == "simulated" and meter.budget_bytes == 10**6
     (line,) = [str(w.message) for w in caught]
     assert "\n" not in line
@@ -245,7 +251,7 @@ def test_falls_back_to_the_dispatch_meter_in_one_line(unbuilt, monkeypatch):
     assert line.endswith("using the dispatch-mode meter, under which compiled code runs eagerly")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert build_meter("allocator").kind == "simulated"  # said once per process
+        assert build_meter(kind).kind == "simulated"  # said once per process
 
 
 def test_without_ninja_it_says_what_is_missing(unbuilt, monkeypatch):

@@ -206,13 +206,12 @@ def test_a_selective_plan_for_compiled_blocks_is_refused_in_one_line():
     assert "\n" not in str(error.value)
 
 
-def test_a_planner_that_builds_its_meter_builds_the_allocator_one_for_compiled_blocks():
+def test_a_planner_that_builds_its_meter_builds_the_allocator_one_compiled_or_not():
     from mimose_cli.planners.mimose.policy import Mimose
 
-    with Mimose(Tiny(), "1GB", blocks="layers.*", compile=True) as planner:
-        assert planner.meter.kind == "allocator"
-    with Mimose(Tiny(), "1GB", blocks="layers.*") as planner:
-        assert planner.meter.kind == "simulated"
+    for compile in (True, False):
+        with Mimose(Tiny(), "1GB", blocks="layers.*", compile=compile) as planner:
+            assert planner.meter.kind == "allocator"
 
 
 def test_compile_under_the_dispatch_meter_is_said_to_run_eagerly():

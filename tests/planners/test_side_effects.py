@@ -49,17 +49,23 @@ def train(planner, model, optimizer, meter=None):
     return seen
 
 
-def test_an_open_planner_changes_nothing_between_its_steps():
+@pytest.mark.parametrize("cpu_meter", ["allocator", "simulated"])
+def test_an_open_planner_changes_nothing_between_its_steps(cpu_meter, monkeypatch):
+    monkeypatch.setattr(mimose_cli.memory, "CPU_DEFAULT", cpu_meter)  # the meter the planner builds
     expected_errors = user_errors()
     resize = torch.UntypedStorage.resize_
     model = tiny_bert()
     planner = mimose_cli.Mimose(model, budget=BUDGET, sheltered_steps=2)  # left open
     try:
         with planner.step(bert_batch(2, 16)):
-            inside = dispatch_modes()
+            before = planner.meter.current_bytes()
+            made = torch.empty(1000, dtype=torch.uint8)
+            inside = planner.meter.current_bytes() - before
+            del made
             model(**bert_batch(2, 16)).loss.backward()
+        assert planner.meter.kind == cpu_meter
         train(planner, model, torch.optim.SGD(model.parameters(), lr=0.1))
-        assert inside and dispatch_modes() == []  # speed: no mode sees the ops out here
+        assert inside == 1000 and dispatch_modes() == []  # speed: no mode sees the ops out here
         assert torch.UntypedStorage.resize_ is resize
         counted = planner.meter.current_bytes()
         big = torch.empty(10 * BUDGET, dtype=torch.uint8)  # far over the budget: allowed out here
@@ -125,7 +131,7 @@ def test_a_tracked_optimizer_counts_as_on_a_meter_kept_on(optimizer_tracked):
 
     model = tiny_bert()
     optimizer = torch.optim.AdamW(model.parameters())
-    meter = build_meter("simulated", BUDGET)
+    meter = build_meter("auto", BUDGET)  # the kind the planner builds for itself
     with meter.activate():
         meter.track(model)
         with mimose_cli.Mimose(model, budget=BUDGET, sheltered_steps=2, meter=meter) as planner:

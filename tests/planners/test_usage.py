@@ -61,9 +61,12 @@ def test_track_refuses_what_it_cannot_count():
 
 
 def test_a_compiled_model_on_the_simulated_device_is_said_to_run_eagerly():
+    from mimose_cli.memory import build_meter
+
     model = tiny_bert()
     with pytest.warns(UserWarning, match="torch.compile'd, but on the simulated device it runs eagerly"):
-        planner = mimose_cli.Mimose(torch.compile(model), "1GB", estimate="sheltered", sheltered_steps=1)
+        planner = mimose_cli.Mimose(torch.compile(model), "1GB", estimate="sheltered", sheltered_steps=1,
+                                    meter=build_meter("simulated", 10**9))
     batch = bert_batch(2, 16)
     with planner:
         planner.run(lambda b: _backward(planner.model, b), batch)  # and it trains
@@ -71,6 +74,21 @@ def test_a_compiled_model_on_the_simulated_device_is_said_to_run_eagerly():
         warnings.simplefilter("error")  # an uncompiled model is not warned about
         mimose_cli.Mimose(model, "1GB").close()
 
+
+def test_a_whole_compiled_model_on_the_default_meter_is_refused_in_one_line():
+    """The CPU's default meter (the counting allocator) runs compiled code compiled, so a whole
+    compiled model would compile the planner's routing: refused, with the fix."""
+    from mimose_cli.memory.allocator import AllocatorUnavailable, load_allocator
+
+    try:
+        load_allocator()
+    except AllocatorUnavailable as error:
+        pytest.skip(f"the allocator meter cannot be built here: {error}")
+    with pytest.raises(ValueError) as error:
+        mimose_cli.Mimose(torch.compile(tiny_bert()), "1GB")
+    assert "\n" not in str(error.value)
+    assert str(error.value).endswith("pass the uncompiled model and compile=True (each block is compiled, "
+                                     "the checkpoint stays outside)")
 
 
 def test_blocks_compiled_in_place_on_the_simulated_device_are_named_in_the_warning():
