@@ -55,17 +55,15 @@ def own_loop(r, config, batches: list, run: str, budget) -> tuple:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = lambda batch: model(**batch).loss.backward()  # noqa: E731 - the README's step function
     times, stats, recompute_ms = [], {}, 0.0
-    planner, meter = None, None
-    if run == "plain, allocator meter":
-        meter = build_meter("allocator", None)
-    elif run == "mimose, dispatch meter":
+    planner = None
+    meter = build_meter("allocator", None) if run in ("plain, allocator meter", "mimose, nothing checkpointed") else None
+    if run == "mimose, dispatch meter":
         default, memory.CPU_DEFAULT = memory.CPU_DEFAULT, "simulated"  # the kind the planner builds
         try:
             planner = Mimose(model, budget)
         finally:
             memory.CPU_DEFAULT = default
     elif run == "mimose, nothing checkpointed":
-        meter = build_meter("allocator", None)
         planner = Mimose(model, 10**15, meter=meter)  # the meter's owner is this loop, as for plain's
     elif run == "mimose":
         planner = Mimose(model, budget)

@@ -92,3 +92,16 @@ def fitted_mimose(state, budget="1GB", model=None, **options):
             yield planner, meter
         finally:
             planner.close()
+
+
+def require_allocator():
+    """The allocator meter's extension, built or loaded; the calling test is skipped, with the
+    reason, where it cannot be built here."""
+    import pytest
+
+    from mimose_cli.memory.allocator import AllocatorUnavailable, load_allocator
+
+    try:
+        return load_allocator()
+    except AllocatorUnavailable as error:
+        pytest.skip(f"the allocator meter cannot be built here: {error}")

@@ -10,11 +10,10 @@ from mimose_cli.launcher import step
 from mimose_cli.launcher.recipe import load_recipe
 from mimose_cli.launcher.train import run_training
 from mimose_cli.memory import build_meter
-from mimose_cli.memory.allocator import AllocatorUnavailable, load_allocator
 from mimose_cli.planners.blocks import checkpointed
 from mimose_cli.runs.rundir import load_run
 
-from helpers import QUICK_OVERRIDES, QUICKSTART
+from helpers import QUICK_OVERRIDES, QUICKSTART, require_allocator
 
 ROOMY = "1GB"
 # A few seconds' run: 8 steps of 2 questions x 2 choices, up to 64 tokens. At TIGHT the longest
@@ -255,10 +254,7 @@ def test_the_recipes_meter_counts_the_run_and_mimose_plans_within_it(tmp_path, m
     """``meter: allocator`` counts the run at the allocator; the same plans and peaks as the
     dispatch meter's but for kernels' scratch, which Mimose's prediction margin absorbs."""
     if meter == "allocator":
-        try:
-            load_allocator()
-        except AllocatorUnavailable as error:
-            pytest.skip(f"the allocator meter cannot be built here: {error}")
+        require_allocator()
     built = []
     monkeypatch.setattr(step, "build_meter", lambda *args: built.append(build_meter(*args)) or built[-1])
     lines, summary, _ = _train_tight(tmp_path, "mimose", f"meter={meter}")

@@ -19,6 +19,7 @@ from mimose_cli.memory.allocator import AllocatorMeter, AllocatorUnavailable, lo
 from mimose_cli.units import format_bytes
 
 from memory.test_simulated import B, D, bert_step_against_memtracker, expected_stack, make_stack, stack_forward
+from helpers import require_allocator
 
 F32 = 4
 
@@ -26,10 +27,7 @@ F32 = 4
 @pytest.fixture(scope="session")
 def native():
     """The extension, built once per test session (about 10 s on a fresh machine)."""
-    try:
-        return load_allocator()
-    except AllocatorUnavailable as error:
-        pytest.skip(f"the allocator meter cannot be built here: {error}")
+    return require_allocator()
 
 
 @pytest.fixture

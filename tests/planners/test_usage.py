@@ -9,7 +9,7 @@ import torch
 
 import mimose_cli
 
-from helpers import bert_batch, tiny_bert
+from helpers import bert_batch, require_allocator, tiny_bert
 
 
 def _backward(model, batch):
@@ -78,12 +78,7 @@ def test_a_compiled_model_on_the_simulated_device_is_said_to_run_eagerly():
 def test_a_whole_compiled_model_on_the_default_meter_is_refused_in_one_line():
     """The CPU's default meter (the counting allocator) runs compiled code compiled, so a whole
     compiled model would compile the planner's routing: refused, with the fix."""
-    from mimose_cli.memory.allocator import AllocatorUnavailable, load_allocator
-
-    try:
-        load_allocator()
-    except AllocatorUnavailable as error:
-        pytest.skip(f"the allocator meter cannot be built here: {error}")
+    require_allocator()
     with pytest.raises(ValueError) as error:
         mimose_cli.Mimose(torch.compile(tiny_bert()), "1GB")
     assert "\n" not in str(error.value)
